@@ -1,0 +1,3 @@
+from rollout_engine.attention.base import AttentionBackend, create_backend
+
+__all__ = ["AttentionBackend", "create_backend"]

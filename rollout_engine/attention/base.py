@@ -1,0 +1,47 @@
+"""Attention backends behind one small interface, picked by name through a
+registry with lazy imports (a backend's dependencies load only when used).
+
+Contract: `init_forward_metadata` is called once per step, before the model
+runs (plan once for all layers); `forward` stores the step's new K/V into
+the pool at `fb.out_cache_loc`, then attends each sequence's new queries
+causally over its whole context `fb.kv_indices[kv_indptr[i]:kv_indptr[i+1]]`.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from rollout_engine.layers.attention import PagedAttention
+    from rollout_engine.runner.forward_batch import ForwardBatch
+
+BACKENDS: dict[str, str] = {
+    "torch": "rollout_engine.attention.torch_backend:TorchAttentionBackend",
+}
+
+
+class AttentionBackend(ABC):
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        pass
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "PagedAttention",
+                fb: "ForwardBatch") -> torch.Tensor:
+        """q: [T, heads, d]; k, v: [T, kv_heads, d]. Returns [T, heads, d]."""
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    return "torch"
+
+
+def create_backend(name: str, device: torch.device, **kwargs) -> AttentionBackend:
+    name = resolve_backend_name(name, device)
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend {name!r} is not available here; available: {sorted(BACKENDS)}")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(**kwargs)

@@ -1,0 +1,61 @@
+"""Engine configuration: one frozen dataclass built from the constructor's
+arguments, validated once, passed explicitly to every part."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    load_format: str = "auto"
+    tokenizer: str | None = None
+    max_total_tokens: int | None = None
+    mem_fraction: float = 0.85
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192
+    page_size: int = 1
+    enable_prefix_cache: bool = True
+    attention_backend: str = "auto"
+    cuda_graph: bool = True
+    cuda_graph_max_batch_size: int = 256
+    enable_memory_saver: bool = False
+    weights_cpu_backup: bool = False
+    tp_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> None:
+            raise ValueError(f"{field} {why}, got {getattr(self, field)!r}")
+
+        if not isinstance(self.model, str) or not self.model:
+            bad("model", "must be a folder path or a preset name")
+        if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
+            bad("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {DTYPES}")
+        if self.load_format not in LOAD_FORMATS:
+            bad("load_format", f"must be one of {LOAD_FORMATS}")
+        if self.max_total_tokens is not None and (
+            not isinstance(self.max_total_tokens, int) or self.max_total_tokens < 1
+        ):
+            bad("max_total_tokens", "must be None or a positive integer")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            bad("mem_fraction", "must be in (0, 1]")
+        for field in ("max_running_requests", "max_prefill_tokens", "page_size",
+                      "cuda_graph_max_batch_size", "tp_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                bad(field, "must be a positive integer")
+        if self.page_size & (self.page_size - 1):
+            bad("page_size", "must be a power of two")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            bad("seed", "must be a non-negative integer")

@@ -1,0 +1,3 @@
+from rollout_engine.distributed.comm import TPComm
+
+__all__ = ["TPComm"]

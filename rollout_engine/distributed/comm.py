@@ -1,0 +1,39 @@
+"""Tensor-parallel collectives. The only place that imports torch.distributed;
+layers call these methods and never see a process group. At tp_size=1 every
+collective is the identity."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TPComm:
+    tp_rank: int = 0
+    tp_size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup when tp_size > 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, tp_size), got {self.tp_rank} of {self.tp_size}")
+        if self.tp_size > 1 and self.group is None:
+            raise ValueError("tp_size > 1 needs a process group")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return x
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return x
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)

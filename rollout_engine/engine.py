@@ -1,0 +1,200 @@
+"""RolloutEngine: the public, in-process entry point (see API.md)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+from typing import Iterator, Sequence
+
+import torch
+
+from rollout_engine.attention.base import create_backend
+from rollout_engine.cache.allocator import PageAllocator
+from rollout_engine.cache.kv_pool import KVPool
+from rollout_engine.cache.prefix_cache import NoPrefixCache
+from rollout_engine.cache.req_table import ReqToTokenTable
+from rollout_engine.config import EngineConfig
+from rollout_engine.distributed.comm import TPComm
+from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens
+from rollout_engine.model_zoo import ZOO, ensure_model
+from rollout_engine.outputs import RolloutOutput
+from rollout_engine.request import Request
+from rollout_engine.runner.model_loader import load_model, resolve_device, resolve_dtype
+from rollout_engine.runner.model_runner import ModelRunner
+from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.scheduler.kv_manager import KVManager
+from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from rollout_engine.scheduler.stop import StopChecker
+from rollout_engine.tokenizer import chat_token_ids, load_tokenizer
+from rollout_engine.validation import Limits, check_request, resolve_params, resolve_prompts, resolve_request_ids
+
+
+def resolve_model_path(model: str, load_format: str) -> str:
+    if os.path.isdir(model) or load_format == "dummy":
+        return model
+    if model in ZOO:
+        return ensure_model(model)
+    raise ValueError(f"model {model!r} is not a folder, a known model ({sorted(ZOO)}), "
+                     "or a preset with load_format='dummy'")
+
+
+class RolloutEngine:
+    def __init__(self, model: str, **kwargs):
+        self.config = cfg = EngineConfig(model=model, **kwargs)
+        if cfg.tp_size != 1:
+            raise ValueError("tp_size > 1 is not supported yet")
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        path = resolve_model_path(model, cfg.load_format)
+        free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        comm = TPComm()
+        self.model = load_model(path, cfg.load_format, comm, self.device, self.dtype, cfg.seed)
+        self.model_config = mc = self.model.config
+        self.tokenizer = load_tokenizer(path, cfg.tokenizer)
+        attn = self.model.model.layers[0].self_attn.attn
+        per_token = kv_bytes_per_token(mc, attn.num_kv_heads, self.dtype)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        capacity = kv_capacity_tokens(cfg, mc, per_token, self.device, free_before, weight_bytes,
+                                      self.dtype.itemsize)
+        num_pages = -(-capacity // cfg.page_size)
+        allocator = PageAllocator(num_pages, cfg.page_size)
+        self.kv_pool = KVPool(mc.num_layers, allocator.num_slots, attn.num_kv_heads, mc.head_dim,
+                              self.dtype, self.device)
+        self.limits = Limits(mc.vocab_size, mc.max_position, num_pages * cfg.page_size)
+        table = ReqToTokenTable(cfg.max_running_requests, min(mc.max_position, self.limits.kv_capacity) + 1)
+        self.prefix_cache = NoPrefixCache(allocator)
+        kv = KVManager(allocator, table, self.prefix_cache)
+        backend = create_backend(cfg.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, self.kv_pool, backend, table.table, self.device)
+        eos = mc.eos_token_ids or _tokenizer_eos(self.tokenizer)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens), kv, self.runner,
+            StopChecker(eos, mc.max_position, self.tokenizer), weight_version=lambda: self._weight_version)
+        self._weight_version = 0
+        self._lock = threading.Lock()
+        self._rng = random.Random(cfg.seed)
+        self._next_id = 0
+
+    # ---- generation ------------------------------------------------------------
+    def generate(self, prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 request_ids: Sequence[str] | None = None, progress: bool = False) -> list[RolloutOutput]:
+        """Blocking; one output per (prompt, sample), samples of a prompt adjacent."""
+        reqs = self._make_requests(prompts, input_ids, sampling_params, request_ids)
+        for _ in self._drive(reqs, progress):
+            pass
+        return [self._output(r) for r in reqs]
+
+    async def generate_async(self, *args, **kwargs) -> list[RolloutOutput]:
+        """Awaitable `generate`; concurrent calls are batched together."""
+        return await asyncio.to_thread(self.generate, *args, **kwargs)
+
+    def stream(self, prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               request_ids: Sequence[str] | None = None) -> Iterator[RolloutOutput]:
+        """Yields deltas: each carries the tokens (and logprobs) produced since
+        the previous delta of that request; `finish_reason` is None until the
+        request's last delta."""
+        reqs = self._make_requests(prompts, input_ids, sampling_params, request_ids)
+        sent = {id(r): 0 for r in reqs}
+        closed: set[int] = set()
+        for _ in self._drive(reqs, progress=False):
+            for r in reqs:
+                if id(r) in closed or not (len(r.output_ids) > sent[id(r)] or r.finished):
+                    continue
+                yield self._output(r, since=sent[id(r)])
+                sent[id(r)] = len(r.output_ids)
+                if r.finished:
+                    closed.add(id(r))
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> None:
+        """Stop the named (or all) requests; they finish with "abort" and keep
+        what they produced."""
+        self.scheduler.abort(None if request_ids is None else list(request_ids))
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat conversation, ready for `generate(input_ids=...)`."""
+        return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
+
+    # ---- RL controls -----------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def flush_cache(self) -> None:
+        with self._lock:
+            self.prefix_cache.flush()
+
+    def check_integrity(self) -> None:
+        """Assert that every KV page is free, held by one running request, or
+        in the prefix cache."""
+        with self._lock:
+            self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        self.abort()
+        with self._lock:
+            while self.scheduler.has_work():
+                self.scheduler.step()
+
+    # ---- internals -------------------------------------------------------------
+    def _make_requests(self, prompts, input_ids, sampling_params, request_ids) -> list[Request]:
+        token_lists = resolve_prompts(prompts, input_ids, self.tokenizer, self.limits)
+        params = resolve_params(sampling_params, len(token_lists))
+        for i, (ids, p) in enumerate(zip(token_lists, params)):
+            check_request(i, ids, p, self.limits, self.tokenizer is not None)
+        with self._lock:
+            taken = {r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)}
+            names = resolve_request_ids(request_ids, len(token_lists), taken)
+            reqs = []
+            for i, (ids, p) in enumerate(zip(token_lists, params)):
+                base = names[i] if names else f"req-{self._next_id}"
+                self._next_id += 1
+                first_seed = p.seed if p.seed is not None else self._rng.getrandbits(62)
+                for j in range(p.n):
+                    reqs.append(Request(request_id=base if p.n == 1 else f"{base}-{j}", prompt_ids=list(ids),
+                                        params=p, seed=first_seed + j,
+                                        prompt_logprobs=[None] if p.prompt_logprobs else None))
+            for r in reqs:
+                self.scheduler.add(r)
+        return reqs
+
+    def _drive(self, reqs: list[Request], progress: bool) -> Iterator[None]:
+        """Step the scheduler until every request in `reqs` finished; other
+        callers' requests ride along in the same batches."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(reqs), disable=not progress, desc="rollout", unit="req")
+        done = 0
+        try:
+            while done < len(reqs):
+                with self._lock:
+                    if not all(r.finished for r in reqs):
+                        self.scheduler.step()
+                now = sum(r.finished for r in reqs)
+                bar.update(now - done)
+                done = now
+                yield
+        finally:
+            bar.close()
+
+    def _output(self, r: Request, since: int = 0) -> RolloutOutput:
+        p = r.params
+        text = None
+        if self.tokenizer is not None:
+            text = r.text if r.text is not None and since == 0 else self.tokenizer.decode(
+                r.output_ids[since:], skip_special_tokens=True)
+        return RolloutOutput(
+            request_id=r.request_id, prompt_token_ids=list(r.prompt_ids), output_token_ids=r.output_ids[since:],
+            output_logprobs=r.output_logprobs[since:] if p.logprobs else None,
+            top_logprobs=r.top_logprobs[since:] if p.top_logprobs else None,
+            prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
+            finish_reason=r.finish_reason, text=text, num_cached_tokens=r.num_cached_tokens,
+            weight_version=r.weight_version)
+
+
+def _tokenizer_eos(tokenizer) -> tuple[int, ...]:
+    if tokenizer is None or tokenizer.eos_token_id is None:
+        return ()
+    return (tokenizer.eos_token_id,)

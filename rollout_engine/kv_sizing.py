@@ -1,0 +1,37 @@
+"""How many tokens the KV cache gets."""
+from __future__ import annotations
+
+import torch
+
+from rollout_engine.cache.kv_pool import KVPool
+from rollout_engine.config import EngineConfig
+from rollout_engine.models.config import ModelConfig
+
+CPU_KV_BYTES = 1 << 30  # default KV budget on the CPU
+
+
+def kv_bytes_per_token(mc: ModelConfig, num_kv_heads: int, dtype: torch.dtype) -> int:
+    return KVPool.bytes_per_token(mc.num_layers, num_kv_heads, mc.head_dim, dtype)
+
+
+def activation_reserve(cfg: EngineConfig, mc: ModelConfig, dtype_bytes: int) -> int:
+    """Room kept free for one step's activations, logits and sampling."""
+    per_token = 4 * mc.hidden_size + 2 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size
+    acts = cfg.max_prefill_tokens * per_token * dtype_bytes * 2
+    sampling = cfg.max_running_requests * mc.vocab_size * 4 * 8
+    return (1 << 30) + acts + sampling
+
+
+def kv_capacity_tokens(cfg: EngineConfig, mc: ModelConfig, per_token: int, device: torch.device,
+                       free_before_load: int, weight_bytes: int, dtype_bytes: int) -> int:
+    if cfg.max_total_tokens is not None:
+        return cfg.max_total_tokens
+    if device.type != "cuda":
+        return max(1024, min(2 * mc.max_position, CPU_KV_BYTES // per_token))
+    budget = int(free_before_load * cfg.mem_fraction) - weight_bytes - activation_reserve(cfg, mc, dtype_bytes)
+    tokens = budget // per_token
+    if tokens < 1024:
+        raise ValueError(
+            f"mem_fraction={cfg.mem_fraction} leaves room for only {max(tokens, 0)} KV tokens; "
+            "raise mem_fraction or set max_total_tokens")
+    return int(tokens)

@@ -1,0 +1,27 @@
+"""The attention layer: holds its layer id and head counts, and hands q/k/v to
+the step's attention backend, which owns the KV pool access."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from rollout_engine.runner.forward_batch import ForwardBatch
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
+        """q: [T, heads, d], k/v: [T, kv_heads, d] for the step's new tokens.
+        Returns [T, heads * d]."""
+        out = fb.attn_backend.forward(q, k, v, self, fb)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

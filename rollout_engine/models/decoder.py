@@ -1,0 +1,112 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k
+RMSNorm) built from TP-aware layers. No distributed code here: layers take a
+TPComm and do their own collectives."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout_engine.distributed.comm import TPComm
+from rollout_engine.layers.attention import PagedAttention
+from rollout_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from rollout_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from rollout_engine.layers.norm import RMSNorm
+from rollout_engine.layers.rotary import RotaryEmbedding
+from rollout_engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from rollout_engine.runner.forward_batch import ForwardBatch
+
+# HF checkpoint sub-name -> (our fused parameter sub-name, shard id).
+STACKED_PARAMS: tuple[tuple[str, str, object], ...] = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, comm: TPComm):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, cfg.qkv_bias, comm)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, comm)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        p = self.qkv_proj
+        self.attn = PagedAttention(layer_id, p.num_heads, p.num_kv_heads, cfg.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
+        p = self.qkv_proj
+        q, k, v = p(x).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
+        q = q.view(-1, p.num_heads, p.head_dim)
+        k = k.view(-1, p.num_kv_heads, p.head_dim)
+        v = v.view(-1, p.num_kv_heads, p.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, fb))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: TPComm):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, False, comm)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, comm: TPComm):
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, layer_id, rotary, comm)
+        self.mlp = DecoderMLP(cfg, comm)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), fb)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: TPComm):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, comm) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, fb)
+        return self.norm(x)
+
+
+class DecoderForCausalLM(nn.Module):
+    stacked_params = STACKED_PARAMS
+
+    def __init__(self, cfg: ModelConfig, comm: TPComm):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, comm)
+        self.lm_head = ParallelLMHead(self.model.embed_tokens, cfg.tie_word_embeddings, comm)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
+        """Hidden states [T, hidden] of every new token; logits are computed
+        by `compute_logits` only for the rows that need them."""
+        return self.model(input_ids, positions, fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,18 @@
+"""What `RolloutEngine.generate` returns (public API)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RolloutOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    output_logprobs: list[float] | None  # one per output token
+    top_logprobs: list[list[tuple[int, float]]] | None
+    prompt_logprobs: list[float | None] | None  # first entry None (no context)
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str | None  # decoded output, when a tokenizer is loaded
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    weight_version: int  # version of the weights that produced the tokens

@@ -1,0 +1,62 @@
+"""A request's whole state: the single source of truth the scheduler, the KV
+manager and the output builder read and update."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rollout_engine.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # this sample's RNG stream; the token at position p draws from (seed, p)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    finish_reason: str | None = None
+    text: str | None = None  # kept up to date only when stop strings need it
+    # KV state. Invariant: the KV of all_ids[:kv_len] is stored at
+    # table[row, :kv_len]; the first `locked_len` of those slots belong to
+    # the prefix cache (under `cache_node`'s lock), the rest to this request.
+    row: int | None = None
+    kv_len: int = 0
+    locked_len: int = 0
+    cache_node: Any = None
+    num_cached_tokens: int = 0
+    weight_version: int = 0
+    num_retractions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last sampled token still lacks KV."""
+        return self.kv_len < self.seq_len - 1
+
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+
+def empty_slots() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)

@@ -1,0 +1,87 @@
+"""Build a model on its device and fill its weights: from a Hugging Face
+folder, or random ("dummy") weights of a preset's or folder's shapes."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from rollout_engine.distributed.comm import TPComm
+from rollout_engine.models.config import ModelConfig
+from rollout_engine.models.decoder import DecoderForCausalLM
+from rollout_engine.models.presets import PRESETS, preset_config
+from rollout_engine.weights.loader import WeightLoader
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+def read_hf_config(model: str) -> tuple[Any, tuple[int, ...]]:
+    """The HF config of a folder (or a preset) and the EOS ids its generation
+    config declares."""
+    if not os.path.isdir(model):
+        return preset_config(model), ()
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model)
+    eos: tuple[int, ...] = ()
+    gen_path = os.path.join(model, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            value = json.load(f).get("eos_token_id")
+        eos = (value,) if isinstance(value, int) else tuple(value or ())
+    return hf, eos
+
+
+def build_model(cfg: ModelConfig, comm: TPComm, device: torch.device, dtype: torch.dtype) -> DecoderForCausalLM:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = DecoderForCausalLM(cfg, comm)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights of the right shapes; norms stay at one."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+
+
+def load_model(model: str, load_format: str, comm: TPComm, device: torch.device, dtype: torch.dtype,
+               seed: int) -> DecoderForCausalLM:
+    hf, eos = read_hf_config(model)
+    cfg = ModelConfig.from_hf(hf, eos)
+    net = build_model(cfg, comm, device, dtype)
+    if load_format == "dummy":
+        init_dummy_weights(net, seed)
+        return net
+    if not os.path.isdir(model):
+        raise ValueError(f"model {model!r} is not a folder; presets ({sorted(PRESETS)}) need load_format='dummy'")
+    touched = WeightLoader(net).load_folder(model)
+    missing = sorted(set(dict(net.named_parameters())) - touched)
+    if missing:
+        raise ValueError(f"checkpoint {model} lacks weights for {missing[:5]}")
+    return net

@@ -1,0 +1,110 @@
+"""Batch -> forward -> logits -> sampled tokens and logprobs.
+
+Logits are computed only for the rows that need them: the last new token of
+each sequence that samples, plus every prompt position of a request that
+asked for prompt logprobs. All results come back to the host in one copy,
+the step's single device sync.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rollout_engine.attention.base import AttentionBackend
+from rollout_engine.cache.kv_pool import KVPool
+from rollout_engine.models.decoder import DecoderForCausalLM
+from rollout_engine.runner.forward_batch import ForwardBatch
+from rollout_engine.runner.sampler import SamplingBatch, sample
+from rollout_engine.scheduler.batch import Batch
+from rollout_engine.scheduler.scheduler import SeqResult
+
+
+class LogitRows:
+    """Which hidden rows need logits, and what each one is for."""
+
+    def __init__(self, batch: Batch):
+        rows: list[int] = []
+        self.sample_pos: list[int] = []  # index into rows, per sampling sequence
+        self.sample_seq: list[int] = []
+        self.prompt: list[tuple[int, int, int]] = []  # (seq index, first row, number of rows)
+        targets: list[int] = []
+        offset = 0
+        for i, s in enumerate(batch.seqs):
+            num_prompt = s.prompt_logprob_end - s.start
+            if num_prompt > 0:
+                self.prompt.append((i, len(rows), num_prompt))
+                rows.extend(range(offset, offset + num_prompt))
+                targets.extend(s.req.all_ids[s.start + 1: s.prompt_logprob_end + 1])
+            if s.samples:
+                self.sample_seq.append(i)
+                self.sample_pos.append(len(rows))
+                rows.append(offset + s.extend_len - 1)
+            offset += s.extend_len
+        self.rows = rows
+        self.targets = targets
+        self.all_rows = rows == list(range(offset))
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderForCausalLM, kv_pool: KVPool, backend: AttentionBackend,
+                 table: np.ndarray, device: torch.device):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.backend = backend
+        self.table = table
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> list[SeqResult]:
+        fb = ForwardBatch.from_batch(batch, self.table, self.kv_pool, self.backend, self.device)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        sel = LogitRows(batch)
+        if not sel.rows:
+            return [SeqResult() for _ in batch.seqs]
+        if not sel.all_rows:
+            hidden = hidden[torch.tensor(sel.rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
+        return self._results(batch, sel, logits)
+
+    def _results(self, batch: Batch, sel: LogitRows, logits: torch.Tensor) -> list[SeqResult]:
+        pieces: list[torch.Tensor] = []
+        sampled = None
+        if sel.sample_seq:
+            reqs = [batch.seqs[i].req for i in sel.sample_seq]
+            sb = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
+                                     [r.seq_len for r in reqs], self.device)
+            sampled = sample(logits[torch.tensor(sel.sample_pos, device=self.device)], sb)
+            pieces += [sampled.tokens.double(), sampled.logprobs.double()]
+            if sampled.top_ids is not None:
+                pieces += [sampled.top_ids.double().flatten(), sampled.top_logprobs.double().flatten()]
+        if sel.prompt:
+            prompt_rows = torch.cat([torch.arange(r0, r0 + n) for _, r0, n in sel.prompt]).to(self.device)
+            lps = torch.log_softmax(logits[prompt_rows], dim=-1)
+            targets = torch.tensor(sel.targets, device=self.device)
+            pieces.append(lps.gather(-1, targets[:, None]).squeeze(1).double())
+        host = torch.cat(pieces).cpu().numpy()  # the one sync of the step
+        return self._unpack(batch, sel, sampled, host)
+
+    @staticmethod
+    def _unpack(batch: Batch, sel: LogitRows, sampled, host: np.ndarray) -> list[SeqResult]:
+        results = [SeqResult() for _ in batch.seqs]
+        n = len(sel.sample_seq)
+        at = 0
+        if n:
+            tokens, lps = host[:n].astype(np.int64), host[n: 2 * n]
+            at = 2 * n
+            k = sampled.top_ids.shape[1] if sampled.top_ids is not None else 0
+            if k:
+                top_ids = host[at: at + n * k].reshape(n, k).astype(np.int64)
+                top_lps = host[at + n * k: at + 2 * n * k].reshape(n, k)
+                at += 2 * n * k
+            for j, i in enumerate(sel.sample_seq):
+                res = results[i]
+                res.token, res.logprob = int(tokens[j]), float(lps[j])
+                want = batch.seqs[i].req.params.top_logprobs
+                if want:
+                    res.top_logprobs = [(int(t), float(v)) for t, v in zip(top_ids[j, :want], top_lps[j, :want])]
+        for i, _, num in sel.prompt:
+            results[i].prompt_logprobs = host[at: at + num].tolist()
+            at += num
+        return results

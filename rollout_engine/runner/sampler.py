@@ -1,0 +1,125 @@
+"""Batched sampling on the device: temperature, top-k, top-p, min-p, greedy,
+with per-request seeds and logprobs.
+
+Randomness: each row draws one uniform number from a hash of (seed, position
+of the token being sampled) and inverts the CDF of its processed
+distribution. The draw depends on nothing else in the batch, so a seeded
+request reproduces whatever it is batched with, and a request resumed after
+preemption samples the same tokens. Everything is tensor ops on the device
+(no host RNG), so it can run inside a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout_engine.sampling_params import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+_HASH_MUL = 0x45D9F3B  # < 2**31, so products of 32-bit values fit in int64
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    x = (((x >> 16) ^ x) * _HASH_MUL) & _MASK32
+    x = (((x >> 16) ^ x) * _HASH_MUL) & _MASK32
+    return (x >> 16) ^ x
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One float64 in (0, 1) per row, a pure function of (seed, position)."""
+    h = _hash32(_hash32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32))
+    h = _hash32(h ^ (positions & _MASK32))
+    h = _hash32(h ^ 0x2545F491)
+    return (h.double() + 0.5) / 4294967296.0
+
+
+@dataclass
+class SamplingBatch:
+    temperatures: torch.Tensor  # [B] float32; 0 = greedy
+    top_ks: torch.Tensor  # [B] int64; 0 = off
+    top_ps: torch.Tensor  # [B] float32
+    min_ps: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64: position of the token being sampled
+    raw_logprobs: torch.Tensor  # [B] bool: logprob_mode == "raw"
+    use_sort_filters: bool
+    use_min_p: bool
+    all_greedy: bool
+    max_top_logprobs: int
+
+    @staticmethod
+    def build(params: list[SamplingParams], seeds: list[int], positions: list[int],
+              device: torch.device) -> "SamplingBatch":
+        f32 = dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        return SamplingBatch(
+            temperatures=torch.tensor([p.temperature for p in params], **f32),
+            top_ks=torch.tensor([p.effective_top_k for p in params], **i64),
+            top_ps=torch.tensor([p.top_p for p in params], **f32),
+            min_ps=torch.tensor([p.min_p for p in params], **f32),
+            seeds=torch.tensor(seeds, **i64),
+            positions=torch.tensor(positions, **i64),
+            raw_logprobs=torch.tensor([p.logprob_mode == "raw" for p in params], dtype=torch.bool, device=device),
+            use_sort_filters=any(p.effective_top_k > 0 or p.top_p < 1.0 for p in params),
+            use_min_p=any(p.min_p > 0 for p in params),
+            all_greedy=all(p.greedy for p in params),
+            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
+        )
+
+
+@dataclass
+class SampleResult:
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32, in each row's logprob mode
+    top_ids: torch.Tensor | None  # [B, k]
+    top_logprobs: torch.Tensor | None  # [B, k]
+
+
+def processed_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The distribution each row samples from: softmax at its temperature (1
+    for greedy rows), then top-k, top-p (over the top-k mass) and min-p,
+    renormalised. Filtered tokens have probability exactly 0."""
+    temps = torch.where(sb.temperatures > 0, sb.temperatures, torch.ones_like(sb.temperatures))
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    keep = None
+    if sb.use_sort_filters:
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+        keep_sorted = (rank < sb.top_ks[:, None]) | (sb.top_ks[:, None] == 0)
+        kept_p = sorted_p * keep_sorted
+        cum = kept_p.cumsum(dim=-1)
+        mass_before = (cum - kept_p) / cum[:, -1:]
+        keep_sorted &= mass_before < sb.top_ps[:, None]
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    if sb.use_min_p:
+        above = probs >= sb.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+        keep = above if keep is None else keep & above
+    if keep is not None:
+        probs = probs * keep
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
+    """logits: [B, V] float32."""
+    raw = torch.log_softmax(logits, dim=-1)
+    greedy_tokens = logits.argmax(dim=-1)
+    probs = processed_probs(logits, sb)
+    if sb.all_greedy:
+        tokens = greedy_tokens
+    else:
+        cdf = probs.double().cumsum(dim=-1)
+        target = seeded_uniform(sb.seeds, sb.positions) * cdf[:, -1]
+        drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+        drawn = drawn.clamp_(max=logits.shape[-1] - 1)
+        # Rounding at the very top of the CDF must not pick a filtered token.
+        drawn = torch.where(probs.gather(-1, drawn[:, None]).squeeze(1) > 0, drawn, probs.argmax(dim=-1))
+        tokens = torch.where(sb.temperatures > 0, drawn, greedy_tokens)
+    processed = torch.log(probs)
+    lp_table = torch.where(sb.raw_logprobs[:, None], raw, processed)
+    logprobs = lp_table.gather(-1, tokens[:, None]).squeeze(1)
+    top_ids = top_lps = None
+    if sb.max_top_logprobs:
+        top_lps, top_ids = lp_table.topk(min(sb.max_top_logprobs, logits.shape[-1]), dim=-1)
+    return SampleResult(tokens, logprobs, top_ids, top_lps)

@@ -1,0 +1,87 @@
+"""Per-request sampling parameters (public API)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOGPROB_MODES = ("processed", "raw")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one prompt is sampled. Validated on construction: a bad value raises
+    `ValueError` naming the field.
+
+    `logprob_mode="processed"` reports logprobs of the distribution actually
+    sampled from (after temperature, top-k, top-p and min-p, renormalised); at
+    temperature 0 (greedy) that distribution is taken at temperature 1 with the
+    same filters. `"raw"` reports the model's unmodified log-softmax.
+    Prompt logprobs are always raw.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = 1
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    stop: list[str] | None = None
+    ignore_eos: bool = False
+    logprobs: bool = True
+    top_logprobs: int = 0
+    logprob_mode: str = "processed"
+    prompt_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> None:
+            raise ValueError(f"sampling_params.{field} {why}, got {getattr(self, field)!r}")
+
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            bad("max_new_tokens", "must be an integer >= 1")
+        if not _is_num(self.temperature) or not self.temperature >= 0.0:
+            bad("temperature", "must be a number >= 0")
+        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "must be an integer >= -1 (-1 or 0 disable it)")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            bad("seed", "must be None or an integer >= 0")
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, (list, tuple))
+            or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
+        ):
+            bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.stop is not None and (
+            not isinstance(self.stop, (list, tuple))
+            or not all(isinstance(s, str) and s for s in self.stop)
+        ):
+            bad("stop", "must be a list of non-empty strings")
+        if not _is_int(self.top_logprobs) or self.top_logprobs < 0:
+            bad("top_logprobs", "must be an integer >= 0")
+        if self.logprob_mode not in LOGPROB_MODES:
+            bad("logprob_mode", f"must be one of {LOGPROB_MODES}")
+        for flag in ("ignore_eos", "logprobs", "prompt_logprobs"):
+            if not isinstance(getattr(self, flag), bool):
+                bad(flag, "must be a bool")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def effective_top_k(self) -> int:
+        """0 means no top-k filter."""
+        return max(self.top_k, 0)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -1,0 +1,63 @@
+"""What one step computes, as CPU data: the runner turns it into tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rollout_engine.request import Request
+
+
+@dataclass
+class ScheduledSeq:
+    """Extend `req` by all_ids[start:start+extend_len]; its KV goes to `slots`."""
+
+    req: Request
+    start: int
+    extend_len: int
+    slots: np.ndarray
+
+    @property
+    def end(self) -> int:
+        return self.start + self.extend_len
+
+    @property
+    def samples(self) -> bool:
+        """The extend reaches the last known token, so the step samples the next one."""
+        return self.end == self.req.seq_len
+
+    @property
+    def prompt_logprob_end(self) -> int:
+        """Prompt-logprob targets are positions [start, prompt_logprob_end):
+        logits at p score token p+1."""
+        if not self.req.wants_prompt_logprobs():
+            return self.start
+        return max(self.start, min(self.end, len(self.req.prompt_ids) - 1))
+
+
+@dataclass
+class Batch:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    weight_version: int = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(s.extend_len == 1 for s in self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.extend_len for s in self.seqs)
+
+    def input_ids(self) -> np.ndarray:
+        return np.fromiter(
+            (t for s in self.seqs for t in s.req.all_ids[s.start: s.end]), dtype=np.int64, count=self.num_tokens
+        )
+
+    def positions(self) -> np.ndarray:
+        return np.concatenate([np.arange(s.start, s.end, dtype=np.int64) for s in self.seqs])
+
+    def out_cache_loc(self) -> np.ndarray:
+        return np.concatenate([s.slots for s in self.seqs]).astype(np.int64)

@@ -1,0 +1,205 @@
+"""The step loop: admit waiting requests, build a batch, run it, apply the
+results. Pure Python over CPU data; the runner is the only thing that touches
+the device.
+
+Every step extends each running request: decoding ones by their last sampled
+token, prefilling ones by a chunk of their prompt (bounded by
+`max_prefill_tokens`), and admits waiting requests into what is left of that
+budget. Prefill and decode are the same operation ("compute KV for
+all_ids[kv_len:...]"), so chunked prefill and resuming a retracted request
+need no special path.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from rollout_engine.request import Request
+from rollout_engine.scheduler.batch import Batch, ScheduledSeq
+from rollout_engine.scheduler.kv_manager import KVManager
+from rollout_engine.scheduler.stop import StopChecker
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    max_prefill_tokens: int
+    # Admission keeps room for this share of the running requests' remaining
+    # new tokens; it rises to 1 after a retraction and decays back.
+    init_new_token_ratio: float = 0.5
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.002
+
+
+@dataclass
+class SeqResult:
+    token: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list[float] | None = None
+
+
+class StepRunner(Protocol):
+    def run(self, batch: Batch) -> list[SeqResult]: ...
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager, runner: StepRunner, stop: StopChecker,
+                 weight_version: Callable[[], int] = lambda: 0):
+        self.cfg = cfg
+        self.kv = kv
+        self.runner = runner
+        self.stop = stop
+        self.weight_version = weight_version
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.new_token_ratio = cfg.init_new_token_ratio
+        self.num_retractions = 0
+        self._abort_ids: set[str] = set()
+        self._abort_all = False
+
+    # ---- requests in and out -------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_ids: list[str] | None = None) -> None:
+        """Thread-safe: takes effect at the start of the next step."""
+        if request_ids is None:
+            self._abort_all = True
+        else:
+            self._abort_ids.update(request_ids)
+
+    def _apply_aborts(self) -> list[Request]:
+        if not (self._abort_all or self._abort_ids):
+            return []
+        ids, everything = set(self._abort_ids), self._abort_all
+        self._abort_ids.clear()
+        self._abort_all = False
+        hit = lambda r: everything or r.request_id in ids  # noqa: E731
+        done = [r for r in self.running if hit(r)] + [r for r in self.waiting if hit(r)]
+        self.running = [r for r in self.running if not hit(r)]
+        self.waiting = deque(r for r in self.waiting if not hit(r))
+        for r in done:
+            self._finish(r, "abort")
+        return done
+
+    # ---- one step ------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one batch; returns the requests that finished in it."""
+        finished = self._apply_aborts()
+        batch = self._schedule()
+        if not batch.seqs:
+            return finished
+        results = self.runner.run(batch)
+        for seq, result in zip(batch.seqs, results):
+            if self._apply(seq, result, batch.weight_version):
+                finished.append(seq.req)
+        self.running = [r for r in self.running if not r.finished]
+        return finished
+
+    def _schedule(self) -> Batch:
+        batch = Batch(weight_version=self.weight_version())
+        self._schedule_decodes(batch)
+        budget = self.cfg.max_prefill_tokens
+        for req in [r for r in self.running if r.is_prefilling]:  # chunked prefills go on
+            budget -= self._schedule_chunk(batch, req, budget)
+            if budget <= 0:
+                return batch
+        self._admit(batch, budget)
+        if batch.is_decode:
+            self.new_token_ratio = max(self.cfg.min_new_token_ratio,
+                                       self.new_token_ratio - self.cfg.new_token_ratio_decay)
+        return batch
+
+    def _schedule_decodes(self, batch: Batch) -> None:
+        for req in [r for r in self.running if not r.is_prefilling]:
+            if req.row is None:  # retracted earlier in this loop
+                continue
+            slots = self.kv.alloc_extend(req, 1)
+            while slots is None:
+                # Out of KV: retract the newest request. Requests before `req`
+                # in admission order are never victims, so nothing already in
+                # this batch is taken back.
+                victim = self.running[-1]
+                if victim is req and len(self.running) == 1:
+                    raise RuntimeError("a single request does not fit in the KV cache")
+                self._retract(victim)
+                if victim is req:
+                    break
+                slots = self.kv.alloc_extend(req, 1)
+            if req.row is not None:
+                batch.seqs.append(ScheduledSeq(req, req.kv_len, 1, slots))
+                req.kv_len += 1
+
+    def _schedule_chunk(self, batch: Batch, req: Request, budget: int) -> int:
+        """Schedule up to `budget` tokens of `req`'s pending prefill."""
+        num = min(req.seq_len - req.kv_len, budget)
+        slots = self.kv.alloc_extend(req, num) if num > 0 else None
+        if slots is None:
+            return 0
+        batch.seqs.append(ScheduledSeq(req, req.kv_len, num, slots))
+        req.kv_len += num
+        return num
+
+    def _reserved_tokens(self) -> int:
+        return int(sum(r.remaining_new_tokens for r in self.running) * self.new_token_ratio)
+
+    def _admit(self, batch: Batch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
+            req = self.waiting[0]
+            self.kv.admit(req)
+            need = min(req.seq_len - req.kv_len, budget)
+            if need > self.kv.available_tokens - self._reserved_tokens() and self.running:
+                self.kv.release(req)  # wait for memory; nothing was computed
+                return
+            self.waiting.popleft()
+            self.running.append(req)
+            taken = self._schedule_chunk(batch, req, budget)
+            if taken == 0:  # not even the chunk fits: wait
+                self.running.pop()
+                self.kv.release(req)
+                self.waiting.appendleft(req)
+                return
+            budget -= taken
+
+    def _retract(self, req: Request) -> None:
+        """Take a running request back to the front of the queue. Its computed
+        KV goes to the prefix cache; its output so far is kept, and resuming
+        recomputes the rest, so nothing is lost or sampled twice (the RNG is
+        keyed by position)."""
+        self.running.remove(req)
+        self.kv.release(req)
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+        self.new_token_ratio = 1.0
+
+    # ---- results ---------------------------------------------------------------
+    def _apply(self, seq: ScheduledSeq, result: SeqResult, weight_version: int) -> bool:
+        req = seq.req
+        if result.prompt_logprobs:
+            req.prompt_logprobs.extend(result.prompt_logprobs)
+        if not seq.samples:
+            return False
+        req.output_ids.append(result.token)
+        if req.params.logprobs:
+            req.output_logprobs.append(result.logprob)
+        if req.params.top_logprobs:
+            req.top_logprobs.append(result.top_logprobs)
+        req.weight_version = weight_version
+        reason = self.stop.check(req)
+        if reason is None:
+            return False
+        self._finish(req, reason)
+        return True
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        self.kv.release(req)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.running)

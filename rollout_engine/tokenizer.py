@@ -1,0 +1,30 @@
+"""Tokenizer loading and the chat-template helper."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer_files(folder: str) -> bool:
+    return os.path.isdir(folder) and any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES)
+
+
+def load_tokenizer(model: str, tokenizer: str | None) -> Any:
+    """The tokenizer at `tokenizer`, else the model folder's, else None."""
+    path = tokenizer if tokenizer is not None else model
+    if tokenizer is not None and not has_tokenizer_files(tokenizer):
+        raise ValueError(f"tokenizer {tokenizer!r} is not a folder with tokenizer files")
+    if not has_tokenizer_files(path):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("a chat template needs a tokenizer; pass tokenizer=... to the engine")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,99 @@
+"""Checks on `generate` arguments, all done before any work starts. Every
+error is a ValueError naming the request and the field."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rollout_engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_context: int  # the model's context length
+    kv_capacity: int  # tokens the KV cache holds: one request must fit alone
+
+
+def _fail(index: int, field: str, why: str) -> None:
+    raise ValueError(f"request {index}: {field} {why}")
+
+
+def resolve_prompts(prompts: Sequence[str] | None, input_ids: Sequence[Sequence[int]] | None,
+                    tokenizer: Any, limits: Limits) -> list[list[int]]:
+    if (prompts is None) == (input_ids is None):
+        raise ValueError("pass exactly one of prompts and input_ids")
+    if prompts is not None:
+        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a list of strings")
+        if tokenizer is None:
+            raise ValueError("prompts (text) need a tokenizer; pass input_ids or tokenizer=...")
+        out = []
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                _fail(i, "prompts", f"must be a string, got {type(p).__name__}")
+            if not p:
+                _fail(i, "prompts", "is empty")
+            out.append(tokenizer.encode(p))
+        return out
+    if not isinstance(input_ids, (list, tuple)):
+        raise ValueError("input_ids must be a list of lists of token ids")
+    out = []
+    for i, ids in enumerate(input_ids):
+        if not isinstance(ids, (list, tuple)):
+            _fail(i, "input_ids", "must be a list of token ids")
+        if len(ids) == 0:
+            _fail(i, "input_ids", "is empty")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limits.vocab_size:
+                _fail(i, "input_ids", f"contains {t!r}, outside the vocabulary [0, {limits.vocab_size})")
+        out.append(list(ids))
+    return out
+
+
+def resolve_params(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                   num: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num
+    if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != num:
+        raise ValueError(f"sampling_params must be one SamplingParams or a list of {num}")
+    for i, p in enumerate(sampling_params):
+        if not isinstance(p, SamplingParams):
+            _fail(i, "sampling_params", f"must be a SamplingParams, got {type(p).__name__}")
+    return list(sampling_params)
+
+
+def check_request(i: int, prompt: list[int], params: SamplingParams, limits: Limits, has_tokenizer: bool) -> None:
+    total = len(prompt) + params.max_new_tokens
+    if total > limits.max_context:
+        _fail(i, "sampling_params.max_new_tokens",
+              f"({params.max_new_tokens}) plus the prompt ({len(prompt)} tokens) exceeds the model's "
+              f"context of {limits.max_context} tokens")
+    if total > limits.kv_capacity:
+        _fail(i, "sampling_params.max_new_tokens",
+              f"({params.max_new_tokens}) plus the prompt ({len(prompt)} tokens) exceeds the KV cache "
+              f"capacity of {limits.kv_capacity} tokens (raise max_total_tokens)")
+    if params.stop and not has_tokenizer:
+        _fail(i, "sampling_params.stop", "needs a tokenizer")
+    for t in params.stop_token_ids or ():
+        if t >= limits.vocab_size:
+            _fail(i, "sampling_params.stop_token_ids", f"contains {t}, outside the vocabulary")
+    if params.top_logprobs > limits.vocab_size:
+        _fail(i, "sampling_params.top_logprobs", f"({params.top_logprobs}) exceeds the vocabulary size")
+
+
+def resolve_request_ids(request_ids: Sequence[str] | None, num: int, taken: set[str]) -> list[str] | None:
+    if request_ids is None:
+        return None
+    if not isinstance(request_ids, (list, tuple)) or len(request_ids) != num:
+        raise ValueError(f"request_ids must be a list of {num} strings, one per prompt")
+    seen: set[str] = set()
+    for i, rid in enumerate(request_ids):
+        if not isinstance(rid, str) or not rid:
+            _fail(i, "request_ids", "must be a non-empty string")
+        if rid in seen or rid in taken:
+            _fail(i, "request_ids", f"{rid!r} is already in use")
+        seen.add(rid)
+    return list(request_ids)
