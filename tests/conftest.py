@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from models import make_hf_model, save_model  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+MODEL_KINDS = [("llama", False), ("llama3", True), ("qwen2", True), ("qwen3", False)]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """(kind, tie) -> (hf_model, folder)."""
+    out = {}
+    for kind, tie in MODEL_KINDS:
+        hf = make_hf_model(kind, tie)
+        folder = save_model(hf, tmp_path_factory.mktemp(f"{kind}-{tie}"))
+        out[(kind, tie)] = (hf, folder)
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama(tiny_models):
+    return tiny_models[("llama", False)]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from rollout_engine.model_zoo import ensure_model
+
+    return ensure_model("smollm2-135m", quiet=True)
+
+
+def run_checked(engine, reqs, max_steps=100_000):
+    """Step the engine's scheduler until `reqs` finish, checking KV integrity
+    after every step. Returns the number of steps."""
+    steps = 0
+    while not all(r.finished for r in reqs):
+        engine.scheduler.step()
+        engine.scheduler.check_integrity()
+        steps += 1
+        assert steps < max_steps
+    return steps

@@ -1,0 +1,127 @@
+"""A request gives the same tokens alone and in a crowded batch, including
+when the KV pool is so small that requests wait and get retracted."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import run_checked
+from rollout_engine import RolloutEngine, SamplingParams
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(rng.randrange(3, 60))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_alone_equals_in_batch_with_tight_memory(llama, page_size):
+    _, folder = llama
+    prompts = _prompts(16)
+    params = [SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True) for _ in prompts]
+    # Sampled requests with seeds must also be reproducible under preemption.
+    params[3] = SamplingParams(max_new_tokens=48, temperature=0.9, top_k=50, seed=7, ignore_eos=True)
+    alone_engine = RolloutEngine(folder, max_total_tokens=4096, page_size=page_size)
+    alone = [alone_engine.generate(input_ids=[p], sampling_params=sp)[0] for p, sp in zip(prompts, params)]
+
+    # 16 requests need up to ~1700 tokens of KV: 320 forces waiting and retraction.
+    tight = RolloutEngine(folder, max_total_tokens=320, page_size=page_size, max_prefill_tokens=64)
+    reqs = tight._make_requests(None, prompts, params, None)
+    run_checked(tight, reqs)
+    assert tight.scheduler.num_retractions > 0
+    for a, r in zip(alone, reqs):
+        assert r.output_ids == a.output_token_ids
+        assert r.output_logprobs == pytest.approx(a.output_logprobs, abs=1e-4)
+    assert tight.scheduler.kv.allocator.num_free_pages == tight.scheduler.kv.allocator.num_pages
+
+
+def test_requests_join_while_others_decode(llama):
+    _, folder = llama
+    engine = RolloutEngine(folder, max_total_tokens=4096)
+    first = engine._make_requests(None, [[1, 2, 3]], SamplingParams(max_new_tokens=30, temperature=0), None)
+    for _ in range(5):
+        engine.scheduler.step()
+    assert len(first[0].output_ids) == 5
+    late = engine._make_requests(None, [[4, 5, 6]], SamplingParams(max_new_tokens=10, temperature=0), None)
+    engine.scheduler.step()
+    # One step extended the running request and prefilled the newcomer.
+    assert len(first[0].output_ids) == 6 and len(late[0].output_ids) == 1
+    run_checked(engine, first + late)
+    ref = engine.generate(input_ids=[[4, 5, 6]], sampling_params=SamplingParams(max_new_tokens=10, temperature=0))
+    assert late[0].output_ids == ref[0].output_token_ids
+
+
+def test_chunked_prefill_matches_unchunked(llama):
+    _, folder = llama
+    prompts = _prompts(6, seed=1)
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    whole = RolloutEngine(folder, max_total_tokens=4096).generate(input_ids=prompts, sampling_params=params)
+    chunked = RolloutEngine(folder, max_total_tokens=4096, max_prefill_tokens=7)
+    out = chunked.generate(input_ids=prompts, sampling_params=params)
+    assert [o.output_token_ids for o in out] == [o.output_token_ids for o in whole]
+
+
+def test_max_running_requests_is_respected(llama):
+    _, folder = llama
+    engine = RolloutEngine(folder, max_total_tokens=4096, max_running_requests=3)
+    reqs = engine._make_requests(None, _prompts(8), SamplingParams(max_new_tokens=8, temperature=0), None)
+    while not all(r.finished for r in reqs):
+        engine.scheduler.step()
+        assert len(engine.scheduler.running) <= 3
+
+
+def test_n_samples_are_adjacent_and_distinct(llama):
+    _, folder = llama
+    engine = RolloutEngine(folder, max_total_tokens=4096)
+    outs = engine.generate(input_ids=[[1, 2, 3], [9, 9]], sampling_params=SamplingParams(
+        n=4, max_new_tokens=12, temperature=1.0, seed=5), request_ids=["a", "b"])
+    assert [o.request_id for o in outs] == ["a-0", "a-1", "a-2", "a-3", "b-0", "b-1", "b-2", "b-3"]
+    assert all(o.prompt_token_ids == [1, 2, 3] for o in outs[:4])
+    assert len({tuple(o.output_token_ids) for o in outs[:4]}) > 1
+
+
+def test_abort_returns_partial_output_and_memory(llama):
+    _, folder = llama
+    engine = RolloutEngine(folder, max_total_tokens=4096)
+    reqs = engine._make_requests(None, [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=100, temperature=0),
+                                 ["x", "y"])
+    for _ in range(4):
+        engine.scheduler.step()
+    engine.abort(["x"])
+    engine.scheduler.step()
+    assert reqs[0].finish_reason == "abort" and len(reqs[0].output_ids) == 4
+    engine.abort()
+    engine.scheduler.step()
+    assert reqs[1].finish_reason == "abort"
+    engine.check_integrity()
+    alloc = engine.scheduler.kv.allocator
+    assert alloc.num_free_pages == alloc.num_pages
+    out = engine.generate(input_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_new_tokens=4, temperature=0))
+    assert out[0].output_token_ids == reqs[0].output_ids
+
+
+def test_stream_deltas_add_up(llama):
+    _, folder = llama
+    engine = RolloutEngine(folder, max_total_tokens=4096)
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    full = engine.generate(input_ids=[[1, 2, 3]], sampling_params=params)[0]
+    deltas = list(engine.stream(input_ids=[[1, 2, 3]], sampling_params=params))
+    assert sum((d.output_token_ids for d in deltas), []) == full.output_token_ids
+    assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_generate_async_and_concurrent_calls(llama):
+    import asyncio
+
+    _, folder = llama
+    engine = RolloutEngine(folder, max_total_tokens=4096)
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+
+    async def both():
+        return await asyncio.gather(engine.generate_async(input_ids=[[1, 2]], sampling_params=params),
+                                    engine.generate_async(input_ids=[[3, 4]], sampling_params=params))
+
+    a, b = asyncio.run(both())
+    assert a[0].output_token_ids == engine.generate(input_ids=[[1, 2]], sampling_params=params)[0].output_token_ids
+    assert b[0].output_token_ids == engine.generate(input_ids=[[3, 4]], sampling_params=params)[0].output_token_ids
