@@ -1,0 +1,78 @@
+"""Allocator, request table, KV manager and the integrity check, without a model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rollout_engine.cache.allocator import PageAllocator
+from rollout_engine.cache.prefix_cache import NoPrefixCache
+from rollout_engine.cache.req_table import ReqToTokenTable
+from rollout_engine.request import Request
+from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.scheduler.kv_manager import KVManager
+
+
+def _manager(num_pages=8, page_size=4):
+    alloc = PageAllocator(num_pages, page_size)
+    return KVManager(alloc, ReqToTokenTable(4, 64), NoPrefixCache(alloc))
+
+
+def _req(n_prompt=5):
+    return Request("r", list(range(n_prompt)), SamplingParams(), seed=0)
+
+
+def test_allocator_never_hands_out_page_zero_and_detects_double_free():
+    a = PageAllocator(4, 2)
+    pages = a.alloc(4)
+    assert sorted(pages) == [1, 2, 3, 4] and a.alloc(1) is None
+    a.free(pages[:2])
+    with pytest.raises(RuntimeError, match="double free"):
+        a.free(pages[:1])
+    assert a.num_free_tokens == 4
+
+
+def test_alloc_extend_fills_pages_then_takes_new_ones():
+    kv = _manager(page_size=4)
+    req = _req()
+    kv.admit(req)
+    slots = kv.alloc_extend(req, 6)
+    req.kv_len = 6
+    pages = slots // 4
+    assert len(set(pages[:4].tolist())) == 1 and pages[4] == pages[5] != pages[0]
+    assert (slots % 4).tolist() == [0, 1, 2, 3, 0, 1]
+    more = kv.alloc_extend(req, 3)  # positions 6, 7 stay on the second page, 8 opens a third
+    req.kv_len = 9
+    assert more[0] == slots[5] + 1 and more[1] == slots[5] + 2 and more[2] // 4 not in set(pages.tolist())
+    kv.check_integrity([req])
+    kv.release(req)
+    kv.check_integrity([])
+    assert kv.allocator.num_free_pages == 8
+
+
+def test_alloc_extend_refuses_without_side_effects_when_full():
+    kv = _manager(num_pages=2, page_size=4)
+    req = _req()
+    kv.admit(req)
+    assert kv.alloc_extend(req, 9) is None
+    assert kv.allocator.num_free_pages == 2
+
+
+def test_integrity_check_catches_a_leak():
+    kv = _manager()
+    req = _req()
+    kv.admit(req)
+    kv.alloc_extend(req, 4)
+    req.kv_len = 4
+    with pytest.raises(AssertionError, match="leaked"):
+        kv.check_integrity([])  # the request's page is neither free, running, nor cached
+
+
+def test_table_rows_are_recycled():
+    t = ReqToTokenTable(2, 8)
+    r0, r1 = t.alloc_row(), t.alloc_row()
+    with pytest.raises(RuntimeError):
+        t.alloc_row()
+    t.free_row(r0)
+    assert t.alloc_row() == r0
+    t.write(r1, 2, np.array([7, 8]))
+    assert t.slots(r1, 2, 4).tolist() == [7, 8]

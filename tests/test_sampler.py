@@ -1,0 +1,123 @@
+"""Sampling, tested statistically on fixed logits, plus seeds through the engine."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rollout_engine import RolloutEngine, SamplingParams
+from rollout_engine.runner.sampler import SamplingBatch, processed_probs, sample, seeded_uniform
+
+V = 50
+DRAWS = 4000
+
+
+def _logits(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, generator=g) * 2.0
+
+
+def _draw(params: SamplingParams, logits: torch.Tensor, draws: int = DRAWS):
+    """Sample `draws` times from the same logits with different seeds."""
+    sb = SamplingBatch.build([params] * draws, list(range(draws)), [17] * draws, torch.device("cpu"))
+    return sample(logits.expand(draws, V).contiguous(), sb), sb
+
+
+def _support(params: SamplingParams, logits: torch.Tensor) -> set[int]:
+    """The support by definition, computed independently of the sampler."""
+    probs = torch.softmax(logits / (params.temperature or 1.0), -1)
+    order = probs.argsort(descending=True).tolist()
+    keep = order[: params.top_k] if params.top_k > 0 else order
+    kept_mass = probs[keep].sum()
+    out, before = [], 0.0
+    for t in keep:
+        if before / kept_mass < params.top_p:
+            out.append(t)
+        before += probs[t].item()
+    return {t for t in out if probs[t] >= params.min_p * probs.max()}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=0.7, top_p=0.6),
+    SamplingParams(temperature=1.3, min_p=0.1),
+    SamplingParams(temperature=1.0, top_k=10, top_p=0.8, min_p=0.05),
+])
+def test_filters_never_leave_their_support(params):
+    logits = _logits()
+    result, _ = _draw(params, logits)
+    support = _support(params, logits)
+    drawn = set(result.tokens.tolist())
+    assert drawn <= support
+    assert len(drawn) == len(support)  # and every supported token shows up
+
+
+def test_frequencies_follow_the_processed_distribution():
+    logits = _logits(1)
+    params = SamplingParams(temperature=0.8, top_k=8)
+    result, sb = _draw(params, logits, draws=20000)
+    probs = processed_probs(logits[None], SamplingBatch.build([params], [0], [0], torch.device("cpu")))[0]
+    counts = torch.bincount(result.tokens, minlength=V).double() / 20000
+    assert torch.allclose(counts, probs.double(), atol=0.015)
+
+
+def test_processed_logprobs_are_log_of_renormalised_distribution():
+    logits = _logits(2)
+    params = SamplingParams(temperature=0.5, top_p=0.7)
+    result, _ = _draw(params, logits, draws=200)
+    probs = torch.softmax(logits / 0.5, -1)
+    support = sorted(_support(params, logits))
+    renorm = probs[support] / probs[support].sum()
+    expected = {t: math.log(p) for t, p in zip(support, renorm.tolist())}
+    for tok, lp in zip(result.tokens.tolist(), result.logprobs.tolist()):
+        assert lp == pytest.approx(expected[tok], abs=1e-5)
+
+
+def test_raw_logprobs_are_the_model_softmax():
+    logits = _logits(3)
+    result, _ = _draw(SamplingParams(temperature=0.5, top_k=3, logprob_mode="raw"), logits, draws=50)
+    raw = torch.log_softmax(logits, -1)
+    assert torch.allclose(result.logprobs, raw[result.tokens], atol=1e-6)
+
+
+def test_low_temperature_equals_greedy():
+    logits = _logits(4)
+    cold, _ = _draw(SamplingParams(temperature=1e-4), logits, draws=500)
+    greedy, _ = _draw(SamplingParams(temperature=0), logits, draws=5)
+    assert set(cold.tokens.tolist()) == {int(logits.argmax())} == set(greedy.tokens.tolist())
+
+
+def test_uniforms_depend_only_on_seed_and_position():
+    seeds = torch.tensor([1, 2, 3, 1])
+    pos = torch.tensor([10, 10, 10, 10])
+    u = seeded_uniform(seeds, pos)
+    assert u[0] == u[3] and len(set(u.tolist())) == 3
+    assert ((u > 0) & (u < 1)).all()
+    many = seeded_uniform(torch.arange(100000), torch.full((100000,), 5))
+    assert abs(many.mean().item() - 0.5) < 0.01  # roughly uniform
+
+
+def test_seeded_requests_reproduce_whatever_the_batch(llama):
+    _, folder = llama
+    engine = RolloutEngine(folder, max_total_tokens=4096)
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.9, seed=1234)
+    alone = engine.generate(input_ids=[[5, 6, 7]], sampling_params=params)[0]
+    others = [SamplingParams(max_new_tokens=30, temperature=1.0)] * 5
+    crowd = engine.generate(input_ids=[[1, 2]] * 5 + [[5, 6, 7]], sampling_params=others + [params])
+    assert crowd[-1].output_token_ids == alone.output_token_ids
+    other_seed = engine.generate(input_ids=[[5, 6, 7]], sampling_params=SamplingParams(
+        max_new_tokens=20, temperature=1.0, top_p=0.9, seed=99))[0]
+    assert other_seed.output_token_ids != alone.output_token_ids
+    # n samples of a seeded prompt use seed + i: sample 1 of seed s is sample 0 of seed s + 1.
+    pair = engine.generate(input_ids=[[5, 6, 7]], sampling_params=SamplingParams(
+        n=2, max_new_tokens=20, temperature=1.0, top_p=0.9, seed=1233))
+    assert pair[1].output_token_ids == alone.output_token_ids
+
+
+def test_engine_seed_makes_unseeded_runs_repeatable(llama):
+    _, folder = llama
+    params = SamplingParams(max_new_tokens=16, temperature=1.0)
+    a = RolloutEngine(folder, max_total_tokens=2048, seed=3).generate(input_ids=[[1, 2]] * 3, sampling_params=params)
+    b = RolloutEngine(folder, max_total_tokens=2048, seed=3).generate(input_ids=[[1, 2]] * 3, sampling_params=params)
+    assert [o.output_token_ids for o in a] == [o.output_token_ids for o in b]
