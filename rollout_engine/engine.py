@@ -13,6 +13,7 @@ from rollout_engine.attention.base import create_backend
 from rollout_engine.cache.allocator import PageAllocator
 from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.cache.prefix_cache import NoPrefixCache
+from rollout_engine.cache.radix import RadixCache
 from rollout_engine.cache.req_table import ReqToTokenTable
 from rollout_engine.config import EngineConfig
 from rollout_engine.distributed.comm import TPComm
@@ -63,7 +64,7 @@ class RolloutEngine:
                               self.dtype, self.device)
         self.limits = Limits(mc.vocab_size, mc.max_position, num_pages * cfg.page_size)
         table = ReqToTokenTable(cfg.max_running_requests, min(mc.max_position, self.limits.kv_capacity) + 1)
-        self.prefix_cache = NoPrefixCache(allocator)
+        self.prefix_cache = RadixCache(allocator) if cfg.enable_prefix_cache else NoPrefixCache(allocator)
         kv = KVManager(allocator, table, self.prefix_cache)
         backend = create_backend(cfg.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.kv_pool, backend, table.table, self.device)
@@ -123,8 +124,17 @@ class RolloutEngine:
         return self._weight_version
 
     def flush_cache(self) -> None:
+        """Drop every prefix-cache entry not used by a running request."""
         with self._lock:
             self.prefix_cache.flush()
+
+    def cache_stats(self) -> dict[str, float]:
+        """Prefix-cache counters since the engine started."""
+        st = self.prefix_cache.stats
+        return {"queried_tokens": st.queried_tokens, "matched_tokens": st.matched_tokens,
+                "hit_rate": st.hit_rate, "evicted_tokens": st.evicted_tokens,
+                "cached_tokens": self.prefix_cache.cached_tokens,
+                "retractions": self.scheduler.num_retractions}
 
     def check_integrity(self) -> None:
         """Assert that every KV page is free, held by one running request, or
@@ -145,19 +155,25 @@ class RolloutEngine:
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             check_request(i, ids, p, self.limits, self.tokenizer is not None)
         with self._lock:
-            taken = {r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)}
+            live = (*self.scheduler.running, *self.scheduler.waiting)
+            taken = {r.request_id for r in live} | {s.request_id for r in live for s in r.fork_siblings}
             names = resolve_request_ids(request_ids, len(token_lists), taken)
             reqs = []
             for i, (ids, p) in enumerate(zip(token_lists, params)):
                 base = names[i] if names else f"req-{self._next_id}"
                 self._next_id += 1
                 first_seed = p.seed if p.seed is not None else self._rng.getrandbits(62)
-                for j in range(p.n):
-                    reqs.append(Request(request_id=base if p.n == 1 else f"{base}-{j}", prompt_ids=list(ids),
-                                        params=p, seed=first_seed + j,
-                                        prompt_logprobs=[None] if p.prompt_logprobs else None))
-            for r in reqs:
-                self.scheduler.add(r)
+                group = [Request(request_id=base if p.n == 1 else f"{base}-{j}", prompt_ids=list(ids), params=p,
+                                 seed=first_seed + j, prompt_logprobs=[None] if p.prompt_logprobs else None)
+                         for j in range(p.n)]
+                reqs += group
+                if self.prefix_cache.enabled:
+                    # The prompt is prefilled once; samples 1..n-1 fork from it.
+                    group[0].fork_siblings = group[1:]
+                    self.scheduler.add(group[0])
+                else:
+                    for r in group:
+                        self.scheduler.add(r)
         return reqs
 
     def _drive(self, reqs: list[Request], progress: bool) -> Iterator[None]:

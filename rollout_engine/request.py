@@ -32,6 +32,9 @@ class Request:
     num_cached_tokens: int = 0
     weight_version: int = 0
     num_retractions: int = 0
+    # Samples 1..n-1 of this prompt, waiting to be forked from this request's
+    # first sampling step (they share its prompt KV through the prefix cache).
+    fork_siblings: list["Request"] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:

@@ -33,6 +33,7 @@ def test_alone_equals_in_batch_with_tight_memory(llama, page_size):
     for a, r in zip(alone, reqs):
         assert r.output_ids == a.output_token_ids
         assert r.output_logprobs == pytest.approx(a.output_logprobs, abs=1e-4)
+    tight.flush_cache()
     assert tight.scheduler.kv.allocator.num_free_pages == tight.scheduler.kv.allocator.num_pages
 
 
@@ -95,6 +96,7 @@ def test_abort_returns_partial_output_and_memory(llama):
     engine.scheduler.step()
     assert reqs[1].finish_reason == "abort"
     engine.check_integrity()
+    engine.flush_cache()
     alloc = engine.scheduler.kv.allocator
     assert alloc.num_free_pages == alloc.num_pages
     out = engine.generate(input_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_new_tokens=4, temperature=0))

@@ -36,6 +36,8 @@ class CacheStats:
 
 
 class PrefixCache(ABC):
+    enabled = True  # False: finished KV is freed, nothing is shared
+
     def __init__(self, allocator: PageAllocator):
         self.allocator = allocator
         self.page_size = allocator.page_size
@@ -77,9 +79,14 @@ class PrefixCache(ABC):
     def owned_slots(self) -> np.ndarray:
         """Every slot the cache holds (for integrity checks)."""
 
+    def check_integrity(self) -> None:
+        """Assert the cache's own invariants."""
+
 
 class NoPrefixCache(PrefixCache):
     """Caches nothing: inserted slots are freed at once."""
+
+    enabled = False
 
     def match(self, token_ids: list[int]) -> Match:
         self.stats.queried_tokens += len(token_ids)

@@ -24,8 +24,9 @@ class LogitRows:
 
     def __init__(self, batch: Batch):
         rows: list[int] = []
-        self.sample_pos: list[int] = []  # index into rows, per sampling sequence
-        self.sample_seq: list[int] = []
+        self.sample_pos: list[int] = []  # index into rows, per sampled request
+        self.sample_seq: list[int] = []  # batch index of each sampling sequence
+        self.sample_reqs: list = []  # the sampling requests, then every fork sibling
         self.prompt: list[tuple[int, int, int]] = []  # (seq index, first row, number of rows)
         targets: list[int] = []
         offset = 0
@@ -38,8 +39,16 @@ class LogitRows:
             if s.samples:
                 self.sample_seq.append(i)
                 self.sample_pos.append(len(rows))
+                self.sample_reqs.append(s.req)
                 rows.append(offset + s.extend_len - 1)
             offset += s.extend_len
+        # Fork siblings sample from their leader's row, with their own seeds.
+        self.forks: list[tuple[int, int]] = []  # (batch index of the leader, sampled index)
+        for j, i in enumerate(list(self.sample_seq)):
+            for sib in batch.seqs[i].req.fork_siblings:
+                self.forks.append((i, len(self.sample_reqs)))
+                self.sample_pos.append(self.sample_pos[j])
+                self.sample_reqs.append(sib)
         self.rows = rows
         self.targets = targets
         self.all_rows = rows == list(range(offset))
@@ -70,7 +79,7 @@ class ModelRunner:
         pieces: list[torch.Tensor] = []
         sampled = None
         if sel.sample_seq:
-            reqs = [batch.seqs[i].req for i in sel.sample_seq]
+            reqs = sel.sample_reqs
             sb = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
                                      [r.seq_len for r in reqs], self.device)
             sampled = sample(logits[torch.tensor(sel.sample_pos, device=self.device)], sb)
@@ -88,7 +97,7 @@ class ModelRunner:
     @staticmethod
     def _unpack(batch: Batch, sel: LogitRows, sampled, host: np.ndarray) -> list[SeqResult]:
         results = [SeqResult() for _ in batch.seqs]
-        n = len(sel.sample_seq)
+        n = len(sel.sample_reqs)
         at = 0
         if n:
             tokens, lps = host[:n].astype(np.int64), host[n: 2 * n]
@@ -98,12 +107,17 @@ class ModelRunner:
                 top_ids = host[at: at + n * k].reshape(n, k).astype(np.int64)
                 top_lps = host[at + n * k: at + 2 * n * k].reshape(n, k)
                 at += 2 * n * k
-            for j, i in enumerate(sel.sample_seq):
-                res = results[i]
-                res.token, res.logprob = int(tokens[j]), float(lps[j])
-                want = batch.seqs[i].req.params.top_logprobs
+            sampled_results = []
+            for j, req in enumerate(sel.sample_reqs):
+                res = SeqResult(token=int(tokens[j]), logprob=float(lps[j]))
+                want = req.params.top_logprobs
                 if want:
                     res.top_logprobs = [(int(t), float(v)) for t, v in zip(top_ids[j, :want], top_lps[j, :want])]
+                sampled_results.append(res)
+            for j, i in enumerate(sel.sample_seq):
+                results[i] = sampled_results[j]
+            for i, j in sel.forks:
+                results[i].fork_results = (results[i].fork_results or []) + [sampled_results[j]]
         for i, _, num in sel.prompt:
             results[i].prompt_logprobs = host[at: at + num].tolist()
             at += num

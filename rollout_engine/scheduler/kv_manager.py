@@ -67,6 +67,27 @@ class KVManager:
         self.table.write(req.row, start, slots)
         return slots
 
+    def cache_prefix(self, req: Request) -> None:
+        """Put the request's computed KV (whole pages) into the prefix cache
+        while it keeps running, so requests sharing the prefix (its n-sample
+        siblings, later turns) reuse it. The request then points at the
+        cache's copy and holds a lock on it."""
+        if not self.cache.enabled or req.row is None:
+            return
+        aligned = req.kv_len - req.kv_len % self.page_size
+        if aligned <= req.locked_len:
+            return
+        ids = req.all_ids[:aligned]
+        self.cache.insert(ids, self.table.slots(req.row, 0, aligned).copy())
+        match = self.cache.match(ids)
+        self.cache.stats.queried_tokens -= len(ids)  # bookkeeping, not a lookup
+        self.cache.stats.matched_tokens -= match.num_tokens
+        self.cache.lock(match.node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        self.table.write(req.row, 0, match.slots)
+        req.cache_node, req.locked_len = match.node, match.num_tokens
+
     def release(self, req: Request) -> None:
         """Hand the request's computed KV to the prefix cache (which keeps or
         frees it), free the partial tail page, unlock, free the row."""
@@ -97,5 +118,6 @@ class KVManager:
             pages = set((self.table.slots(req.row, req.locked_len, req.kv_len) // p).tolist())
             assert not pages & (free | cached | owned), f"request {req.request_id} shares KV pages"
             owned |= pages
+        self.cache.check_integrity()
         total = set(range(1, self.allocator.num_pages + 1))
         assert free | cached | owned == total, f"leaked KV pages: {sorted(total - free - cached - owned)[:8]}"

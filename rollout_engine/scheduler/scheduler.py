@@ -38,6 +38,7 @@ class SeqResult:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     prompt_logprobs: list[float] | None = None
+    fork_results: list["SeqResult"] | None = None  # one per fork sibling, same logits row
 
 
 class StepRunner(Protocol):
@@ -81,9 +82,15 @@ class Scheduler:
         self._abort_all = False
         hit = lambda r: everything or r.request_id in ids  # noqa: E731
         done = [r for r in self.running if hit(r)] + [r for r in self.waiting if hit(r)]
+        for leader in (*self.running, *self.waiting):  # siblings not forked yet
+            done += [r for r in leader.fork_siblings if hit(r)]
+            leader.fork_siblings = [r for r in leader.fork_siblings if not hit(r)]
         self.running = [r for r in self.running if not hit(r)]
         self.waiting = deque(r for r in self.waiting if not hit(r))
         for r in done:
+            # Aborted leaders hand their unforked siblings on to be aborted too.
+            done += [s for s in r.fork_siblings if s not in done]
+            r.fork_siblings = []
             self._finish(r, "abort")
         return done
 
@@ -185,6 +192,26 @@ class Scheduler:
             req.prompt_logprobs.extend(result.prompt_logprobs)
         if not seq.samples:
             return False
+        if seq.extend_len > 1:  # a prefill just completed: share its KV
+            self.kv.cache_prefix(req)
+        if req.fork_siblings:
+            self._fork(req, result.fork_results, weight_version)
+        return self._append(req, result, weight_version)
+
+    def _fork(self, leader: Request, results: list[SeqResult], weight_version: int) -> None:
+        """The siblings' first tokens were sampled from the leader's logits;
+        they queue up front and find the prompt's KV in the prefix cache."""
+        queued = []
+        for sib, res in zip(leader.fork_siblings, results):
+            if leader.prompt_logprobs is not None:
+                sib.prompt_logprobs = list(leader.prompt_logprobs)
+            if not self._append(sib, res, weight_version):
+                queued.append(sib)
+        leader.fork_siblings = []
+        self.waiting.extendleft(reversed(queued))
+
+    def _append(self, req: Request, result: SeqResult, weight_version: int) -> bool:
+        """Record a sampled token; returns True if the request finished."""
         req.output_ids.append(result.token)
         if req.params.logprobs:
             req.output_logprobs.append(result.logprob)
