@@ -81,6 +81,12 @@ def cmd_demo(args) -> int:
     return cmd_generate(args)
 
 
+def cmd_bench(args) -> int:
+    from rollout_engine.bench.run import main as bench_main
+
+    return bench_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rollout-engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(p)
     _sampling_args(p, 64)
     p.set_defaults(func=cmd_demo, n=4)
+    p = sub.add_parser("bench", help="benchmark workloads (see BENCHMARKS.md)")
+    p.add_argument("--workload", choices=["grpo"], default="grpo")
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("-n", type=int, default=8)
+    p.add_argument("--prompt-min", type=int, default=256)
+    p.add_argument("--prompt-max", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    p.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -129,12 +129,13 @@ class RolloutEngine:
             self.prefix_cache.flush()
 
     def cache_stats(self) -> dict[str, float]:
-        """Prefix-cache counters since the engine started."""
-        st = self.prefix_cache.stats
+        """Prefix-cache and scheduler counters since the engine started."""
+        st, sched = self.prefix_cache.stats, self.scheduler
         return {"queried_tokens": st.queried_tokens, "matched_tokens": st.matched_tokens,
                 "hit_rate": st.hit_rate, "evicted_tokens": st.evicted_tokens,
-                "cached_tokens": self.prefix_cache.cached_tokens,
-                "retractions": self.scheduler.num_retractions}
+                "cached_tokens": self.prefix_cache.cached_tokens, "retractions": sched.num_retractions,
+                "steps": sched.num_steps, "prompt_tokens_computed": sched.prompt_tokens_computed,
+                "decode_tokens": sched.decode_tokens}
 
     def check_integrity(self) -> None:
         """Assert that every KV page is free, held by one running request, or

@@ -1,10 +1,12 @@
 """Reference attention in plain torch: gathers each sequence's K/V from the
-pool by slot index. Works on CPU and GPU; slow, but the yardstick the fast
-backends are tested against."""
+pool by slot index. Works on CPU and GPU; the yardstick the fast backends
+are tested against. Decode steps run batched (contexts padded to the longest,
+masked); extend steps loop over sequences with a causal mask."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -19,10 +21,23 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, **_):
         pass
 
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        if not fb.is_decode:
+            return
+        max_len = int(fb.seq_lens.max())
+        offsets = np.arange(max_len)[None, :]
+        valid = offsets < fb.seq_lens[:, None]
+        flat = np.where(valid, fb.kv_indptr[:-1, None] + offsets, 0)
+        flat_t = torch.from_numpy(flat).to(fb.kv_indices.device, non_blocking=True)
+        valid_t = torch.from_numpy(valid).to(fb.kv_indices.device, non_blocking=True)
+        fb.attn_metadata = (fb.kv_indices[flat_t], valid_t[:, None, None, :])  # [B, L], [B, 1, 1, L]
+
     def forward(self, q, k, v, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         pool = fb.kv_pool
         pool.store(layer.layer_id, fb.out_cache_loc, k, v)
         k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
+        if fb.is_decode:
+            return self._decode(q, k_cache, v_cache, layer, fb)
         group = layer.num_heads // layer.num_kv_heads
         out = torch.empty_like(q)
         q_start = 0
@@ -40,3 +55,12 @@ class TorchAttentionBackend(AttentionBackend):
             out[q_start: q_start + q_len] = oi.transpose(0, 1)
             q_start += q_len
         return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
+        slots, mask = fb.attn_metadata
+        group = layer.num_heads // layer.num_kv_heads
+        kb = k_cache[slots].to(q.dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # [B, H, L, d]
+        vb = v_cache[slots].to(q.dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], kb, vb, attn_mask=mask, scale=layer.scaling)
+        return out[:, :, 0, :]

@@ -57,6 +57,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.new_token_ratio = cfg.init_new_token_ratio
         self.num_retractions = 0
+        self.num_steps = 0
+        self.prompt_tokens_computed = 0  # prompt positions whose KV was computed (not cached)
+        self.decode_tokens = 0
         self._abort_ids: set[str] = set()
         self._abort_all = False
 
@@ -102,6 +105,7 @@ class Scheduler:
         if not batch.seqs:
             return finished
         results = self.runner.run(batch)
+        self._count(batch)
         for seq, result in zip(batch.seqs, results):
             if self._apply(seq, result, batch.weight_version):
                 finished.append(seq.req)
@@ -184,6 +188,13 @@ class Scheduler:
         self.num_retractions += 1
         self.waiting.appendleft(req)
         self.new_token_ratio = 1.0
+
+    def _count(self, batch: Batch) -> None:
+        self.num_steps += 1
+        for s in batch.seqs:
+            prompt_part = max(0, min(s.end, len(s.req.prompt_ids)) - s.start)
+            self.prompt_tokens_computed += prompt_part
+            self.decode_tokens += s.extend_len - prompt_part
 
     # ---- results ---------------------------------------------------------------
     def _apply(self, seq: ScheduledSeq, result: SeqResult, weight_version: int) -> bool:

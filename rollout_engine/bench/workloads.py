@@ -1,0 +1,46 @@
+"""Benchmark workloads (BENCH.md): seeded request sets, independent of the engine."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from rollout_engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    input_ids: list[list[int]]
+    params: list[SamplingParams]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(p.n for p in self.params)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) * p.n for ids, p in zip(self.input_ids, self.params))
+
+
+def _random_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(1000, vocab - 1000) for _ in range(length)]
+
+
+def grpo(vocab: int, num_prompts: int = 64, n: int = 8, prompt_min: int = 256, prompt_max: int = 1024,
+         output_len: int = 1024, seed: int = 0) -> Workload:
+    """num_prompts groups of n samples sharing a prompt; fixed output length."""
+    rng = random.Random(seed)
+    ids = [_random_ids(rng, rng.randint(prompt_min, prompt_max), vocab) for _ in range(num_prompts)]
+    params = [SamplingParams(n=n, max_new_tokens=output_len, temperature=1.0, ignore_eos=True, seed=seed + 1000 * i)
+              for i in range(num_prompts)]
+    return Workload("grpo", ids, params)
+
+
+def offline(vocab: int, num_requests: int = 256, in_min: int = 100, in_max: int = 1024, out_min: int = 100,
+            out_max: int = 1024, seed: int = 0) -> Workload:
+    """Independent requests of random input and output lengths."""
+    rng = random.Random(seed)
+    ids = [_random_ids(rng, rng.randint(in_min, in_max), vocab) for _ in range(num_requests)]
+    params = [SamplingParams(max_new_tokens=rng.randint(out_min, out_max), temperature=0.6, ignore_eos=True)
+              for _ in range(num_requests)]
+    return Workload("offline", ids, params)
