@@ -58,9 +58,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _decode(q, k_cache, v_cache, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
+        """Grouped-query attention without materialising repeated K/V: the
+        query heads of one KV head attend together."""
         slots, mask = fb.attn_metadata
-        group = layer.num_heads // layer.num_kv_heads
-        kb = k_cache[slots].to(q.dtype).transpose(1, 2).repeat_interleave(group, dim=1)  # [B, H, L, d]
-        vb = v_cache[slots].to(q.dtype).transpose(1, 2).repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], kb, vb, attn_mask=mask, scale=layer.scaling)
-        return out[:, :, 0, :]
+        bsz, kv_heads = q.shape[0], layer.num_kv_heads
+        qg = q.view(bsz, kv_heads, layer.num_heads // kv_heads, layer.head_dim)
+        kb, vb = k_cache[slots].to(q.dtype), v_cache[slots].to(q.dtype)  # [B, L, kv_heads, d]
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, kb).float() * layer.scaling
+        scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.einsum("bhgl,blhd->bhgd", probs, vb).reshape(bsz, layer.num_heads, layer.head_dim)

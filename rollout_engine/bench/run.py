@@ -1,6 +1,7 @@
 """`rollout-engine bench`: run a workload, print and write JSON."""
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import time
@@ -45,7 +46,7 @@ def bench_grpo(args) -> dict[str, Any]:
     from rollout_engine import RolloutEngine
 
     results: dict[str, Any] = {}
-    for cache_on in (True, False):
+    for cache_on in (False, True):
         engine = RolloutEngine(args.model, load_format=args.load_format, attention_backend=args.attention_backend,
                                enable_prefix_cache=cache_on, max_total_tokens=args.max_total_tokens, seed=args.seed)
         vocab = engine.model_config.vocab_size
@@ -53,7 +54,9 @@ def bench_grpo(args) -> dict[str, Any]:
         warm = workloads.grpo(vocab, 2, 2, 16, 32, 8, seed=99)
         engine.generate(input_ids=warm.input_ids, sampling_params=warm.params)  # warm-up
         results["cache_on" if cache_on else "cache_off"] = run_workload(engine, wl)
+        engine.shutdown()
         del engine
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     on, off = results["cache_on"], results["cache_off"]
