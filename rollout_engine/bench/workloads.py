@@ -23,7 +23,8 @@ class Workload:
 
 
 def _random_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
-    return [rng.randrange(1000, vocab - 1000) for _ in range(length)]
+    margin = min(1000, vocab // 4)  # keep clear of special tokens at both ends
+    return [rng.randrange(margin, vocab - margin) for _ in range(length)]
 
 
 def grpo(vocab: int, num_prompts: int = 64, n: int = 8, prompt_min: int = 256, prompt_max: int = 1024,
