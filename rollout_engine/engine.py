@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from rollout_engine.attention.base import create_backend
+from rollout_engine.attention.base import AttentionShape, create_backend
 from rollout_engine.cache.allocator import PageAllocator
 from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.cache.prefix_cache import NoPrefixCache
@@ -66,8 +66,11 @@ class RolloutEngine:
         table = ReqToTokenTable(cfg.max_running_requests, min(mc.max_position, self.limits.kv_capacity) + 1)
         self.prefix_cache = RadixCache(allocator) if cfg.enable_prefix_cache else NoPrefixCache(allocator)
         kv = KVManager(allocator, table, self.prefix_cache)
-        backend = create_backend(cfg.attention_backend, self.device)
-        self.runner = ModelRunner(self.model, self.kv_pool, backend, table.table, self.device)
+        shape = AttentionShape(attn.num_heads, attn.num_kv_heads, mc.head_dim, cfg.page_size, self.dtype, self.device)
+        backend = create_backend(cfg.attention_backend, self.device, shape=shape)
+        self.runner = ModelRunner(self.model, self.kv_pool, backend, table, self.device)
+        if cfg.cuda_graph and backend.supports_cuda_graph:
+            self.runner.capture_cuda_graphs(min(cfg.cuda_graph_max_batch_size, cfg.max_running_requests))
         eos = mc.eos_token_ids or _tokenizer_eos(self.tokenizer)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens), kv, self.runner,

@@ -4,12 +4,16 @@ registry with lazy imports (a backend's dependencies load only when used).
 Contract: `init_forward_metadata` is called once per step, before the model
 runs (plan once for all layers); `forward` stores the step's new K/V into
 the pool at `fb.out_cache_loc`, then attends each sequence's new queries
-causally over its whole context `fb.kv_indices[kv_indptr[i]:kv_indptr[i+1]]`.
+causally over its whole context: the slots table[rows[i], :seq_lens[i]].
+Backends with `needs_device_table` read those from the device mirror of the
+table (synced before every step).
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,10 +24,24 @@ if TYPE_CHECKING:
 
 BACKENDS: dict[str, str] = {
     "torch": "rollout_engine.attention.torch_backend:TorchAttentionBackend",
+    "flashinfer": "rollout_engine.attention.flashinfer_backend:FlashInferAttentionBackend",
 }
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
 class AttentionBackend(ABC):
+    needs_device_table = False
+    supports_cuda_graph = False
+
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         pass
 
@@ -34,8 +52,13 @@ class AttentionBackend(ABC):
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
+    """"auto": flashinfer on CUDA when it is installed, else torch."""
     if name != "auto":
+        if name != "torch" and device.type != "cuda":
+            raise ValueError(f"attention_backend {name!r} needs a CUDA device")
         return name
+    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+        return "flashinfer"
     return "torch"
 
 

@@ -22,15 +22,17 @@ class TorchAttentionBackend(AttentionBackend):
         pass
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
-        if not fb.is_decode:
-            return
-        max_len = int(fb.seq_lens.max())
-        offsets = np.arange(max_len)[None, :]
-        valid = offsets < fb.seq_lens[:, None]
-        flat = np.where(valid, fb.kv_indptr[:-1, None] + offsets, 0)
-        flat_t = torch.from_numpy(flat).to(fb.kv_indices.device, non_blocking=True)
-        valid_t = torch.from_numpy(valid).to(fb.kv_indices.device, non_blocking=True)
-        fb.attn_metadata = (fb.kv_indices[flat_t], valid_t[:, None, None, :])  # [B, L], [B, 1, 1, L]
+        device = fb.input_ids.device
+        table = fb.table.table
+        if fb.is_decode:  # contexts padded to the longest: [B, L] slots and a validity mask
+            max_len = int(fb.seq_lens.max())
+            valid = np.arange(max_len)[None, :] < fb.seq_lens[:, None]
+            slots = np.where(valid, table[fb.rows, :max_len], 0)
+            fb.attn_metadata = (torch.from_numpy(slots).to(device, non_blocking=True),
+                                torch.from_numpy(valid).to(device, non_blocking=True)[:, None, None, :])
+        else:  # each sequence's whole context
+            fb.attn_metadata = [torch.from_numpy(table[r, :n]).to(device, non_blocking=True)
+                                for r, n in zip(fb.rows, fb.seq_lens)]
 
     def forward(self, q, k, v, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         pool = fb.kv_pool
@@ -43,7 +45,7 @@ class TorchAttentionBackend(AttentionBackend):
         q_start = 0
         for i in range(fb.batch_size):
             q_len, kv_len = int(fb.extend_lens[i]), int(fb.seq_lens[i])
-            idx = fb.kv_indices[fb.kv_indptr[i]: fb.kv_indptr[i + 1]]
+            idx = fb.attn_metadata[i]
             qi = q[q_start: q_start + q_len].transpose(0, 1)  # [heads, q_len, d]
             ki = k_cache[idx].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
             vi = v_cache[idx].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)

@@ -8,10 +8,25 @@ import numpy as np
 import torch
 
 from rollout_engine.cache.kv_pool import KVPool
+from rollout_engine.cache.req_table import ReqToTokenTable
 
 if TYPE_CHECKING:
     from rollout_engine.attention.base import AttentionBackend
     from rollout_engine.scheduler.batch import Batch
+
+
+class DeviceTable:
+    """A device mirror of the request table, updated by one scatter a step."""
+
+    def __init__(self, table: ReqToTokenTable, device: torch.device):
+        self.host = table
+        self.tensor = torch.zeros(table.table.shape, dtype=torch.int32, device=device)
+
+    def sync(self) -> None:
+        writes = self.host.drain_writes()
+        if writes is not None:
+            w = torch.from_numpy(writes).to(self.tensor.device, non_blocking=True)
+            self.tensor[w[0], w[1]] = w[2].to(torch.int32)
 
 
 @dataclass
@@ -19,13 +34,13 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] new tokens of every sequence, concatenated
     positions: torch.Tensor  # [T]
     out_cache_loc: torch.Tensor  # [T] KV slot of each new token
-    # Per sequence (CPU): how many new tokens, and the total length after the step.
+    # Per sequence, on the host: new tokens, total length after the step, table row.
     extend_lens: np.ndarray
     seq_lens: np.ndarray
-    # KV slots of every sequence's whole context (cached prefix + new tokens),
-    # concatenated; sequence i owns kv_indices[kv_indptr[i]:kv_indptr[i+1]].
-    kv_indices: torch.Tensor
-    kv_indptr: np.ndarray
+    rows: np.ndarray
+    rows_device: torch.Tensor  # [B] int32
+    table: ReqToTokenTable
+    device_table: DeviceTable | None
     kv_pool: KVPool
     attn_backend: "AttentionBackend"
     is_decode: bool
@@ -36,22 +51,21 @@ class ForwardBatch:
         return len(self.seq_lens)
 
     @staticmethod
-    def from_batch(batch: "Batch", table: np.ndarray, kv_pool: KVPool, backend: "AttentionBackend",
-                   device: torch.device) -> "ForwardBatch":
-        seq_lens = np.fromiter((s.end for s in batch.seqs), dtype=np.int64, count=len(batch.seqs))
-        extend_lens = np.fromiter((s.extend_len for s in batch.seqs), dtype=np.int64, count=len(batch.seqs))
-        kv_indices = np.concatenate([table[s.req.row, : s.end] for s in batch.seqs])
-        kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int64)
-        np.cumsum(seq_lens, out=kv_indptr[1:])
-        # One host->device copy for all index data.
-        packed = torch.from_numpy(np.concatenate(
-            [batch.input_ids(), batch.positions(), batch.out_cache_loc(), kv_indices]))
+    def from_batch(batch: "Batch", table: ReqToTokenTable, device_table: DeviceTable | None, kv_pool: KVPool,
+                   backend: "AttentionBackend", device: torch.device) -> "ForwardBatch":
+        n = len(batch.seqs)
+        seq_lens = np.fromiter((s.end for s in batch.seqs), dtype=np.int64, count=n)
+        extend_lens = np.fromiter((s.extend_len for s in batch.seqs), dtype=np.int64, count=n)
+        rows = np.fromiter((s.req.row for s in batch.seqs), dtype=np.int64, count=n)
+        # One host->device copy for all per-token index data.
+        packed = torch.from_numpy(np.concatenate([batch.input_ids(), batch.positions(), batch.out_cache_loc(), rows]))
         packed = packed.to(device, non_blocking=True)
         t = batch.num_tokens
         fb = ForwardBatch(
             input_ids=packed[:t], positions=packed[t: 2 * t], out_cache_loc=packed[2 * t: 3 * t],
-            extend_lens=extend_lens, seq_lens=seq_lens, kv_indices=packed[3 * t:], kv_indptr=kv_indptr,
-            kv_pool=kv_pool, attn_backend=backend, is_decode=batch.is_decode,
+            extend_lens=extend_lens, seq_lens=seq_lens, rows=rows, rows_device=packed[3 * t:].to(torch.int32),
+            table=table, device_table=device_table, kv_pool=kv_pool, attn_backend=backend,
+            is_decode=batch.is_decode,
         )
         backend.init_forward_metadata(fb)
         return fb

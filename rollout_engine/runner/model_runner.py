@@ -13,7 +13,8 @@ import torch
 from rollout_engine.attention.base import AttentionBackend
 from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.models.decoder import DecoderForCausalLM
-from rollout_engine.runner.forward_batch import ForwardBatch
+from rollout_engine.cache.req_table import ReqToTokenTable
+from rollout_engine.runner.forward_batch import DeviceTable, ForwardBatch
 from rollout_engine.runner.sampler import SamplingBatch, sample
 from rollout_engine.scheduler.batch import Batch
 from rollout_engine.scheduler.scheduler import SeqResult
@@ -35,7 +36,7 @@ class LogitRows:
             if num_prompt > 0:
                 self.prompt.append((i, len(rows), num_prompt))
                 rows.extend(range(offset, offset + num_prompt))
-                targets.extend(s.req.all_ids[s.start + 1: s.prompt_logprob_end + 1])
+                targets.extend(s.req.tokens(s.start + 1, s.prompt_logprob_end + 1))
             if s.samples:
                 self.sample_seq.append(i)
                 self.sample_pos.append(len(rows))
@@ -56,18 +57,33 @@ class LogitRows:
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_pool: KVPool, backend: AttentionBackend,
-                 table: np.ndarray, device: torch.device):
+                 table: ReqToTokenTable, device: torch.device):
         self.model = model
         self.kv_pool = kv_pool
         self.backend = backend
         self.table = table
         self.device = device
+        self.device_table = DeviceTable(table, device) if backend.needs_device_table else None
+        self.graphs = None  # a CudaGraphRunner once captured
+
+    def capture_cuda_graphs(self, max_bs: int) -> None:
+        from rollout_engine.runner.cuda_graph import CudaGraphRunner
+
+        self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_pool, self.table, self.device_table,
+                                      max_bs, self.device)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[SeqResult]:
-        fb = ForwardBatch.from_batch(batch, self.table, self.kv_pool, self.backend, self.device)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
+        if self.device_table is not None:
+            self.device_table.sync()
         sel = LogitRows(batch)
+        if self.graphs is not None and sel.all_rows and self.graphs.can_run(batch):
+            hidden = self.graphs.replay(batch)
+        else:
+            fb = ForwardBatch.from_batch(batch, self.table, self.device_table, self.kv_pool, self.backend,
+                                         self.device)
+            hidden = self.model(fb.input_ids, fb.positions, fb)
         if not sel.rows:
             return [SeqResult() for _ in batch.seqs]
         if not sel.all_rows:

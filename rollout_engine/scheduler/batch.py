@@ -53,7 +53,7 @@ class Batch:
 
     def input_ids(self) -> np.ndarray:
         return np.fromiter(
-            (t for s in self.seqs for t in s.req.all_ids[s.start: s.end]), dtype=np.int64, count=self.num_tokens
+            (t for s in self.seqs for t in s.req.tokens(s.start, s.end)), dtype=np.int64, count=self.num_tokens
         )
 
     def positions(self) -> np.ndarray:

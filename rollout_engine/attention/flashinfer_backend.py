@@ -1,0 +1,96 @@
+"""FlashInfer paged attention: fa2 prefill over cached prefix + new tokens,
+fa2 decode (tensor cores when 4+ query heads share a KV head). Planned once
+per step for all layers; page indices are built on the GPU from the device
+request table. Decode wrappers for CUDA graphs plan into fixed buffers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from rollout_engine.attention.base import AttentionBackend, AttentionShape
+from rollout_engine.kernels.kv_indices import build_page_indices
+
+if TYPE_CHECKING:
+    from rollout_engine.layers.attention import PagedAttention
+    from rollout_engine.runner.forward_batch import ForwardBatch
+
+WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass
+class PageTable:
+    """Host page-table layout of one step (FlashInfer's CSR form)."""
+
+    indptr: np.ndarray  # [B + 1] int32
+    last_page_len: np.ndarray  # [B] int32
+
+    @staticmethod
+    def of(seq_lens: np.ndarray, page_size: int) -> "PageTable":
+        pages = -(-seq_lens // page_size)
+        indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+        np.cumsum(pages, out=indptr[1:])
+        return PageTable(indptr, (seq_lens - (pages - 1) * page_size).astype(np.int32))
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    needs_device_table = True
+    supports_cuda_graph = True
+
+    def __init__(self, shape: AttentionShape, **_):
+        import flashinfer
+
+        self.fi = flashinfer
+        self.shape = shape
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=shape.device)
+        self.use_tensor_cores = shape.num_heads // shape.num_kv_heads >= 4
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend="fa2")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+
+    # ---- planning --------------------------------------------------------------
+    def page_indices(self, fb: "ForwardBatch", pt: PageTable, out: torch.Tensor | None = None) -> torch.Tensor:
+        indptr = torch.from_numpy(pt.indptr).to(self.shape.device, non_blocking=True)
+        return build_page_indices(fb.device_table.tensor, fb.rows_device, indptr, self.shape.page_size,
+                                  int(pt.indptr[-1]), out=out)
+
+    def plan_decode(self, wrapper, pt: PageTable, indices: torch.Tensor) -> None:
+        s = self.shape
+        wrapper.plan(torch.from_numpy(pt.indptr), indices, torch.from_numpy(pt.last_page_len),
+                     s.num_heads, s.num_kv_heads, s.head_dim, s.page_size,
+                     q_data_type=s.dtype, kv_data_type=s.dtype, non_blocking=True)
+
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        s = self.shape
+        pt = PageTable.of(fb.seq_lens, s.page_size)
+        indices = self.page_indices(fb, pt)
+        if fb.is_decode:
+            self.plan_decode(self.decode, pt, indices)
+            fb.attn_metadata = self.decode
+            return
+        qo_indptr = np.zeros(fb.batch_size + 1, dtype=np.int32)
+        np.cumsum(fb.extend_lens, out=qo_indptr[1:])
+        self.prefill.plan(torch.from_numpy(qo_indptr), torch.from_numpy(pt.indptr), indices,
+                          torch.from_numpy(pt.last_page_len), s.num_heads, s.num_kv_heads, s.head_dim,
+                          s.page_size, causal=True, q_data_type=s.dtype, kv_data_type=s.dtype, non_blocking=True)
+        fb.attn_metadata = self.prefill
+
+    def graph_decode_wrapper(self, batch_size: int, indptr_buf: torch.Tensor, indices_buf: torch.Tensor,
+                             last_page_len_buf: torch.Tensor):
+        """A decode wrapper for one captured batch size, over caller-owned
+        buffers (shared between sizes: one graph replays at a time)."""
+        return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=indptr_buf[: batch_size + 1], paged_kv_indices_buffer=indices_buf,
+            paged_kv_last_page_len_buffer=last_page_len_buf[:batch_size], backend="fa2")
+
+    # ---- the layer call ------------------------------------------------------
+    def forward(self, q, k, v, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
+        pool = fb.kv_pool
+        pool.store(layer.layer_id, fb.out_cache_loc, k, v)
+        p = self.shape.page_size
+        k_cache = pool.k[layer.layer_id].view(-1, p, layer.num_kv_heads, layer.head_dim)
+        v_cache = pool.v[layer.layer_id].view(-1, p, layer.num_kv_heads, layer.head_dim)
+        return fb.attn_metadata.run(q.contiguous(), (k_cache, v_cache))
