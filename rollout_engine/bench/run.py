@@ -1,29 +1,53 @@
-"""`rollout-engine bench`: run a workload, print and write JSON."""
+"""`rollout-engine bench`: run a workload (BENCH.md), print and write JSON."""
 from __future__ import annotations
 
 import gc
 import json
 import platform
+import random
+import statistics
 import time
 from typing import Any
 
 import torch
 
 from rollout_engine.bench import workloads
+from rollout_engine.bench.roofline import (ModelCosts, decode_step_floor, measure_device, prefill_ceiling,
+                                           workload_roofline)
 
 
 def _device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _engine(args, **overrides):
+    from rollout_engine import RolloutEngine
+
+    kw = dict(load_format=args.load_format, attention_backend=args.attention_backend,
+              max_total_tokens=args.max_total_tokens, seed=args.seed, cuda_graph=not args.no_cuda_graph)
+    kw.update(overrides)
+    return RolloutEngine(args.model, **kw)
+
+
+def _drop(engine) -> None:
+    engine.shutdown()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_workload(engine, wl: workloads.Workload) -> dict[str, Any]:
     before = engine.cache_stats()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     outs = engine.generate(input_ids=wl.input_ids, sampling_params=wl.params)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    _sync()
     elapsed = time.perf_counter() - start
     after = engine.cache_stats()
     out_tokens = sum(len(o.output_token_ids) for o in outs)
@@ -42,29 +66,116 @@ def run_workload(engine, wl: workloads.Workload) -> dict[str, Any]:
     }
 
 
-def bench_grpo(args) -> dict[str, Any]:
-    from rollout_engine import RolloutEngine
+def _warm(engine) -> None:
+    warm = workloads.grpo(engine.model_config.vocab_size, 2, 2, 16, 32, 8, seed=99)
+    engine.generate(input_ids=warm.input_ids, sampling_params=warm.params)
 
+
+def bench_grpo(args) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for cache_on in (False, True):
-        engine = RolloutEngine(args.model, load_format=args.load_format, attention_backend=args.attention_backend,
-                               enable_prefix_cache=cache_on, max_total_tokens=args.max_total_tokens, seed=args.seed)
-        vocab = engine.model_config.vocab_size
-        wl = workloads.grpo(vocab, args.num_prompts, args.n, args.prompt_min, args.prompt_max, args.output_len)
-        warm = workloads.grpo(vocab, 2, 2, 16, 32, 8, seed=99)
-        engine.generate(input_ids=warm.input_ids, sampling_params=warm.params)  # warm-up
+    for cache_on in (False, True):  # cache-off first: the first engine pays allocator warm-up
+        engine = _engine(args, enable_prefix_cache=cache_on)
+        wl = workloads.grpo(engine.model_config.vocab_size, args.num_prompts, args.n, args.prompt_min,
+                            args.prompt_max, args.output_len)
+        _warm(engine)
         results["cache_on" if cache_on else "cache_off"] = run_workload(engine, wl)
-        engine.shutdown()
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    on, off = results["cache_on"], results["cache_off"]
-    results["speedup_cache_on"] = round(off["seconds"] / on["seconds"], 3)
+        _drop(engine)
+    results["speedup_cache_on"] = round(results["cache_off"]["seconds"] / results["cache_on"]["seconds"], 3)
     return results
 
 
-WORKLOADS = {"grpo": bench_grpo}
+def bench_offline(args) -> dict[str, Any]:
+    limits = measure_device()
+    engine = _engine(args)
+    costs = ModelCosts.of(engine.model_config)
+    wl = workloads.offline(engine.model_config.vocab_size, args.num_prompts)
+    _warm(engine)
+    res = run_workload(engine, wl)
+    out_lens = [p.max_new_tokens for p in wl.params]
+    roof = workload_roofline(costs, limits, [len(x) for x in wl.input_ids], out_lens,
+                             engine.config.max_running_requests)
+    res.update(roofline_tok_per_s=round(roof, 1), pct_of_roofline=round(100 * res["output_tok_per_s"] / roof, 1),
+               bandwidth_TBps=round(limits.bandwidth / 1e12, 3), bf16_TFLOPs=round(limits.flops / 1e12, 1))
+    _drop(engine)
+    if args.baseline == "hf":
+        from rollout_engine.bench.hf_baseline import hf_model, run_hf
+
+        net = hf_model(args.model)
+        k = args.hf_requests
+        res["hf"] = run_hf(net, wl.input_ids[:k], out_lens[:k], 0.6, args.hf_batch_size)
+        res["x_hf"] = round(res["output_tok_per_s"] / res["hf"]["output_tok_per_s"], 2)
+        del net
+    return res
+
+
+def _decode_step_times(engine, batch: int, context: int, steps: int) -> list[float]:
+    from rollout_engine import SamplingParams
+
+    rng = random.Random(batch)
+    vocab = engine.model_config.vocab_size
+    ids = [[rng.randrange(1000, vocab - 1000) for _ in range(context)] for _ in range(batch)]
+    reqs = engine._make_requests(None, ids, SamplingParams(max_new_tokens=steps + 1, temperature=0,
+                                                           ignore_eos=True), None)
+    times = []
+    while not all(r.finished for r in reqs):
+        before = engine.scheduler.num_steps
+        decoding = all(r.row is not None and not r.is_prefilling for r in reqs)
+        _sync()
+        t = time.perf_counter()
+        engine.scheduler.step()
+        _sync()
+        if decoding and engine.scheduler.num_steps > before:
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def bench_decode(args) -> dict[str, Any]:
+    limits = measure_device()
+    rows: dict[str, Any] = {}
+    for graphs in (True, False):
+        engine = _engine(args, cuda_graph=graphs, enable_prefix_cache=False)
+        costs = ModelCosts.of(engine.model_config)
+        _decode_step_times(engine, 2, 64, 4)  # warm-up
+        for batch in args.batch_sizes:
+            times = _decode_step_times(engine, batch, args.context, args.steps)
+            med = statistics.median(times)
+            floor = decode_step_floor(costs, limits, batch, args.context + args.steps / 2)
+            rows[f"bs{batch}_graphs_{'on' if graphs else 'off'}"] = {
+                "batch": batch, "cuda_graph": graphs, "median_step_ms": round(med * 1e3, 3),
+                "floor_ms": round(floor * 1e3, 3), "x_floor": round(med / floor, 2),
+                "tok_per_s": round(batch / med, 1)}
+        _drop(engine)
+    rows["bandwidth_TBps"] = round(limits.bandwidth / 1e12, 3)
+    return rows
+
+
+def bench_prefill(args) -> dict[str, Any]:
+    from rollout_engine import SamplingParams
+
+    limits = measure_device()
+    engine = _engine(args, enable_prefix_cache=False, max_prefill_tokens=args.num_prompts * args.prompt_max)
+    costs = ModelCosts.of(engine.model_config)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_new_tokens=1, temperature=0)
+    results = []
+    for seed in range(3):  # the first run compiles and warms up
+        rng = random.Random(seed)
+        ids = [[rng.randrange(1000, vocab - 1000) for _ in range(args.prompt_max)] for _ in range(args.num_prompts)]
+        _sync()
+        t = time.perf_counter()
+        engine.generate(input_ids=ids, sampling_params=params)
+        _sync()
+        results.append(time.perf_counter() - t)
+    seconds = min(results[1:])
+    tokens = args.num_prompts * args.prompt_max
+    ceiling = prefill_ceiling(costs, limits)
+    _drop(engine)
+    return {"tokens": tokens, "seconds": round(seconds, 4), "tok_per_s": round(tokens / seconds, 1),
+            "ceiling_tok_per_s": round(ceiling, 1), "pct_of_ceiling": round(100 * tokens / seconds / ceiling, 1),
+            "bf16_TFLOPs": round(limits.flops / 1e12, 1)}
+
+
+WORKLOADS = {"grpo": bench_grpo, "offline": bench_offline, "decode": bench_decode, "prefill": bench_prefill}
 
 
 def main(args) -> int:

@@ -1,0 +1,80 @@
+"""Device measurements and the rooflines of BENCH.md, computed from them."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rollout_engine.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    bandwidth: float  # bytes/s, copy (read + write)
+    flops: float  # bf16 GEMM FLOP/s
+
+
+def _timed(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
+def measure_device() -> DeviceLimits:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() / _timed(lambda: dst.copy_(src), 20)
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    flops = 2 * 8192 ** 3 / _timed(lambda: a @ b, 20)
+    return DeviceLimits(bandwidth=bw, flops=flops)
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    weight_bytes_per_step: float  # W = 2 * (non-embedding params + vocab * hidden)
+    kv_bytes_per_token: float
+    flops_per_token: float  # 2 * non-embedding params
+
+    @staticmethod
+    def of(mc: ModelConfig, dtype_bytes: int = 2) -> "ModelCosts":
+        h, i = mc.hidden_size, mc.intermediate_size
+        per_layer = h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h + 3 * h * i + 2 * h
+        non_emb = mc.num_layers * per_layer + h
+        return ModelCosts(
+            weight_bytes_per_step=dtype_bytes * (non_emb + mc.vocab_size * h),
+            kv_bytes_per_token=2 * mc.num_layers * mc.kv_size * dtype_bytes,
+            flops_per_token=2 * non_emb,
+        )
+
+
+def decode_step_floor(costs: ModelCosts, limits: DeviceLimits, batch: int, mean_context: float) -> float:
+    """Seconds: every weight and every cached K/V read once."""
+    return (costs.weight_bytes_per_step + batch * mean_context * costs.kv_bytes_per_token) / limits.bandwidth
+
+
+def prefill_ceiling(costs: ModelCosts, limits: DeviceLimits) -> float:
+    """Tokens/s of compute-bound prefill."""
+    return limits.flops / costs.flops_per_token
+
+
+def workload_roofline(costs: ModelCosts, limits: DeviceLimits, input_lens: list[int], output_lens: list[int],
+                      max_batch: int) -> float:
+    """Output tokens/s of an ideal run: prompts at the compute ceiling, then
+    decode steps at the bandwidth floor with up to `max_batch` running."""
+    prefill_s = sum(input_lens) / prefill_ceiling(costs, limits)
+    pending = sorted(zip(input_lens, output_lens), key=lambda x: -x[1])
+    decode_s, tokens = 0.0, sum(output_lens)
+    while pending:
+        batch, pending = pending[:max_batch], pending[max_batch:]
+        steps = max(o for _, o in batch)
+        for t in range(steps):
+            ctx = sum(i + t for i, o in batch if o > t)
+            decode_s += (costs.weight_bytes_per_step + ctx * costs.kv_bytes_per_token) / limits.bandwidth
+    return tokens / (prefill_s + decode_s)
