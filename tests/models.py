@@ -25,7 +25,8 @@ def make_hf_model(kind: str, tie: bool = False, seed: int = 0, **overrides):
         config = transformers.Qwen2Config(**kw)
         model = transformers.Qwen2ForCausalLM(config)
     elif kind == "qwen3":
-        config = transformers.Qwen3Config(head_dim=32, **kw)
+        kw.setdefault("head_dim", 32)
+        config = transformers.Qwen3Config(**kw)
         model = transformers.Qwen3ForCausalLM(config)
     else:
         raise ValueError(kind)

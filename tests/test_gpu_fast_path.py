@@ -11,6 +11,14 @@ from rollout_engine import RolloutEngine, SamplingParams
 pytestmark = pytest.mark.gpu
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 140)), list(range(200, 300, 3)), [7] * 33]
+# FlashInfer compiles per head_dim: every GPU model uses 64. Groups of 4 take
+# the tensor-core decode path, groups of 2 the CUDA-core one.
+GPU_SHAPES = {
+    "llama": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1),
+    "llama3": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1),
+    "qwen2": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2),
+    "qwen3": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=64),
+}
 
 
 def test_page_indices_kernel_matches_reference():
@@ -43,7 +51,7 @@ def _gap_vs_hf(engine, hf, prompts):
 def gpu_models(tmp_path_factory):
     out = {}
     for kind, tie in MODEL_KINDS:
-        hf = make_hf_model(kind, tie)
+        hf = make_hf_model(kind, tie, **GPU_SHAPES[kind])
         folder = save_model(hf, tmp_path_factory.mktemp(kind))
         out[(kind, tie)] = (hf.to("cuda", torch.bfloat16), folder)
     return out
