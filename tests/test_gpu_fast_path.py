@@ -27,7 +27,8 @@ def test_page_indices_kernel_matches_reference():
     for page_size in (1, 16):
         table = torch.randint(0, 1 << 20, (8, 4096), device="cuda", dtype=torch.int32) * page_size
         rows = torch.tensor([5, 0, 7, 2], device="cuda", dtype=torch.int32)
-        pages = torch.tensor([0, 3, 1000, 1, 257], device="cuda", dtype=torch.int32)
+        most = 4096 // page_size  # pages that fit in a table row
+        pages = torch.tensor([0, 3, most, 1, most // 4 + 1], device="cuda", dtype=torch.int32)
         indptr = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), pages[1:].cumsum(0).int()])
         got = build_page_indices(table, rows, indptr, page_size, int(indptr[-1]))
         assert torch.equal(got, build_page_indices_ref(table, rows, indptr, page_size))
