@@ -137,13 +137,21 @@ def bench_decode(args) -> dict[str, Any]:
         costs = ModelCosts.of(engine.model_config)
         _decode_step_times(engine, 2, 64, 4)  # warm-up
         for batch in args.batch_sizes:
+            steps_before = engine.scheduler.num_steps
             times = _decode_step_times(engine, batch, args.context, args.steps)
+            if not times:
+                rows[f"bs{batch}_graphs_{'on' if graphs else 'off'}"] = {
+                    "error": "no pure decode step observed",
+                    "steps": engine.scheduler.num_steps - steps_before}
+                print(rows, flush=True)
+                continue
             med = statistics.median(times)
             floor = decode_step_floor(costs, limits, batch, args.context + args.steps / 2)
             rows[f"bs{batch}_graphs_{'on' if graphs else 'off'}"] = {
                 "batch": batch, "cuda_graph": graphs, "median_step_ms": round(med * 1e3, 3),
                 "floor_ms": round(floor * 1e3, 3), "x_floor": round(med / floor, 2),
                 "tok_per_s": round(batch / med, 1)}
+            print(f"decode bs={batch} graphs={graphs}: {med * 1e3:.3f} ms ({med / floor:.2f}x floor)", flush=True)
         _drop(engine)
     rows["bandwidth_TBps"] = round(limits.bandwidth / 1e12, 3)
     return rows
