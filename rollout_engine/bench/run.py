@@ -34,9 +34,10 @@ def _engine(args, **overrides):
     return RolloutEngine(args.model, **kw)
 
 
-def _drop(engine) -> None:
-    engine.shutdown()
-    del engine
+def _free_device_memory() -> None:
+    """After the caller dropped its last engine reference: collect it (the
+    engine holds reference cycles) and return its memory to the device, so the
+    next engine sizes its KV cache from the whole GPU."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -79,7 +80,9 @@ def bench_grpo(args) -> dict[str, Any]:
                             args.prompt_max, args.output_len)
         _warm(engine)
         results["cache_on" if cache_on else "cache_off"] = run_workload(engine, wl)
-        _drop(engine)
+        engine.shutdown()
+        del engine
+        _free_device_memory()
     results["speedup_cache_on"] = round(results["cache_off"]["seconds"] / results["cache_on"]["seconds"], 3)
     return results
 
@@ -96,7 +99,9 @@ def bench_offline(args) -> dict[str, Any]:
                              engine.config.max_running_requests)
     res.update(roofline_tok_per_s=round(roof, 1), pct_of_roofline=round(100 * res["output_tok_per_s"] / roof, 1),
                bandwidth_TBps=round(limits.bandwidth / 1e12, 3), bf16_TFLOPs=round(limits.flops / 1e12, 1))
-    _drop(engine)
+    engine.shutdown()
+    del engine
+    _free_device_memory()
     if args.baseline == "hf":
         from rollout_engine.bench.hf_baseline import hf_model, run_hf
 
@@ -152,7 +157,9 @@ def bench_decode(args) -> dict[str, Any]:
                 "floor_ms": round(floor * 1e3, 3), "x_floor": round(med / floor, 2),
                 "tok_per_s": round(batch / med, 1)}
             print(f"decode bs={batch} graphs={graphs}: {med * 1e3:.3f} ms ({med / floor:.2f}x floor)", flush=True)
-        _drop(engine)
+        engine.shutdown()
+        del engine
+        _free_device_memory()
     rows["bandwidth_TBps"] = round(limits.bandwidth / 1e12, 3)
     return rows
 
@@ -177,7 +184,9 @@ def bench_prefill(args) -> dict[str, Any]:
     seconds = min(results[1:])
     tokens = args.num_prompts * args.prompt_max
     ceiling = prefill_ceiling(costs, limits)
-    _drop(engine)
+    engine.shutdown()
+    del engine
+    _free_device_memory()
     return {"tokens": tokens, "seconds": round(seconds, 4), "tok_per_s": round(tokens / seconds, 1),
             "ceiling_tok_per_s": round(ceiling, 1), "pct_of_ceiling": round(100 * tokens / seconds / ceiling, 1),
             "bf16_TFLOPs": round(limits.flops / 1e12, 1)}
