@@ -8,6 +8,8 @@ import math
 import torch
 from torch import nn
 
+from rollout_engine.kernels._triton import use_kernel
+from rollout_engine.kernels.rope import rope, rope_ref
 from rollout_engine.models.config import RopeConfig
 
 
@@ -27,11 +29,6 @@ def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, rope: RopeConfig):
         super().__init__()
@@ -41,7 +38,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, heads, d], k: [T, kv_heads, d]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """q: [T, heads, d], k: [T, kv_heads, d]; positions: [T]. On the GPU
+        one kernel rotates both and returns contiguous tensors."""
+        fn = rope if use_kernel(q) else rope_ref
+        return fn(positions, q, k, self.cos, self.sin)

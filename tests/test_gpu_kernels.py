@@ -1,0 +1,64 @@
+"""Each Triton kernel against its torch reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _close(a, b, dtype):
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_with_and_without_residual(dtype):
+    from rollout_engine.kernels.rmsnorm import rmsnorm, rmsnorm_ref
+
+    x = torch.randn(37, 1000, device="cuda", dtype=dtype) * 3
+    res = torch.randn(37, 1000, device="cuda", dtype=dtype)
+    w = torch.randn(1000, device="cuda", dtype=dtype)
+    out, _ = rmsnorm(x, w, 1e-6)
+    _close(out, rmsnorm_ref(x, w, 1e-6)[0], dtype)
+    out, new_res = rmsnorm(x, w, 1e-6, res)
+    ref_out, ref_res = rmsnorm_ref(x, w, 1e-6, res)
+    _close(out, ref_out, dtype)
+    assert torch.equal(new_res, ref_res)  # the add is rounded exactly like the reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_per_head_on_a_strided_view(dtype):
+    from rollout_engine.kernels.rmsnorm import rmsnorm, rmsnorm_ref
+
+    qkv = torch.randn(9, 6 * 64, device="cuda", dtype=dtype)
+    q = qkv[:, : 4 * 64].view(9, 4, 64)  # row stride 384: not contiguous
+    w = torch.randn(64, device="cuda", dtype=dtype)
+    out, _ = rmsnorm(q, w, 1e-6)
+    _close(out, rmsnorm_ref(q, w, 1e-6)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_reference(dtype):
+    from rollout_engine.kernels.rope import rope, rope_ref
+    from rollout_engine.layers.rotary import RotaryEmbedding
+    from rollout_engine.models.config import RopeConfig
+
+    rot = RotaryEmbedding(128, 4096, RopeConfig(theta=1e6)).cuda()
+    qkv = torch.randn(50, (12 + 2 * 4) * 128, device="cuda", dtype=dtype)
+    q = qkv[:, : 12 * 128].view(50, 12, 128)
+    k = qkv[:, 12 * 128: 16 * 128].view(50, 4, 128)
+    pos = torch.randint(0, 4096, (50,), device="cuda")
+    qo, ko = rope(pos, q, k, rot.cos, rot.sin)
+    qr, kr = rope_ref(pos, q, k, rot.cos, rot.sin)
+    assert qo.is_contiguous() and ko.is_contiguous()
+    _close(qo, qr, dtype)
+    _close(ko, kr, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
+
+    x = torch.randn(33, 2 * 3000, device="cuda", dtype=dtype)
+    _close(silu_and_mul(x), silu_and_mul_ref(x), dtype)
