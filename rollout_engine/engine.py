@@ -67,7 +67,7 @@ class RolloutEngine:
         self.prefix_cache = RadixCache(allocator) if cfg.enable_prefix_cache else NoPrefixCache(allocator)
         kv = KVManager(allocator, table, self.prefix_cache)
         shape = AttentionShape(attn.num_heads, attn.num_kv_heads, mc.head_dim, cfg.page_size, self.dtype, self.device)
-        backend = create_backend(cfg.attention_backend, self.device, shape=shape)
+        backend = create_backend(cfg.attention_backend, shape)
         self.runner = ModelRunner(self.model, self.kv_pool, backend, table, self.device)
         if cfg.cuda_graph and backend.supports_cuda_graph:
             self.runner.capture_cuda_graphs(min(cfg.cuda_graph_max_batch_size, cfg.max_running_requests))

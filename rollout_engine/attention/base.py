@@ -51,20 +51,23 @@ class AttentionBackend(ABC):
         """q: [T, heads, d]; k, v: [T, kv_heads, d]. Returns [T, heads, d]."""
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """"auto": flashinfer on CUDA when it is installed, else torch."""
+def resolve_backend_name(name: str, shape: AttentionShape) -> str:
+    """"auto": flashinfer on CUDA in fp16/bf16 when it is installed, else torch."""
+    half = shape.dtype in (torch.float16, torch.bfloat16)
     if name != "auto":
-        if name != "torch" and device.type != "cuda":
+        if name != "torch" and shape.device.type != "cuda":
             raise ValueError(f"attention_backend {name!r} needs a CUDA device")
+        if name != "torch" and not half:
+            raise ValueError(f"attention_backend {name!r} needs dtype bfloat16 or float16, got {shape.dtype}")
         return name
-    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+    if shape.device.type == "cuda" and half and importlib.util.find_spec("flashinfer") is not None:
         return "flashinfer"
     return "torch"
 
 
-def create_backend(name: str, device: torch.device, **kwargs) -> AttentionBackend:
-    name = resolve_backend_name(name, device)
+def create_backend(name: str, shape: AttentionShape) -> AttentionBackend:
+    name = resolve_backend_name(name, shape)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend {name!r} is not available here; available: {sorted(BACKENDS)}")
     module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    return getattr(importlib.import_module(module), cls)(shape=shape)

@@ -87,7 +87,7 @@ class ModelRunner:
         if not sel.rows:
             return [SeqResult() for _ in batch.seqs]
         if not sel.all_rows:
-            hidden = hidden[torch.tensor(sel.rows, device=self.device)]
+            hidden = hidden[self._on_device(sel.rows)]
         logits = self.model.compute_logits(hidden)
         return self._results(batch, sel, logits)
 
@@ -98,17 +98,23 @@ class ModelRunner:
             reqs = sel.sample_reqs
             sb = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
                                      [r.seq_len for r in reqs], self.device)
-            sampled = sample(logits[torch.tensor(sel.sample_pos, device=self.device)], sb)
+            direct = sel.sample_pos == list(range(logits.shape[0]))
+            sampled = sample(logits if direct else logits[self._on_device(sel.sample_pos)], sb)
             pieces += [sampled.tokens.double(), sampled.logprobs.double()]
             if sampled.top_ids is not None:
                 pieces += [sampled.top_ids.double().flatten(), sampled.top_logprobs.double().flatten()]
         if sel.prompt:
-            prompt_rows = torch.cat([torch.arange(r0, r0 + n) for _, r0, n in sel.prompt]).to(self.device)
+            prompt_rows = self._on_device([r for _, r0, n in sel.prompt for r in range(r0, r0 + n)])
             lps = torch.log_softmax(logits[prompt_rows], dim=-1)
-            targets = torch.tensor(sel.targets, device=self.device)
+            targets = self._on_device(sel.targets)
             pieces.append(lps.gather(-1, targets[:, None]).squeeze(1).double())
         host = torch.cat(pieces).cpu().numpy()  # the one sync of the step
         return self._unpack(batch, sel, sampled, host)
+
+    def _on_device(self, values: list[int]) -> torch.Tensor:
+        """An index tensor on the device without waiting for the device
+        (`torch.tensor(..., device="cuda")` would synchronise)."""
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
     @staticmethod
     def _unpack(batch: Batch, sel: LogitRows, sampled, host: np.ndarray) -> list[SeqResult]:

@@ -51,16 +51,15 @@ class SamplingBatch:
     @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], positions: list[int],
               device: torch.device) -> "SamplingBatch":
-        f32 = dict(dtype=torch.float32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
+        # Two host tensors, two asynchronous copies: the step never waits here.
+        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
+                               [p.min_p for p in params]], dtype=torch.float32).to(device, non_blocking=True)
+        ints = torch.tensor([[p.effective_top_k for p in params], seeds, positions,
+                             [p.logprob_mode == "raw" for p in params]], dtype=torch.int64)
+        ints = ints.to(device, non_blocking=True)
         return SamplingBatch(
-            temperatures=torch.tensor([p.temperature for p in params], **f32),
-            top_ks=torch.tensor([p.effective_top_k for p in params], **i64),
-            top_ps=torch.tensor([p.top_p for p in params], **f32),
-            min_ps=torch.tensor([p.min_p for p in params], **f32),
-            seeds=torch.tensor(seeds, **i64),
-            positions=torch.tensor(positions, **i64),
-            raw_logprobs=torch.tensor([p.logprob_mode == "raw" for p in params], dtype=torch.bool, device=device),
+            temperatures=floats[0], top_ps=floats[1], min_ps=floats[2],
+            top_ks=ints[0], seeds=ints[1], positions=ints[2], raw_logprobs=ints[3].bool(),
             use_sort_filters=any(p.effective_top_k > 0 or p.top_p < 1.0 for p in params),
             use_min_p=any(p.min_p > 0 for p in params),
             all_greedy=all(p.greedy for p in params),

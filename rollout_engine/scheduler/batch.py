@@ -57,7 +57,11 @@ class Batch:
         )
 
     def positions(self) -> np.ndarray:
+        if self.is_decode:
+            return np.fromiter((s.start for s in self.seqs), dtype=np.int64, count=len(self.seqs))
         return np.concatenate([np.arange(s.start, s.end, dtype=np.int64) for s in self.seqs])
 
     def out_cache_loc(self) -> np.ndarray:
+        if self.is_decode:
+            return np.fromiter((s.slots[0] for s in self.seqs), dtype=np.int64, count=len(self.seqs))
         return np.concatenate([s.slots for s in self.seqs]).astype(np.int64)

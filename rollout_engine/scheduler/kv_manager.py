@@ -46,6 +46,8 @@ class KVManager:
         its table row; None (nothing taken) when memory is short even after
         evicting the cache. Does not advance kv_len."""
         p = self.page_size
+        if num_tokens == 1:  # decode: the common case, kept cheap
+            return self._alloc_one(req)
         start, end = req.kv_len, req.kv_len + num_tokens
         have_pages, need_pages = -(-start // p), -(-end // p)
         new_pages = need_pages - have_pages
@@ -65,6 +67,21 @@ class KVManager:
             page_ids = np.asarray(pages, dtype=np.int64)[fresh // p - have_pages]
             slots[~in_old_page] = page_ids * p + fresh % p
         self.table.write(req.row, start, slots)
+        return slots
+
+    def _alloc_one(self, req: Request) -> np.ndarray | None:
+        p, pos = self.page_size, req.kv_len
+        if pos % p:  # room left in the request's own last page
+            slot = int(self.table.table[req.row, pos - 1]) + 1
+        else:
+            if not self.allocator.num_free_pages:
+                self.cache.evict(p)
+            pages = self.allocator.alloc(1)
+            if pages is None:
+                return None
+            slot = pages[0] * p
+        slots = np.array([slot], dtype=np.int64)
+        self.table.write(req.row, pos, slots)
         return slots
 
     def cache_prefix(self, req: Request) -> None:
