@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 BACKENDS: dict[str, str] = {
     "torch": "rollout_engine.attention.torch_backend:TorchAttentionBackend",
     "flashinfer": "rollout_engine.attention.flashinfer_backend:FlashInferAttentionBackend",
+    "triton": "rollout_engine.attention.triton_backend:TritonAttentionBackend",
 }
 
 

@@ -1,0 +1,148 @@
+"""Paged attention in Triton, for machines without FlashInfer: decode (one
+query token per sequence) and extend (new tokens over a cached prefix,
+causal). K/V are read through the request table (token -> slot), so any page
+size works. One torch reference (`paged_attention_ref`) serves both."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from rollout_engine.kernels._triton import next_pow2
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                        rows: list[int], seq_lens: list[int], extend_lens: list[int], scale: float) -> torch.Tensor:
+    """q: [T, Hq, D] (sequences' new tokens, concatenated); caches [S, Hk, D]."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[1]
+    start = 0
+    for row, kv_len, q_len in zip(rows, seq_lens, extend_lens):
+        slots = table[row, :kv_len].long()
+        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        qi = q[start: start + q_len].float()
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+        scores.masked_fill_(torch.arange(kv_len, device=q.device)[None, :] > q_pos, float("-inf"))
+        out[start: start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        start += q_len
+    return out
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, lens_ptr, table_stride, scale,
+                      stride_qt, stride_qh, stride_ks, stride_kh,
+                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        row = tl.load(rows_ptr + b).to(tl.int64)
+        kv_len = tl.load(lens_ptr + b)
+        g = tl.arange(0, GROUP_P)
+        d = tl.arange(0, D)
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
+                    other=0.0)
+        m = tl.full([GROUP_P], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, D], tl.float32)
+        for start in range(0, kv_len, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            valid = n < kv_len
+            slots = tl.load(table_ptr + row * table_stride + n, mask=valid, other=0).to(tl.int64)
+            kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            l = l * alpha + tl.sum(p, axis=1)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(o_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=(g < GROUP)[:, None])
+
+    @triton.jit
+    def extend_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, lens_ptr, qo_indptr_ptr, table_stride, scale,
+                      stride_qt, stride_qh, stride_ks, stride_kh,
+                      GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        mblock = tl.program_id(2)
+        q_start = tl.load(qo_indptr_ptr + b)
+        q_len = tl.load(qo_indptr_ptr + b + 1) - q_start
+        if mblock * BLOCK_M >= q_len:
+            return
+        row = tl.load(rows_ptr + b).to(tl.int64)
+        kv_len = tl.load(lens_ptr + b)
+        prefix = kv_len - q_len
+        kvh = h // GROUP
+        mi = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_valid = mi < q_len
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + (q_start + mi)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=m_valid[:, None],
+                    other=0.0)
+        q_pos = prefix + mi
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        end = tl.minimum(kv_len, prefix + (mblock + 1) * BLOCK_M)  # causal: later keys are never seen
+        for start in range(0, end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            valid = n < kv_len
+            slots = tl.load(table_ptr + row * table_stride + n, mask=valid, other=0).to(tl.int64)
+            kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            allowed = valid[None, :] & (n[None, :] <= q_pos[:, None])
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            l = l * alpha + tl.sum(p, axis=1)
+            m = m_new
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(o_ptr + (q_start + mi)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
+
+    return decode_kernel, extend_kernel
+
+
+def decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D]; rows, seq_lens: [B] device tensors."""
+    bsz, hq, d = q.shape
+    hk = k_cache.shape[1]
+    group = hq // hk
+    out = torch.empty_like(q)
+    if bsz:
+        _kernels()[0][(bsz, hk)](q, k_cache, v_cache, out, table, rows, seq_lens, table.stride(0), scale,
+                                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                                 GROUP=group, GROUP_P=max(16, next_pow2(group)), D=d, BLOCK_N=64)
+    return out
+
+
+def extend_attention(q, k_cache, v_cache, table, rows, seq_lens, qo_indptr, max_q_len: int,
+                     scale: float) -> torch.Tensor:
+    """q: [T, Hq, D] new tokens; qo_indptr: [B + 1] device tensor."""
+    t, hq, d = q.shape
+    hk = k_cache.shape[1]
+    out = torch.empty_like(q)
+    bsz = rows.numel()
+    block_m = 64
+    if t:
+        _kernels()[1][(bsz, hq, -(-max_q_len // block_m))](
+            q, k_cache, v_cache, out, table, rows, seq_lens, qo_indptr, table.stride(0), scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            GROUP=hq // hk, D=d, BLOCK_M=block_m, BLOCK_N=64)
+    return out

@@ -1,0 +1,40 @@
+"""Triton paged attention (kernels/attention.py): for GPUs without FlashInfer.
+Reads K/V through the device request table, so no page-index build is needed."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from rollout_engine.attention.base import AttentionBackend, AttentionShape
+from rollout_engine.kernels.attention import decode_attention, extend_attention
+
+if TYPE_CHECKING:
+    from rollout_engine.layers.attention import PagedAttention
+    from rollout_engine.runner.forward_batch import ForwardBatch
+
+
+class TritonAttentionBackend(AttentionBackend):
+    needs_device_table = True
+
+    def __init__(self, shape: AttentionShape, **_):
+        self.shape = shape
+
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        qo_indptr = np.zeros(fb.batch_size + 1, dtype=np.int32)
+        np.cumsum(fb.extend_lens, out=qo_indptr[1:])
+        host = torch.from_numpy(np.concatenate([fb.seq_lens.astype(np.int32), qo_indptr]))
+        dev = host.to(self.shape.device, non_blocking=True)
+        fb.attn_metadata = (dev[: fb.batch_size], dev[fb.batch_size:], int(fb.extend_lens.max()))
+
+    def forward(self, q, k, v, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
+        pool = fb.kv_pool
+        pool.store(layer.layer_id, fb.out_cache_loc, k, v)
+        k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
+        seq_lens, qo_indptr, max_q_len = fb.attn_metadata
+        table = fb.device_table.tensor
+        if fb.is_decode:
+            return decode_attention(q, k_cache, v_cache, table, fb.rows_device, seq_lens, layer.scaling)
+        return extend_attention(q, k_cache, v_cache, table, fb.rows_device, seq_lens, qo_indptr, max_q_len,
+                                layer.scaling)
