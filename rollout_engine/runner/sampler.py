@@ -101,10 +101,11 @@ def processed_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
-    """logits: [B, V] float32."""
-    raw = torch.log_softmax(logits, dim=-1)
+    """logits: [B, V] float32. Full [B, V] logprob tables are built only when
+    top logprobs are asked for; otherwise only the chosen tokens' logprobs."""
     greedy_tokens = logits.argmax(dim=-1)
-    probs = processed_probs(logits, sb)
+    needs_processed = not sb.all_greedy or sb.use_sort_filters or sb.use_min_p
+    probs = processed_probs(logits, sb) if needs_processed else None
     if sb.all_greedy:
         tokens = greedy_tokens
     else:
@@ -115,10 +116,14 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
         # Rounding at the very top of the CDF must not pick a filtered token.
         drawn = torch.where(probs.gather(-1, drawn[:, None]).squeeze(1) > 0, drawn, probs.argmax(dim=-1))
         tokens = torch.where(sb.temperatures > 0, drawn, greedy_tokens)
-    processed = torch.log(probs)
-    lp_table = torch.where(sb.raw_logprobs[:, None], raw, processed)
-    logprobs = lp_table.gather(-1, tokens[:, None]).squeeze(1)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    raw = logits.gather(-1, tokens[:, None]).squeeze(1) - log_norm
+    # Greedy rows without filters sample from the raw distribution at temperature 1.
+    processed = raw if probs is None else torch.log(probs.gather(-1, tokens[:, None]).squeeze(1))
+    logprobs = torch.where(sb.raw_logprobs, raw, processed)
     top_ids = top_lps = None
     if sb.max_top_logprobs:
-        top_lps, top_ids = lp_table.topk(min(sb.max_top_logprobs, logits.shape[-1]), dim=-1)
+        raw_table = logits - log_norm[:, None]
+        table = raw_table if probs is None else torch.where(sb.raw_logprobs[:, None], raw_table, torch.log(probs))
+        top_lps, top_ids = table.topk(min(sb.max_top_logprobs, logits.shape[-1]), dim=-1)
     return SampleResult(tokens, logprobs, top_ids, top_lps)
