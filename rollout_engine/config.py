@@ -29,6 +29,7 @@ class EngineConfig:
     weights_cpu_backup: bool = False
     tp_size: int = 1
     seed: int = 0
+    overlap_schedule: bool = True  # schedule decode step N+1 while step N runs
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:

@@ -73,7 +73,8 @@ class RolloutEngine:
             self.runner.capture_cuda_graphs(min(cfg.cuda_graph_max_batch_size, cfg.max_running_requests))
         eos = mc.eos_token_ids or _tokenizer_eos(self.tokenizer)
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens), kv, self.runner,
+            SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens, overlap=cfg.overlap_schedule), kv,
+            self.runner,
             StopChecker(eos, mc.max_position, self.tokenizer), weight_version=lambda: self._weight_version)
         self._weight_version = 0
         self._lock = threading.Lock()
@@ -105,10 +106,10 @@ class RolloutEngine:
         closed: set[int] = set()
         for _ in self._drive(reqs, progress=False):
             for r in reqs:
-                if id(r) in closed or not (len(r.output_ids) > sent[id(r)] or r.finished):
+                if id(r) in closed or not (r.num_output_tokens > sent[id(r)] or r.finished):
                     continue
                 yield self._output(r, since=sent[id(r)])
-                sent[id(r)] = len(r.output_ids)
+                sent[id(r)] = r.num_output_tokens
                 if r.finished:
                     closed.add(id(r))
 
@@ -137,7 +138,8 @@ class RolloutEngine:
         return {"queried_tokens": st.queried_tokens, "matched_tokens": st.matched_tokens,
                 "hit_rate": st.hit_rate, "evicted_tokens": st.evicted_tokens,
                 "cached_tokens": self.prefix_cache.cached_tokens, "retractions": sched.num_retractions,
-                "steps": sched.num_steps, "prompt_tokens_computed": sched.prompt_tokens_computed,
+                "steps": sched.num_steps, "ahead_steps": sched.num_ahead_steps,
+                "prompt_tokens_computed": sched.prompt_tokens_computed,
                 "decode_tokens": sched.decode_tokens}
 
     def check_integrity(self) -> None:
@@ -206,7 +208,8 @@ class RolloutEngine:
             text = r.text if r.text is not None and since == 0 else self.tokenizer.decode(
                 r.output_ids[since:], skip_special_tokens=True)
         return RolloutOutput(
-            request_id=r.request_id, prompt_token_ids=list(r.prompt_ids), output_token_ids=r.output_ids[since:],
+            request_id=r.request_id, prompt_token_ids=list(r.prompt_ids),
+            output_token_ids=r.output_ids[since: r.num_output_tokens],
             output_logprobs=r.output_logprobs[since:] if p.logprobs else None,
             top_logprobs=r.top_logprobs[since:] if p.top_logprobs else None,
             prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,

@@ -35,6 +35,14 @@ class Request:
     # Samples 1..n-1 of this prompt, waiting to be forked from this request's
     # first sampling step (they share its prompt KV through the prefix cache).
     fork_siblings: list["Request"] = field(default_factory=list)
+    # Output positions scheduled ahead whose token is still being sampled
+    # (PLACEHOLDER in output_ids until filled, in order).
+    pending_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens actually sampled (placeholders excluded)."""
+        return len(self.output_ids) - self.pending_tokens
 
     @property
     def all_ids(self) -> list[int]:
@@ -68,6 +76,9 @@ class Request:
 
     def wants_prompt_logprobs(self) -> bool:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+
+PLACEHOLDER = -1  # an output token scheduled ahead, not sampled yet
 
 
 def empty_slots() -> np.ndarray:

@@ -17,8 +17,11 @@ class FakeRunner:
     def __init__(self):
         self.batches = []
 
-    def run(self, batch):
+    def launch(self, batch, prev=None):
         self.batches.append([(s.req.request_id, s.start, s.extend_len) for s in batch.seqs])
+        return batch
+
+    def collect(self, batch):  # by now every input token of the batch is known
         return [SeqResult(token=(s.req.all_ids[s.end - 1] + 1) % 100, logprob=-1.0) if s.samples else SeqResult()
                 for s in batch.seqs]
 

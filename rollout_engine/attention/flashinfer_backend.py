@@ -49,6 +49,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend="fa2")
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+        self._plan_copied: torch.cuda.Event | None = None
 
     # ---- planning --------------------------------------------------------------
     def page_indices(self, fb: "ForwardBatch", pt: PageTable, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,11 +57,24 @@ class FlashInferAttentionBackend(AttentionBackend):
         return build_page_indices(fb.device_table.tensor, fb.rows_device, indptr, self.shape.page_size,
                                   int(pt.indptr[-1]), out=out)
 
+    def _before_plan(self) -> None:
+        """A plan writes its schedule into a pinned host buffer and queues a
+        copy to the device. With steps launched ahead, the previous plan's
+        copy may still be queued: wait until it has run before overwriting."""
+        if self._plan_copied is not None:
+            self._plan_copied.synchronize()
+
+    def _after_plan(self) -> None:
+        self._plan_copied = torch.cuda.Event()
+        self._plan_copied.record()
+
     def plan_decode(self, wrapper, pt: PageTable, indices: torch.Tensor) -> None:
         s = self.shape
+        self._before_plan()
         wrapper.plan(torch.from_numpy(pt.indptr), indices, torch.from_numpy(pt.last_page_len),
                      s.num_heads, s.num_kv_heads, s.head_dim, s.page_size,
                      q_data_type=s.dtype, kv_data_type=s.dtype, non_blocking=True)
+        self._after_plan()
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         s = self.shape
@@ -72,9 +86,11 @@ class FlashInferAttentionBackend(AttentionBackend):
             return
         qo_indptr = np.zeros(fb.batch_size + 1, dtype=np.int32)
         np.cumsum(fb.extend_lens, out=qo_indptr[1:])
+        self._before_plan()
         self.prefill.plan(torch.from_numpy(qo_indptr), torch.from_numpy(pt.indptr), indices,
                           torch.from_numpy(pt.last_page_len), s.num_heads, s.num_kv_heads, s.head_dim,
                           s.page_size, causal=True, q_data_type=s.dtype, kv_data_type=s.dtype, non_blocking=True)
+        self._after_plan()
         fb.attn_metadata = self.prefill
 
     def graph_decode_wrapper(self, batch_size: int, indptr_buf: torch.Tensor, indices_buf: torch.Tensor,

@@ -84,8 +84,9 @@ class CudaGraphRunner:
     def can_run(self, batch: Batch) -> bool:
         return self.captured and batch.is_decode and len(batch) <= self.max_bs
 
-    def replay(self, batch: Batch) -> torch.Tensor:
-        """Hidden states [bs, hidden] of a decode batch."""
+    def replay(self, batch: Batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [bs, hidden] of a decode batch; `input_ids` (on the
+        device) replaces the batch's own tokens when given."""
         bs = len(batch)
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
         pad = bucket - bs
@@ -99,6 +100,8 @@ class CudaGraphRunner:
         self.positions[:bucket].copy_(packed[1])
         self.out_cache_loc[:bucket].copy_(packed[2])
         self.rows[:bucket].copy_(packed[3])
+        if input_ids is not None:
+            self.input_ids[:bs].copy_(input_ids)
         # Padding sequences: one page (the reserved page 0), one token.
         real = PageTable.of(seq_lens, self.page_size)
         total = int(real.indptr[-1])

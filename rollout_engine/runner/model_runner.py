@@ -7,6 +7,9 @@ the step's single device sync.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -55,6 +58,17 @@ class LogitRows:
         self.all_rows = rows == list(range(offset))
 
 
+@dataclass
+class StepHandle:
+    """A launched step: its results are on their way to `host`."""
+
+    batch: Batch
+    sel: LogitRows
+    sampled: Any
+    host: torch.Tensor | None
+    event: Any
+
+
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_pool: KVPool, backend: AttentionBackend,
                  table: ReqToTokenTable, device: torch.device):
@@ -73,25 +87,54 @@ class ModelRunner:
                                       max_bs, self.device)
         self.graphs.capture()
 
-    @torch.inference_mode()
     def run(self, batch: Batch) -> list[SeqResult]:
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, prev: "StepHandle | None" = None) -> "StepHandle":
+        """Enqueue the step on the device and start copying its results to
+        the host; returns at once. With `prev`, each sequence's input token is
+        the one `prev` sampled for the same request (still on the device)."""
         if self.device_table is not None:
             self.device_table.sync()
         sel = LogitRows(batch)
+        input_ids = self._tokens_from(prev, batch) if prev is not None else None
         if self.graphs is not None and sel.all_rows and self.graphs.can_run(batch):
-            hidden = self.graphs.replay(batch)
+            hidden = self.graphs.replay(batch, input_ids)
         else:
             fb = ForwardBatch.from_batch(batch, self.table, self.device_table, self.kv_pool, self.backend,
                                          self.device)
+            if input_ids is not None:
+                fb.input_ids = input_ids
             hidden = self.model(fb.input_ids, fb.positions, fb)
         if not sel.rows:
-            return [SeqResult() for _ in batch.seqs]
+            return StepHandle(batch, sel, None, None, None)
         if not sel.all_rows:
             hidden = hidden[self._on_device(sel.rows)]
         logits = self.model.compute_logits(hidden)
-        return self._results(batch, sel, logits)
+        sampled, device_out = self._sample(batch, sel, logits)
+        if device_out.is_cuda:
+            host = torch.empty(device_out.shape, dtype=device_out.dtype, pin_memory=True)
+            host.copy_(device_out, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = device_out, None
+        return StepHandle(batch, sel, sampled, host, event)
 
-    def _results(self, batch: Batch, sel: LogitRows, logits: torch.Tensor) -> list[SeqResult]:
+    def collect(self, handle: "StepHandle") -> list[SeqResult]:
+        """Wait for a launched step (the step's one host sync) and unpack it."""
+        if handle.host is None:
+            return [SeqResult() for _ in handle.batch.seqs]
+        if handle.event is not None:
+            handle.event.synchronize()
+        return self._unpack(handle.batch, handle.sel, handle.sampled, handle.host.numpy())
+
+    def _tokens_from(self, prev: "StepHandle", batch: Batch) -> torch.Tensor:
+        where = {id(r): j for j, r in enumerate(prev.sel.sample_reqs)}
+        return prev.sampled.tokens[self._on_device([where[id(s.req)] for s in batch.seqs])]
+
+    def _sample(self, batch: Batch, sel: LogitRows, logits: torch.Tensor):
         pieces: list[torch.Tensor] = []
         sampled = None
         if sel.sample_seq:
@@ -108,8 +151,7 @@ class ModelRunner:
             lps = torch.log_softmax(logits[prompt_rows], dim=-1)
             targets = self._on_device(sel.targets)
             pieces.append(lps.gather(-1, targets[:, None]).squeeze(1).double())
-        host = torch.cat(pieces).cpu().numpy()  # the one sync of the step
-        return self._unpack(batch, sel, sampled, host)
+        return sampled, torch.cat(pieces)
 
     def _on_device(self, values: list[int]) -> torch.Tensor:
         """An index tensor on the device without waiting for the device

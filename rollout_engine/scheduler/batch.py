@@ -16,15 +16,19 @@ class ScheduledSeq:
     start: int
     extend_len: int
     slots: np.ndarray
+    # Where the sampled token goes when the next step was scheduled before
+    # this one's result arrived (a placeholder in output_ids); None: appended.
+    fill_index: int | None = None
+    # The extend reaches the last known token, so the step samples the next
+    # one (fixed when scheduled: placeholders added later do not change it).
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.end == self.req.seq_len
 
     @property
     def end(self) -> int:
         return self.start + self.extend_len
-
-    @property
-    def samples(self) -> bool:
-        """The extend reaches the last known token, so the step samples the next one."""
-        return self.end == self.req.seq_len
 
     @property
     def prompt_logprob_end(self) -> int:

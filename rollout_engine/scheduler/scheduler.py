@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
-from rollout_engine.request import Request
+from rollout_engine.request import PLACEHOLDER, Request
 from rollout_engine.scheduler.batch import Batch, ScheduledSeq
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.stop import StopChecker
@@ -30,6 +30,8 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.5
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.002
+    # Schedule decode step N+1 while step N runs on the device.
+    overlap: bool = True
 
 
 @dataclass
@@ -42,7 +44,11 @@ class SeqResult:
 
 
 class StepRunner(Protocol):
-    def run(self, batch: Batch) -> list[SeqResult]: ...
+    def launch(self, batch: Batch, prev: Any = None) -> Any:
+        """Start the step; with `prev`, input tokens come from prev's samples."""
+
+    def collect(self, handle: Any) -> list[SeqResult]:
+        """Wait for a launched step's results."""
 
 
 class Scheduler:
@@ -58,17 +64,19 @@ class Scheduler:
         self.new_token_ratio = cfg.init_new_token_ratio
         self.num_retractions = 0
         self.num_steps = 0
+        self.num_ahead_steps = 0  # decode steps scheduled while the previous one ran
         self.prompt_tokens_computed = 0  # prompt positions whose KV was computed (not cached)
         self.decode_tokens = 0
         self._abort_ids: set[str] = set()
         self._abort_all = False
+        self._pending: tuple[Batch, Any] | None = None  # launched, not yet collected
 
     # ---- requests in and out -------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._pending)
 
     def abort(self, request_ids: list[str] | None = None) -> None:
         """Thread-safe: takes effect at the start of the next step."""
@@ -99,18 +107,67 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that finished in it."""
-        finished = self._apply_aborts()
-        batch = self._schedule()
-        if not batch.seqs:
-            return finished
-        results = self.runner.run(batch)
+        """Run one batch; returns the requests that finished in it.
+
+        Overlap: while a pure decode step runs on the device, the next decode
+        step is scheduled and launched (its inputs are the tokens still being
+        sampled, taken on the device), then the first step's results are
+        applied. A request that finishes in step N computed one token too many
+        in step N+1; that result is dropped."""
+        finished: list[Request] = []
+        if self._pending is not None and (self.waiting or self._abort_all or self._abort_ids):
+            finished += self._collect_pending()  # admissions and aborts see settled state
+        finished += self._apply_aborts()
+        if self._pending is None:
+            batch = self._schedule()
+            if not batch.seqs:
+                return finished
+            self._pending = (batch, self.runner.launch(batch))
+        batch, handle = self._pending
+        ahead = self._schedule_ahead(batch)
+        ahead_handle = self.runner.launch(ahead, handle) if ahead is not None else None
+        finished += self._collect_pending()
+        if ahead is not None:
+            self._pending = (ahead, ahead_handle)
+        return finished
+
+    def _collect_pending(self) -> list[Request]:
+        batch, handle = self._pending
+        self._pending = None
+        results = self.runner.collect(handle)
         self._count(batch)
+        finished = []
         for seq, result in zip(batch.seqs, results):
+            if seq.req.finished:  # finished in the step before: a token computed ahead, dropped
+                continue
             if self._apply(seq, result, batch.weight_version):
                 finished.append(seq.req)
         self.running = [r for r in self.running if not r.finished]
         return finished
+
+    def _schedule_ahead(self, batch: Batch) -> Batch | None:
+        """The next decode step for the requests of the running decode step
+        `batch` that surely go on (no length stop), or None where only the
+        settled state can decide. Each such request gets a placeholder for the
+        token `batch` is sampling; `batch`'s result fills it."""
+        if not (self.cfg.overlap and batch.is_decode and not self.waiting and all(s.samples for s in batch.seqs)):
+            return None
+        seqs = [s for s in batch.seqs if not s.req.finished and not s.req.fork_siblings
+                and len(s.req.output_ids) + 1 < s.req.params.max_new_tokens
+                and s.req.seq_len + 1 < self.stop.max_context]
+        if not seqs or self.kv.allocator.num_free_pages < len(seqs):
+            return None
+        ahead = Batch(weight_version=self.weight_version())
+        for seq in seqs:
+            req = seq.req
+            seq.fill_index = len(req.output_ids)
+            req.output_ids.append(PLACEHOLDER)
+            req.pending_tokens += 1
+            slots = self.kv.alloc_extend(req, 1)
+            ahead.seqs.append(ScheduledSeq(req, req.kv_len, 1, slots))
+            req.kv_len += 1
+        self.num_ahead_steps += 1
+        return ahead
 
     def _schedule(self) -> Batch:
         batch = Batch(weight_version=self.weight_version())
@@ -207,7 +264,7 @@ class Scheduler:
             self.kv.cache_prefix(req)
         if req.fork_siblings:
             self._fork(req, result.fork_results, weight_version)
-        return self._append(req, result, weight_version)
+        return self._append(req, result, weight_version, seq.fill_index)
 
     def _fork(self, leader: Request, results: list[SeqResult], weight_version: int) -> None:
         """The siblings' first tokens were sampled from the leader's logits;
@@ -221,9 +278,14 @@ class Scheduler:
         leader.fork_siblings = []
         self.waiting.extendleft(reversed(queued))
 
-    def _append(self, req: Request, result: SeqResult, weight_version: int) -> bool:
-        """Record a sampled token; returns True if the request finished."""
-        req.output_ids.append(result.token)
+    def _append(self, req: Request, result: SeqResult, weight_version: int, fill_index: int | None = None) -> bool:
+        """Record a sampled token (into its placeholder when it was scheduled
+        ahead); returns True if the request finished."""
+        if fill_index is None:
+            req.output_ids.append(result.token)
+        else:
+            req.output_ids[fill_index] = result.token
+            req.pending_tokens -= 1
         if req.params.logprobs:
             req.output_logprobs.append(result.logprob)
         if req.params.top_logprobs:

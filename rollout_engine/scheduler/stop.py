@@ -13,20 +13,22 @@ class StopChecker:
         self.tokenizer = tokenizer
 
     def check(self, req: Request) -> str | None:
+        """Judged on the sampled tokens (placeholders scheduled ahead excluded)."""
         params = req.params
-        token = req.output_ids[-1]
+        n = req.num_output_tokens
+        token = req.output_ids[n - 1]
         if not params.ignore_eos and token in self.eos:
             return "stop"
         if params.stop_token_ids and token in params.stop_token_ids:
             return "stop"
         if params.stop and self._hits_stop_string(req):
             return "stop"
-        if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.max_context:
+        if n >= params.max_new_tokens or len(req.prompt_ids) + n >= self.max_context:
             return "length"
         return None
 
     def _hits_stop_string(self, req: Request) -> bool:
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(req.output_ids[: req.num_output_tokens], skip_special_tokens=True)
         hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
         if not hits:
             return False
