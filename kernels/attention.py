@@ -36,6 +36,31 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
+    def attend_block(q, k_ptr, v_ptr, table_ptr, row, table_stride, start, kv_len, kvh, stride_ks, stride_kh, scale,
+                     visible, m, l, acc, D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+        """One block of keys of the online softmax: the keys' slots come from
+        the request table. With CAUSAL, `visible` holds the query positions."""
+        d = tl.arange(0, D)
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < kv_len
+        slots = tl.load(table_ptr + row * table_stride + n, mask=valid, other=0).to(tl.int64)
+        kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        allowed = valid[None, :]
+        if CAUSAL:
+            allowed = allowed & (n[None, :] <= visible[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        l = l * alpha + tl.sum(p, axis=1)
+        return m_new, l, acc
+
+    @triton.jit
     def decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, lens_ptr, table_stride, scale,
                       stride_qt, stride_qh, stride_ks, stride_kh,
                       GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -52,20 +77,8 @@ def _kernels():
         l = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, D], tl.float32)
         for start in range(0, kv_len, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            valid = n < kv_len
-            slots = tl.load(table_ptr + row * table_stride + n, mask=valid, other=0).to(tl.int64)
-            kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            l = l * alpha + tl.sum(p, axis=1)
-            m = m_new
+            m, l, acc = attend_block(q, k_ptr, v_ptr, table_ptr, row, table_stride, start, kv_len, kvh, stride_ks,
+                                     stride_kh, scale, g, m, l, acc, D=D, BLOCK_N=BLOCK_N, CAUSAL=False)
         out = acc / l[:, None]
         tl.store(o_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=(g < GROUP)[:, None])
@@ -96,22 +109,8 @@ def _kernels():
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         end = tl.minimum(kv_len, prefix + (mblock + 1) * BLOCK_M)  # causal: later keys are never seen
         for start in range(0, end, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            valid = n < kv_len
-            slots = tl.load(table_ptr + row * table_stride + n, mask=valid, other=0).to(tl.int64)
-            kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            allowed = valid[None, :] & (n[None, :] <= q_pos[:, None])
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            l = l * alpha + tl.sum(p, axis=1)
-            m = m_new
+            m, l, acc = attend_block(q, k_ptr, v_ptr, table_ptr, row, table_stride, start, kv_len, kvh, stride_ks,
+                                     stride_kh, scale, q_pos, m, l, acc, D=D, BLOCK_N=BLOCK_N, CAUSAL=True)
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(o_ptr + (q_start + mi)[:, None] * stride_qt + h * stride_qh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
