@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from rollout_engine.sampling_params import SamplingParams
 
 
@@ -79,7 +77,3 @@ class Request:
 
 
 PLACEHOLDER = -1  # an output token scheduled ahead, not sampled yet
-
-
-def empty_slots() -> np.ndarray:
-    return np.zeros(0, dtype=np.int64)

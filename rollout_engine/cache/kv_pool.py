@@ -25,8 +25,3 @@ class KVPool:
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer_id][loc] = k.to(self.dtype)
         self.v[layer_id][loc] = v.to(self.dtype)
-
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for k, v in zip(self.k, self.v):
-            k[dst] = k[src]
-            v[dst] = v[src]

@@ -15,10 +15,6 @@ class ReqToTokenTable:
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._log: list[tuple[int, int, np.ndarray]] = []
 
-    @property
-    def num_free_rows(self) -> int:
-        return len(self._free_rows)
-
     def alloc_row(self) -> int:
         if not self._free_rows:
             raise RuntimeError("no free request rows (max_running_requests reached)")

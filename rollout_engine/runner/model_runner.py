@@ -87,9 +87,6 @@ class ModelRunner:
                                       max_bs, self.device)
         self.graphs.capture()
 
-    def run(self, batch: Batch) -> list[SeqResult]:
-        return self.collect(self.launch(batch))
-
     @torch.inference_mode()
     def launch(self, batch: Batch, prev: "StepHandle | None" = None) -> "StepHandle":
         """Enqueue the step on the device and start copying its results to
