@@ -5,6 +5,7 @@ import asyncio
 import os
 import random
 import threading
+import time
 from typing import Iterator, Sequence
 
 import torch
@@ -18,6 +19,9 @@ from rollout_engine.cache.req_table import ReqToTokenTable
 from rollout_engine.config import EngineConfig
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens
+from rollout_engine.memory.controller import MemoryController
+from rollout_engine.memory.manager import TAGS, MemoryManager
+from rollout_engine.memory.saver import create_saver
 from rollout_engine.model_zoo import ZOO, ensure_model
 from rollout_engine.outputs import RolloutOutput
 from rollout_engine.request import Request
@@ -50,7 +54,10 @@ class RolloutEngine:
         path = resolve_model_path(model, cfg.load_format)
         free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         comm = TPComm()
-        self.model = load_model(path, cfg.load_format, comm, self.device, self.dtype, cfg.seed)
+        self.memory = MemoryManager(create_saver(cfg.enable_memory_saver, self.device))
+        self.model = load_model(path, cfg.load_format, comm, self.device, self.dtype, cfg.seed,
+                                weights_region=self.memory.region("weights", cfg.weights_cpu_backup))
+        self.memory.register("weights", self.model.parameters())
         self.model_config = mc = self.model.config
         self.tokenizer = load_tokenizer(path, cfg.tokenizer)
         attn = self.model.model.layers[0].self_attn.attn
@@ -60,8 +67,10 @@ class RolloutEngine:
                                       self.dtype.itemsize)
         num_pages = -(-capacity // cfg.page_size)
         allocator = PageAllocator(num_pages, cfg.page_size)
-        self.kv_pool = KVPool(mc.num_layers, allocator.num_slots, attn.num_kv_heads, mc.head_dim,
-                              self.dtype, self.device)
+        with self.memory.region("kv_cache"):
+            self.kv_pool = KVPool(mc.num_layers, allocator.num_slots, attn.num_kv_heads, mc.head_dim,
+                                  self.dtype, self.device)
+        self.memory.register("kv_cache", self.kv_pool.k + self.kv_pool.v)
         self.limits = Limits(mc.vocab_size, mc.max_position, num_pages * cfg.page_size)
         table = ReqToTokenTable(cfg.max_running_requests, min(mc.max_position, self.limits.kv_capacity) + 1)
         self.prefix_cache = RadixCache(allocator) if cfg.enable_prefix_cache else NoPrefixCache(allocator)
@@ -70,13 +79,18 @@ class RolloutEngine:
         backend = create_backend(cfg.attention_backend, shape)
         self.runner = ModelRunner(self.model, self.kv_pool, backend, table, self.device)
         if cfg.cuda_graph and backend.supports_cuda_graph:
+            before = torch.cuda.memory_reserved(self.device)
             self.runner.capture_cuda_graphs(min(cfg.cuda_graph_max_batch_size, cfg.max_running_requests))
+            self.memory.register("cuda_graph", extra_bytes=torch.cuda.memory_reserved(self.device) - before)
         eos = mc.eos_token_ids or _tokenizer_eos(self.tokenizer)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens, overlap=cfg.overlap_schedule), kv,
             self.runner,
             StopChecker(eos, mc.max_position, self.tokenizer), weight_version=lambda: self._weight_version)
         self._weight_version = 0
+        self._memory = MemoryController(self.memory, self.scheduler, self.prefix_cache, self.runner, self.device,
+                                        cfg.weights_cpu_backup)
+        self._paused = False
         self._lock = threading.Lock()
         self._rng = random.Random(cfg.seed)
         self._next_id = 0
@@ -148,6 +162,41 @@ class RolloutEngine:
         with self._lock:
             self.scheduler.check_integrity()
 
+    def release_memory(self, tags: Sequence[str] = TAGS) -> dict[str, int]:
+        """Unmap the GPU memory of `tags` (addresses are kept); returns the
+        bytes freed per tag. Needs enable_memory_saver=True; refuses while
+        requests run unless generation is paused, and refuses the KV cache
+        while paused requests hold it. The prefix cache goes with the KV cache."""
+        with self._lock:
+            return self._memory.release(tags, self._paused)
+
+    def resume_memory(self, tags: Sequence[str] = TAGS) -> None:
+        """Map `tags` again at the same addresses. Weights come back as they
+        were with weights_cpu_backup=True; otherwise new weights must be
+        loaded before generating. CUDA graphs are captured again."""
+        with self._lock:
+            self._memory.resume(tags)
+
+    def memory_state(self) -> dict[str, str]:
+        """tag -> "resident" | "released"."""
+        return self._memory.state()
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop stepping. "abort": running and waiting requests finish with
+        "abort" now; "keep": they stay, holding their KV, until
+        continue_generation(). New generate calls are refused while paused."""
+        if mode not in ("abort", "keep"):
+            raise ValueError(f"mode must be 'abort' or 'keep', got {mode!r}")
+        with self._lock:
+            self.scheduler.settle()
+            if mode == "abort":
+                self.scheduler.abort()
+                self.scheduler.step()
+            self._paused = True
+
+    def continue_generation(self) -> None:
+        self._paused = False
+
     def shutdown(self) -> None:
         self.abort()
         with self._lock:
@@ -156,6 +205,9 @@ class RolloutEngine:
 
     # ---- internals -------------------------------------------------------------
     def _make_requests(self, prompts, input_ids, sampling_params, request_ids) -> list[Request]:
+        if self._paused:
+            raise RuntimeError("generation is paused: call continue_generation() first")
+        self._memory.check_can_generate()
         token_lists = resolve_prompts(prompts, input_ids, self.tokenizer, self.limits)
         params = resolve_params(sampling_params, len(token_lists))
         for i, (ids, p) in enumerate(zip(token_lists, params)):
@@ -191,6 +243,10 @@ class RolloutEngine:
         done = 0
         try:
             while done < len(reqs):
+                if self._paused:  # another thread paused generation: wait for continue_generation()
+                    time.sleep(0.001)
+                    yield
+                    continue
                 with self._lock:
                     if not all(r.finished for r in reqs):
                         self.scheduler.step()

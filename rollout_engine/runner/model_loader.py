@@ -2,9 +2,10 @@
 folder, or random ("dummy") weights of a preset's or folder's shapes."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
@@ -70,11 +71,25 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> 
                 p.normal_(0.0, std, generator=gen)
 
 
+def move_buffers_out(model: torch.nn.Module) -> None:
+    """Give non-weight buffers (RoPE tables) fresh storage outside the
+    weights region, so a weights release leaves them intact. Done once,
+    before anything holds their addresses."""
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = buf.clone()
+
+
 def load_model(model: str, load_format: str, comm: TPComm, device: torch.device, dtype: torch.dtype,
-               seed: int) -> DecoderForCausalLM:
+               seed: int, weights_region: ContextManager | None = None) -> DecoderForCausalLM:
+    """Parameters are allocated inside `weights_region`; loading happens
+    outside it (its temporaries must not land in the region)."""
     hf, eos = read_hf_config(model)
     cfg = ModelConfig.from_hf(hf, eos)
-    net = build_model(cfg, comm, device, dtype)
+    with weights_region or contextlib.nullcontext():
+        net = build_model(cfg, comm, device, dtype)
+    move_buffers_out(net)
     if load_format == "dummy":
         init_dummy_weights(net, seed)
         return net

@@ -131,6 +131,10 @@ class Scheduler:
             self._pending = (ahead, ahead_handle)
         return finished
 
+    def settle(self) -> list[Request]:
+        """Wait for the step in flight, if any, and apply it."""
+        return self._collect_pending() if self._pending is not None else []
+
     def _collect_pending(self) -> list[Request]:
         batch, handle = self._pending
         self._pending = None
