@@ -81,6 +81,13 @@ def cmd_demo(args) -> int:
     return cmd_generate(args)
 
 
+def cmd_run(args) -> int:
+    from rollout_engine.memory.launch import run
+
+    argv = args.program[1:] if args.program[:1] == ["--"] else args.program
+    return run(argv)
+
+
 def cmd_bench(args) -> int:
     from rollout_engine.bench.run import main as bench_main
 
@@ -102,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(p)
     _sampling_args(p, 64)
     p.set_defaults(func=cmd_demo, n=4)
+    p = sub.add_parser("run", help="start a program with the memory-saver preload hook: run -- python train.py")
+    p.add_argument("program", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_run)
     p = sub.add_parser("bench", help="benchmark workloads (see BENCHMARKS.md)")
     p.add_argument("--workload", choices=["grpo", "offline", "decode", "prefill"], default="grpo")
     p.add_argument("--model", default="qwen3-0.6b")

@@ -66,6 +66,9 @@ class TorchAttentionBackend(AttentionBackend):
         bsz, kv_heads = q.shape[0], layer.num_kv_heads
         qg = q.view(bsz, kv_heads, layer.num_heads // kv_heads, layer.head_dim)
         kb, vb = k_cache[slots].to(q.dtype), v_cache[slots].to(q.dtype)  # [B, L, kv_heads, d]
+        # Padding reads slot 0, whose contents are arbitrary (NaN after a
+        # release without backup): 0 * NaN would leak into real rows.
+        vb = vb.masked_fill(~mask[:, 0, 0, :, None, None], 0)
         scores = torch.einsum("bhgd,blhd->bhgl", qg, kb).float() * layer.scaling
         scores.masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
