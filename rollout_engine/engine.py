@@ -6,7 +6,7 @@ import os
 import random
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -32,6 +32,7 @@ from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from rollout_engine.scheduler.stop import StopChecker
 from rollout_engine.tokenizer import chat_token_ids, load_tokenizer
+from rollout_engine.weights.loader import WeightLoader, iter_safetensors, safetensors_shapes
 from rollout_engine.validation import Limits, check_request, resolve_params, resolve_prompts, resolve_request_ids
 
 
@@ -88,8 +89,9 @@ class RolloutEngine:
             self.runner,
             StopChecker(eos, mc.max_position, self.tokenizer), weight_version=lambda: self._weight_version)
         self._weight_version = 0
+        self._weights = WeightLoader(self.model)
         self._memory = MemoryController(self.memory, self.scheduler, self.prefix_cache, self.runner, self.device,
-                                        cfg.weights_cpu_backup)
+                                        cfg.weights_cpu_backup, self._weights.required())
         self._paused = False
         self._lock = threading.Lock()
         self._rng = random.Random(cfg.seed)
@@ -161,6 +163,55 @@ class RolloutEngine:
         in the prefix cache."""
         with self._lock:
             self.scheduler.check_integrity()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                       version: int | None = None, flush_cache: bool = True) -> int:
+        """Copy new weights in place (HF names; fused and sharded layouts are
+        handled here; any dtype or device). Addresses never change, so CUDA
+        graphs stay valid. A list or dict is checked whole first: a bad name
+        or shape raises ValueError and changes nothing. A generator is
+        streamed, one tensor at a time; if it breaks off, generating is
+        refused until a complete update. Returns the new weight version."""
+        if isinstance(named_tensors, Mapping):
+            named_tensors = list(named_tensors.items())
+        with self._lock:
+            return self._update(named_tensors, version, flush_cache)
+
+    def update_weights_from_disk(self, path: str, version: int | None = None) -> int:
+        """The same from a safetensors folder; names and shapes are checked
+        from the file headers before any tensor is read."""
+        if not os.path.isdir(path):
+            raise ValueError(f"path {path!r} is not a folder")
+        with self._lock:
+            self._weights.validate(safetensors_shapes(path))
+            return self._update(iter_safetensors(path), version, flush_cache=True, checked=True)
+
+    def _update(self, named_tensors, version: int | None, flush_cache: bool, checked: bool = False) -> int:
+        if not self.memory.resident("weights"):
+            raise RuntimeError("cannot update weights while they are released; resume_memory(['weights']) first")
+        if version is not None and (not isinstance(version, int) or version < 0):
+            raise ValueError(f"version must be a non-negative integer, got {version!r}")
+        streamed = not isinstance(named_tensors, (list, tuple)) and not checked
+        if not streamed and not checked:
+            self._weights.validate(named_tensors)
+        try:
+            touched = self._weights.load(named_tensors)
+        except Exception:
+            if streamed:  # some tensors were copied: the weights are a mix now
+                self._memory.missing_weights = set(self._weights.required())
+            raise
+        self._memory.missing_weights -= touched
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._weight_version = self._weight_version + 1 if version is None else version
+        if flush_cache:
+            self.prefix_cache.flush()  # KV computed with the old weights
+        return self._weight_version
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        """A copy of the weight `name` (HF name), unfused."""
+        with self._lock:
+            return self._weights.read(name)
 
     def release_memory(self, tags: Sequence[str] = TAGS) -> dict[str, int]:
         """Unmap the GPU memory of `tags` (addresses are kept); returns the

@@ -116,8 +116,16 @@ def test_weights_without_backup_must_be_replaced_before_generating(make_engine):
     with pytest.raises(RuntimeError, match=r"\['weights'\] released"):
         engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
     engine.resume_memory(["weights"])
-    with pytest.raises(RuntimeError, match="without a CPU backup"):
+    with pytest.raises(RuntimeError, match="without weights_cpu_backup"):
         engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    from rollout_engine.weights.loader import iter_safetensors
+
+    partial = [(n, t) for n, t in iter_safetensors(engine.config.model) if "layers.0." in n]
+    engine.update_weights(partial)
+    with pytest.raises(RuntimeError, match="hold no valid values"):  # still incomplete
+        engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    engine.update_weights_from_disk(engine.config.model)
+    assert len(engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)) == 2
 
 
 def test_release_refuses_while_requests_run_unless_paused(make_engine):

@@ -16,16 +16,18 @@ from rollout_engine.memory.manager import RELEASED, RESIDENT, TAGS, MemoryManage
 
 class MemoryController:
     def __init__(self, manager: MemoryManager, scheduler, prefix_cache, runner, device: torch.device,
-                 weights_cpu_backup: bool):
+                 weights_cpu_backup: bool, all_weights: set):
         self.manager = manager
         self.scheduler = scheduler
         self.prefix_cache = prefix_cache
         self.runner = runner
         self.device = device
         self.weights_cpu_backup = weights_cpu_backup
-        # Set when weights come back without their contents: generating must
-        # wait for new weights.
-        self.weights_stale = False
+        # (parameter, shard)s whose contents are not valid weights (after a
+        # resume without backup, or an update stream that broke off):
+        # generating waits until updates have covered them all.
+        self.all_weights = all_weights
+        self.missing_weights: set = set()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -63,7 +65,7 @@ class MemoryController:
         for tag in tags:
             self.manager.resume(tag)
             if tag == "weights" and not self.weights_cpu_backup:
-                self.weights_stale = True
+                self.missing_weights = set(self.all_weights)
             if tag == "cuda_graph" and self.runner.graphs is not None:
                 self.runner.graphs.capture()
         self._sync()
@@ -72,10 +74,11 @@ class MemoryController:
         released = [t for t in ("weights", "kv_cache") if not self.manager.resident(t)]
         if released:
             raise RuntimeError(f"cannot generate: {released} released; call resume_memory() first")
-        if self.weights_stale:
-            raise RuntimeError("cannot generate: the weights were released without a CPU backup "
-                               "(weights_cpu_backup=False) and have not been updated since; "
-                               "load new weights first")
+        if self.missing_weights:
+            example = sorted(t.param_name for t in self.missing_weights)[0]
+            raise RuntimeError(f"cannot generate: {len(self.missing_weights)} weights hold no valid values "
+                               f"(e.g. {example}): after a release without weights_cpu_backup, or an update that "
+                               "broke off, load a complete set of weights first")
 
     def state(self) -> dict[str, str]:
         return {tag: self.manager.state[tag] for tag in TAGS}

@@ -95,8 +95,8 @@ def load_model(model: str, load_format: str, comm: TPComm, device: torch.device,
         return net
     if not os.path.isdir(model):
         raise ValueError(f"model {model!r} is not a folder; presets ({sorted(PRESETS)}) need load_format='dummy'")
-    touched = WeightLoader(net).load_folder(model)
-    missing = sorted(set(dict(net.named_parameters())) - touched)
+    loader = WeightLoader(net)
+    missing = sorted({t.param_name for t in loader.required() - loader.load_folder(model)})
     if missing:
         raise ValueError(f"checkpoint {model} lacks weights for {missing[:5]}")
     return net

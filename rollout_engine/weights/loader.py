@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from rollout_engine.layers.linear import copy_into
+from rollout_engine.layers.linear import VALIDATE_ONLY, QKVParallelLinear, MergedColumnParallelLinear, copy_into
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -69,24 +69,64 @@ class WeightLoader:
                 names.append(name)
         return names
 
-    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def required(self) -> set[Target]:
+        """Every (parameter, shard) a complete set of weights writes."""
+        return {t for t in (self.resolve(n) for n in self.full_names()) if t is not None}
+
+    def _load_one(self, hf_name: str, tensor: torch.Tensor) -> Target | None:
+        target = self.resolve(hf_name)
+        if target is None:
+            return None
+        param = self.params[target.param_name]
+        if tensor.device.type != "meta":
+            tensor = tensor.to(param.device, non_blocking=True)
+        try:
+            getattr(param, "weight_loader", default_loader)(param, tensor, target.shard_id)
+        except (ValueError, RuntimeError, IndexError) as e:
+            raise ValueError(f"{hf_name}: {e}") from None
+        return target
+
+    def validate(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Check names and shapes of a whole update, copying nothing. Tensors
+        may be on the meta device (shapes only)."""
+        token = VALIDATE_ONLY.set(True)
+        try:
+            with torch.no_grad():
+                for hf_name, tensor in named_tensors:
+                    self._load_one(hf_name, tensor)
+        finally:
+            VALIDATE_ONLY.reset(token)
+
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[Target]:
         """Copy each tensor into its parameter as it arrives (a generator is
-        consumed one tensor at a time). Returns the parameters touched."""
-        touched: set[str] = set()
+        consumed one tensor at a time). Returns the (parameter, shard)s written."""
+        touched: set[Target] = set()
         with torch.no_grad():
             for hf_name, tensor in named_tensors:
-                target = self.resolve(hf_name)
-                if target is None:
-                    continue
-                param = self.params[target.param_name]
-                tensor = tensor.to(param.device, non_blocking=True)
-                try:
-                    loader = getattr(param, "weight_loader", default_loader)
-                    loader(param, tensor, target.shard_id)
-                except ValueError as e:
-                    raise ValueError(f"{hf_name}: {e}") from None
-                touched.add(target.param_name)
+                target = self._load_one(hf_name, tensor)
+                if target is not None:
+                    touched.add(target)
         return touched
+
+    def read(self, hf_name: str) -> torch.Tensor:
+        """A copy of the tensor `hf_name` as this rank holds it (the full
+        tensor at tp_size=1): the fused parameter's slice for that name."""
+        if self.tied and hf_name == "lm_head.weight":
+            hf_name = "model.embed_tokens.weight"
+        target = self.resolve(hf_name)
+        if target is None:
+            raise ValueError(f"{hf_name!r} is not a weight the engine keeps")
+        param = self.params[target.param_name].detach()
+        owner = self.model.get_submodule(target.param_name.rsplit(".", 1)[0])
+        if isinstance(owner, QKVParallelLinear):
+            offset = {"q": 0, "k": owner.q_size, "v": owner.q_size + owner.kv_size}[target.shard_id]
+            size = owner.q_size if target.shard_id == "q" else owner.kv_size
+            param = param.narrow(0, offset, size)
+        elif isinstance(owner, MergedColumnParallelLinear):
+            param = param.narrow(0, sum(owner.out_sizes[: target.shard_id]), owner.out_sizes[target.shard_id])
+        if param.shape[0] != getattr(owner, "vocab_size", param.shape[0]):
+            param = param[: owner.vocab_size]  # vocabulary padding rows
+        return param.clone()
 
     def load_folder(self, folder: str) -> set[str]:
         return self.load(iter_safetensors(folder))
@@ -102,6 +142,16 @@ def safetensors_files(folder: str) -> list[str]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     return files
+
+
+def safetensors_shapes(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, meta tensor of the stored shape) from the file headers alone."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(folder):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, torch.empty(f.get_slice(name).get_shape(), device="meta")
 
 
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:

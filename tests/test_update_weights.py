@@ -1,0 +1,98 @@
+"""Hot-swapping weights in place: in-process tensors and safetensors folders."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import make_hf_model, save_model
+from rollout_engine import RolloutEngine, SamplingParams
+
+PARAMS = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4], list(range(50, 80))]
+
+
+@pytest.fixture(scope="module")
+def second_llama(tmp_path_factory):
+    hf = make_hf_model("llama", tie=False, seed=7)
+    return hf, save_model(hf, tmp_path_factory.mktemp("llama-b"))
+
+
+def _tokens(engine):
+    return [o.output_token_ids for o in engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
+
+
+@pytest.mark.parametrize("as_generator", [False, True])
+def test_update_equals_a_fresh_engine_of_the_new_model(llama, second_llama, as_generator):
+    (_, folder_a), (hf_b, folder_b) = llama, second_llama
+    engine = RolloutEngine(folder_a, max_total_tokens=4096)
+    before = _tokens(engine)
+    ptrs = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    state = {n: t.double() for n, t in hf_b.state_dict().items()}  # dtype conversion on the way in
+    version = engine.update_weights(iter(state.items()) if as_generator else state)
+    assert version == 1 == engine.weight_version
+    assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == ptrs  # in place
+    assert engine.cache_stats()["cached_tokens"] == 0  # old KV dropped
+    after = _tokens(engine)
+    assert after == _tokens(RolloutEngine(folder_b, max_total_tokens=4096)) != before
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    assert all(o.weight_version == 1 for o in outs)
+
+
+def test_from_disk_and_explicit_version(llama, second_llama):
+    (_, folder_a), (_, folder_b) = llama, second_llama
+    engine = RolloutEngine(folder_a, max_total_tokens=4096)
+    assert engine.update_weights_from_disk(folder_b, version=42) == 42
+    assert _tokens(engine) == _tokens(RolloutEngine(folder_b, max_total_tokens=4096))
+    with pytest.raises(ValueError, match="not a folder"):
+        engine.update_weights_from_disk(folder_b + "-missing")
+
+
+def test_partial_update_and_get_weight(llama, second_llama):
+    (hf_a, folder_a), (hf_b, _) = llama, second_llama
+    engine = RolloutEngine(folder_a, max_total_tokens=4096)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    new = hf_b.state_dict()[name]
+    engine.update_weights([(name, new)])
+    assert torch.equal(engine.get_weight(name), new)
+    for other in ("model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"):
+        assert torch.equal(engine.get_weight(other), hf_a.state_dict()[other])
+
+
+def test_bad_name_or_shape_changes_nothing(llama, second_llama):
+    (_, folder_a), (hf_b, _) = llama, second_llama
+    engine = RolloutEngine(folder_a, max_total_tokens=4096)
+    before = _tokens(engine)
+    q = engine.get_weight("model.layers.0.self_attn.q_proj.weight")
+    good = list(hf_b.state_dict().items())
+    with pytest.raises(ValueError, match="unknown weight name 'model.layers.0.bogus.weight'"):
+        engine.update_weights(good + [("model.layers.0.bogus.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="model.norm.weight: shape mismatch"):
+        engine.update_weights(good[:3] + [("model.norm.weight", torch.zeros(3))])
+    assert engine.weight_version == 0
+    assert torch.equal(engine.get_weight("model.layers.0.self_attn.q_proj.weight"), q)
+    assert _tokens(engine) == before
+
+
+def test_a_broken_stream_blocks_generation_until_complete(llama, second_llama):
+    (_, folder_a), (hf_b, folder_b) = llama, second_llama
+    engine = RolloutEngine(folder_a, max_total_tokens=4096)
+
+    def stream():
+        yield from list(hf_b.state_dict().items())[:5]
+        yield "model.layers.0.bogus.weight", torch.zeros(1)
+
+    with pytest.raises(ValueError, match="unknown weight name"):
+        engine.update_weights(stream())
+    with pytest.raises(RuntimeError, match="hold no valid values"):
+        engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    engine.update_weights(iter(hf_b.state_dict().items()))
+    assert _tokens(engine) == _tokens(RolloutEngine(folder_b, max_total_tokens=4096))
+
+
+def test_tied_model_takes_the_embedding(tiny_models):
+    hf, folder = tiny_models[("qwen2", True)]
+    engine = RolloutEngine(folder, max_total_tokens=2048)
+    emb = torch.randn_like(hf.state_dict()["model.embed_tokens.weight"])
+    engine.update_weights([("model.embed_tokens.weight", emb), ("lm_head.weight", emb)])
+    assert torch.equal(engine.get_weight("lm_head.weight"), emb)
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
