@@ -32,7 +32,9 @@ from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from rollout_engine.scheduler.stop import StopChecker
 from rollout_engine.tokenizer import chat_token_ids, load_tokenizer
+from rollout_engine.distributed.weight_sync import DEFAULT_BUCKET_BYTES, specs_of
 from rollout_engine.weights.loader import WeightLoader, iter_safetensors, safetensors_shapes
+from rollout_engine.weights.receiver import WeightReceiver
 from rollout_engine.validation import Limits, check_request, resolve_params, resolve_prompts, resolve_request_ids
 
 
@@ -90,6 +92,7 @@ class RolloutEngine:
             StopChecker(eos, mc.max_position, self.tokenizer), weight_version=lambda: self._weight_version)
         self._weight_version = 0
         self._weights = WeightLoader(self.model)
+        self._receiver = WeightReceiver()
         self._memory = MemoryController(self.memory, self.scheduler, self.prefix_cache, self.runner, self.device,
                                         cfg.weights_cpu_backup, self._weights.required())
         self._paused = False
@@ -191,7 +194,7 @@ class RolloutEngine:
             raise RuntimeError("cannot update weights while they are released; resume_memory(['weights']) first")
         if version is not None and (not isinstance(version, int) or version < 0):
             raise ValueError(f"version must be a non-negative integer, got {version!r}")
-        streamed = not isinstance(named_tensors, (list, tuple)) and not checked
+        streamed = not isinstance(named_tensors, (list, tuple))
         if not streamed and not checked:
             self._weights.validate(named_tensors)
         try:
@@ -207,6 +210,37 @@ class RolloutEngine:
         if flush_cache:
             self.prefix_cache.flush()  # KV computed with the old weights
         return self._weight_version
+
+    def init_weight_sync_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                               group_name: str = "weight_sync", backend: str = "nccl") -> None:
+        """Join a weight-sync group (its own rendezvous; rank 0 is the
+        trainer's sender, this engine's rank is rank_offset + its TP rank)."""
+        self._receiver.init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[torch.dtype],
+                                        shapes: Sequence[Sequence[int]], src_rank: int = 0,
+                                        version: int | None = None, group_name: str = "weight_sync",
+                                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+        """Receive weights broadcast by the sender in buckets (the same
+        `bucket_bytes` on both sides) and copy them in place. A bad name or
+        shape raises ValueError after the broadcasts were drained (so the
+        sender never hangs), with nothing changed."""
+        specs = specs_of(names, dtypes, shapes)
+        with self._lock:
+            try:
+                self._weights.validate((s.name, torch.empty(s.shape, dtype=s.dtype, device="meta")) for s in specs)
+                error = None
+            except ValueError as e:
+                error = e
+            stream = self._receiver.receive(specs, src_rank, group_name, bucket_bytes, self.device)
+            if error is not None:
+                for _ in stream:
+                    pass
+                raise error
+            return self._update(stream, version, flush_cache=True, checked=True)
+
+    def destroy_weight_sync_group(self, group_name: str = "weight_sync") -> None:
+        self._receiver.destroy(group_name)
 
     def get_weight(self, name: str) -> torch.Tensor:
         """A copy of the weight `name` (HF name), unfused."""

@@ -1,0 +1,96 @@
+"""The weight-sync group: the trainer's sender rank and the engine's ranks,
+with their own rendezvous (independent of any default process group), and
+the bucket layout both sides derive from the same (names, dtypes, shapes)."""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+_ALIGN = 256  # byte alignment of each tensor inside a bucket
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    nbytes: int
+    entries: tuple[tuple[TensorSpec, int], ...]  # (spec, byte offset)
+
+
+def specs_of(names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> list[TensorSpec]:
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
+    return [TensorSpec(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
+
+
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """Tensors in order, packed greedily; one larger than a bucket gets its own."""
+    buckets, entries, used = [], [], 0
+    for spec in specs:
+        size = -(-spec.nbytes // _ALIGN) * _ALIGN
+        if entries and used + size > bucket_bytes:
+            buckets.append(Bucket(used, tuple(entries)))
+            entries, used = [], 0
+        entries.append((spec, used))
+        used += size
+    if entries:
+        buckets.append(Bucket(used, tuple(entries)))
+    return buckets
+
+
+def unpack(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views of a received bucket, one per tensor."""
+    for spec, offset in bucket.entries:
+        yield spec.name, flat[offset: offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+
+
+def pack(bucket: Bucket, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    for (spec, offset), t in zip(bucket.entries, tensors):
+        flat[offset: offset + spec.nbytes].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+    return flat
+
+
+class WeightSyncGroup:
+    """A process group of its own: rank 0 is the trainer's sender."""
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
+                 group_name: str = "weight_sync", backend: str = "nccl", timeout_s: float = 300.0):
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout)
+        self.store = dist.PrefixStore(group_name, store)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+        else:
+            self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.pg.broadcast(tensor, src).wait()
+
+    def destroy(self) -> None:
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self.pg = None
