@@ -3,7 +3,7 @@ buckets and broadcasts them to the engine's ranks, which call
 `RolloutEngine.update_weights_from_distributed` with the same metadata."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -26,13 +26,21 @@ class WeightSender:
 
     def send(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Broadcast bucket by bucket; only one packed bucket exists at a time."""
-        names, dtypes, shapes = self.metadata(named_tensors)
-        tensors = [t for _, t in named_tensors]
-        start = 0
+        self.send_stream(iter(named_tensors), self.metadata(named_tensors))
+
+    def send_stream(self, named_tensors: Iterator[tuple[str, torch.Tensor]], metadata):
+        """The same from an iterator (e.g. tensors gathered one at a time),
+        given its (names, dtypes, shapes) up front. Returns the metadata."""
+        names, dtypes, shapes = metadata
         for bucket in plan_buckets(specs_of(names, dtypes, shapes), self.bucket_bytes):
-            part = tensors[start: start + len(bucket.entries)]
-            start += len(bucket.entries)
+            part = []
+            for spec, _ in bucket.entries:
+                name, tensor = next(named_tensors)
+                if name != spec.name or tuple(tensor.shape) != spec.shape:
+                    raise ValueError(f"stream gave {name} {tuple(tensor.shape)}, metadata says {spec.name} {spec.shape}")
+                part.append(tensor)
             self.group.broadcast(pack(bucket, part, self.device), src=0)
+        return metadata
 
     def close(self) -> None:
         self.group.destroy()

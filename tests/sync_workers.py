@@ -31,3 +31,37 @@ def engine(port: int, folder: str, meta_queue, out_queue, prompts, bucket_bytes:
         error = str(e)
     eng.destroy_weight_sync_group()
     out_queue.put((version, [o.output_token_ids for o in outs], error, eng.weight_version))
+
+
+def fsdp_rank(rank: int, port: int, folder_a: str, folder_b: str, kind: int, out_queue, prompts) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from rollout_engine import RolloutEngine, SamplingParams
+    from rollout_engine.integrations.fsdp import sync_to_engine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    on_gpu = kind == 1  # FSDP1 needs an accelerator: one GPU per rank, NCCL
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=2)
+    trainer = AutoModelForCausalLM.from_pretrained(folder_b, dtype=torch.float32)
+    if kind == 2:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in trainer.model.layers:
+            fully_shard(layer)
+        fully_shard(trainer)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        trainer = FullyShardedDataParallel(trainer, use_orig_params=True, device_id=rank)
+    device = f"cuda:{rank}" if on_gpu else "cpu"
+    engine = RolloutEngine(folder_a, max_total_tokens=2048, device=device, dtype="float32")
+    version = sync_to_engine(trainer, engine)
+    outs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
+    out_queue.put((rank, version, [o.output_token_ids for o in outs]))
+    dist.destroy_process_group()

@@ -18,6 +18,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _gather(procs, queue, count: int, timeout_s: float = 240.0):
+    """Results from the workers; fails fast if one dies instead of answering."""
+    import queue as queue_module
+    import time
+
+    results, deadline = [], time.monotonic() + timeout_s
+    while len(results) < count:
+        try:
+            results.append(queue.get(timeout=1.0))
+        except queue_module.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"worker exited with {[p.exitcode for p in dead]}"
+            assert time.monotonic() < deadline, "workers timed out"
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return results
+
+
 def test_buckets_pack_in_order_and_split_large_tensors():
     import torch
 
@@ -40,11 +59,36 @@ def test_trainer_process_broadcasts_to_engine_process(llama, tmp_path):
              ctx.Process(target=sync_workers.engine, args=(port, folder_a, meta, out, PROMPTS, bucket_bytes))]
     for p in procs:
         p.start()
-    version, tokens, error, final_version = out.get(timeout=240)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    [(version, tokens, error, final_version)] = _gather(procs, out, 1)
     fresh = RolloutEngine(folder_b, max_total_tokens=2048).generate(
         input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
     assert version == 1 and tokens == [o.output_token_ids for o in fresh]
     assert "unknown weight name 'bogus.weight'" in error and final_version == 1
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", [2, pytest.param(1, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
+def test_fsdp_ranks_update_their_colocated_engines(llama, tmp_path, kind):
+    """FSDP2 runs on CPU ranks; FSDP1 needs an accelerator (one GPU per rank)."""
+    import torch
+
+    if kind == 1 and torch.cuda.device_count() < 2:
+        pytest.skip("FSDP1 needs two GPUs")
+    _, folder_a = llama
+    folder_b = save_model(make_hf_model("llama", seed=13), tmp_path / "b")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    import sync_workers
+
+    procs = [ctx.Process(target=sync_workers.fsdp_rank, args=(r, port, folder_a, folder_b, kind, out, PROMPTS))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = sorted(_gather(procs, out, 2))
+    fresh = RolloutEngine(folder_b, max_total_tokens=2048).generate(
+        input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
+    for rank, version, tokens in results:
+        assert version == 1 and tokens == [o.output_token_ids for o in fresh]
