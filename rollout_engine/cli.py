@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("program", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("bench", help="benchmark workloads (see BENCHMARKS.md)")
-    p.add_argument("--workload", choices=["grpo", "offline", "decode", "prefill"], default="grpo")
+    p.add_argument("--workload", choices=["grpo", "offline", "decode", "prefill", "weights"], default="grpo")
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--attention-backend", default="auto")

@@ -26,3 +26,12 @@ def test_demo_runs_on_the_default_model(smollm2_dir, capsys, monkeypatch):
     assert main(["demo", "--max-new-tokens", "8", "-n", "2", "--max-total-tokens", "2048"]) == 0
     printed = capsys.readouterr().out
     assert "8 samples" in printed and "tok/s" in printed and "mean logprob" in printed
+
+
+def test_bench_weights_times_in_process_and_disk_updates(llama, tmp_path):
+    _, folder = llama
+    out = tmp_path / "weights.json"
+    assert main(["bench", "--workload", "weights", "--model", folder, "--load-format", "auto",
+                 "--max-total-tokens", "1024", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert res["weight_bytes"] > 0 and res["in_process_s"] > 0 and res["from_disk_s"] > 0

@@ -146,3 +146,18 @@ def test_triton_backend_bf16_parity(gpu_models, kind, tie):
     gap, outs = _gap_vs_hf(engine, hf, [system + [5, 6, 7], system + [9]])
     assert gap < 2e-2 and all(o.num_cached_tokens >= 76 for o in outs)
     engine.check_integrity()
+
+
+def test_graphs_stay_valid_after_a_weight_update(gpu_models, tmp_path):
+    _, folder_a = gpu_models[("llama", False)]
+    hf_b = make_hf_model("llama", False, seed=5, initializer_range=INIT_RANGE, **GPU_SHAPES["llama"])
+    folder_b = save_model(hf_b, tmp_path / "b")
+    kw = dict(device="cuda", attention_backend="flashinfer", max_total_tokens=8192, cuda_graph_max_batch_size=16)
+    params = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)
+    prompts = PROMPTS * 4  # 16 sequences: a captured bucket
+    graphed = RolloutEngine(folder_a, cuda_graph=True, **kw)
+    graphed.generate(input_ids=prompts, sampling_params=params)  # graphs used with the old weights
+    graphed.update_weights(hf_b.state_dict())
+    after = graphed.generate(input_ids=prompts, sampling_params=params)
+    eager = RolloutEngine(folder_b, cuda_graph=False, **kw).generate(input_ids=prompts, sampling_params=params)
+    assert [o.output_token_ids for o in after] == [o.output_token_ids for o in eager]
