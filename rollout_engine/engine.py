@@ -54,20 +54,35 @@ class RolloutEngine:
             raise ValueError("tp_size > 1 is not supported yet")
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        path = resolve_model_path(model, cfg.load_format)
         free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
-        comm = TPComm()
         self.memory = MemoryManager(create_saver(cfg.enable_memory_saver, self.device))
-        self.model = load_model(path, cfg.load_format, comm, self.device, self.dtype, cfg.seed,
+        self._load_model(resolve_model_path(model, cfg.load_format))
+        allocator, table = self._build_kv_memory(free_before)
+        self._build_runtime(allocator, table)
+        self._weight_version = 0
+        self._paused = False
+        self._lock = threading.Lock()
+        self._rng = random.Random(cfg.seed)
+        self._next_id = 0
+
+    def _load_model(self, path: str) -> None:
+        cfg = self.config
+        self.model = load_model(path, cfg.load_format, TPComm(), self.device, self.dtype, cfg.seed,
                                 weights_region=self.memory.region("weights", cfg.weights_cpu_backup))
         self.memory.register("weights", self.model.parameters())
-        self.model_config = mc = self.model.config
+        self.model_config = self.model.config
         self.tokenizer = load_tokenizer(path, cfg.tokenizer)
+        self._weights = WeightLoader(self.model)
+        self._receiver = WeightReceiver()
+
+    def _build_kv_memory(self, free_before: int) -> tuple[PageAllocator, ReqToTokenTable]:
+        """KV pool (in its memory region), slot allocator, request table and
+        prefix cache, sized from max_total_tokens or the free GPU memory."""
+        cfg, mc = self.config, self.model_config
         attn = self.model.model.layers[0].self_attn.attn
-        per_token = kv_bytes_per_token(mc, attn.num_kv_heads, self.dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        capacity = kv_capacity_tokens(cfg, mc, per_token, self.device, free_before, weight_bytes,
-                                      self.dtype.itemsize)
+        capacity = kv_capacity_tokens(cfg, mc, kv_bytes_per_token(mc, attn.num_kv_heads, self.dtype), self.device,
+                                      free_before, weight_bytes, self.dtype.itemsize)
         num_pages = -(-capacity // cfg.page_size)
         allocator = PageAllocator(num_pages, cfg.page_size)
         with self.memory.region("kv_cache"):
@@ -77,7 +92,13 @@ class RolloutEngine:
         self.limits = Limits(mc.vocab_size, mc.max_position, num_pages * cfg.page_size)
         table = ReqToTokenTable(cfg.max_running_requests, min(mc.max_position, self.limits.kv_capacity) + 1)
         self.prefix_cache = RadixCache(allocator) if cfg.enable_prefix_cache else NoPrefixCache(allocator)
-        kv = KVManager(allocator, table, self.prefix_cache)
+        return allocator, table
+
+    def _build_runtime(self, allocator: PageAllocator, table: ReqToTokenTable) -> None:
+        """Attention backend, model runner (and its CUDA graphs), scheduler,
+        memory controller."""
+        cfg, mc = self.config, self.model_config
+        attn = self.model.model.layers[0].self_attn.attn
         shape = AttentionShape(attn.num_heads, attn.num_kv_heads, mc.head_dim, cfg.page_size, self.dtype, self.device)
         backend = create_backend(cfg.attention_backend, shape)
         self.runner = ModelRunner(self.model, self.kv_pool, backend, table, self.device)
@@ -85,20 +106,13 @@ class RolloutEngine:
             before = torch.cuda.memory_reserved(self.device)
             self.runner.capture_cuda_graphs(min(cfg.cuda_graph_max_batch_size, cfg.max_running_requests))
             self.memory.register("cuda_graph", extra_bytes=torch.cuda.memory_reserved(self.device) - before)
-        eos = mc.eos_token_ids or _tokenizer_eos(self.tokenizer)
+        stop = StopChecker(mc.eos_token_ids or _tokenizer_eos(self.tokenizer), mc.max_position, self.tokenizer)
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens, overlap=cfg.overlap_schedule), kv,
-            self.runner,
-            StopChecker(eos, mc.max_position, self.tokenizer), weight_version=lambda: self._weight_version)
-        self._weight_version = 0
-        self._weights = WeightLoader(self.model)
-        self._receiver = WeightReceiver()
+            SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens, overlap=cfg.overlap_schedule),
+            KVManager(allocator, table, self.prefix_cache), self.runner, stop,
+            weight_version=lambda: self._weight_version)
         self._memory = MemoryController(self.memory, self.scheduler, self.prefix_cache, self.runner, self.device,
                                         cfg.weights_cpu_backup, self._weights.required())
-        self._paused = False
-        self._lock = threading.Lock()
-        self._rng = random.Random(cfg.seed)
-        self._next_id = 0
 
     # ---- generation ------------------------------------------------------------
     def generate(self, prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
