@@ -217,19 +217,20 @@ class Scheduler:
         req.kv_len += num
         return num
 
-    def _reserved_tokens(self) -> int:
-        return int(sum(r.remaining_new_tokens for r in self.running) * self.new_token_ratio)
-
     def _admit(self, batch: Batch, budget: int) -> None:
+        # Admission keeps room for new_token_ratio of the running requests'
+        # remaining tokens; the total is kept up to date as requests join.
+        remaining = sum(r.remaining_new_tokens for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
             self.kv.admit(req)
             need = min(req.seq_len - req.kv_len, budget)
-            if need > self.kv.available_tokens - self._reserved_tokens() and self.running:
+            if need > self.kv.available_tokens - int(remaining * self.new_token_ratio) and self.running:
                 self.kv.release(req)  # wait for memory; nothing was computed
                 return
             self.waiting.popleft()
             self.running.append(req)
+            remaining += req.remaining_new_tokens
             taken = self._schedule_chunk(batch, req, budget)
             if taken == 0:  # not even the chunk fits: wait
                 self.running.pop()
