@@ -1,6 +1,8 @@
-"""Rotary embedding (neox layout) applied to q and k in one launch, reading
-cos/sin from the model's table by position. Outputs are contiguous, so the
-attention backend needs no extra copy."""
+"""Rotary embedding (neox layout) in one launch per layer: q is rotated into a
+new contiguous tensor; k is rotated and written, with v, straight into the
+layer's KV cache at each token's slot (`rope_and_store`), so a step stores
+its new K/V without a separate kernel. `rope` returns rotated q and k
+instead, for callers that keep K/V themselves."""
 from __future__ import annotations
 
 import functools
@@ -23,47 +25,85 @@ def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: tor
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
 
 
+def rope_and_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, loc) -> torch.Tensor:
+    """Reference of `rope_and_store`: returns rotated q; k_cache[loc] and
+    v_cache[loc] receive rotated k and v."""
+    qo, ko = rope_ref(positions, q, k, cos, sin)
+    k_cache[loc] = ko.to(k_cache.dtype)
+    v_cache[loc] = v.to(v_cache.dtype)
+    return qo
+
+
 @functools.cache
 def _kernel():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _rotate(src_ptr, dst_ptr, stride_t, stride_h, t, c, s, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr,
-                HALF: tl.constexpr):
+    def _rotate(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, c, s, NUM_HEADS: tl.constexpr,
+                HEADS_P2: tl.constexpr, HALF: tl.constexpr):
         heads = tl.arange(0, HEADS_P2)[:, None]
         offs = tl.arange(0, HALF)[None, :]
         mask = heads < NUM_HEADS
         base = src_ptr + t * stride_t + heads * stride_h
         x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        out = dst_ptr + (t * NUM_HEADS + heads) * (2 * HALF)
+        out = dst_ptr + (dst_row * NUM_HEADS + heads) * (2 * HALF)
         tl.store(out + offs, (x1 * c - x2 * s).to(dst_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF + offs, (x2 * c + x1 * s).to(dst_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, q_st, q_sh, k_st, k_sh, cs_stride,
-                    NQ: tl.constexpr, NQ_P2: tl.constexpr, NK: tl.constexpr, NK_P2: tl.constexpr,
-                    HALF: tl.constexpr):
+    def rope_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, loc_ptr, cos_ptr, sin_ptr, pos_ptr, q_st, q_sh,
+                    k_st, k_sh, v_st, v_sh, cs_stride, NQ: tl.constexpr, NQ_P2: tl.constexpr, NK: tl.constexpr,
+                    NK_P2: tl.constexpr, HALF: tl.constexpr, STORE: tl.constexpr):
         t = tl.program_id(0)
         pos = tl.load(pos_ptr + t)
         offs = tl.arange(0, HALF)[None, :]
         # cos/sin rounded to the model dtype first, as the reference does
         c = tl.load(cos_ptr + pos * cs_stride + offs).to(qo_ptr.dtype.element_ty).to(tl.float32)
         s = tl.load(sin_ptr + pos * cs_stride + offs).to(qo_ptr.dtype.element_ty).to(tl.float32)
-        _rotate(q_ptr, qo_ptr, q_st, q_sh, t, c, s, NQ, NQ_P2, HALF)
-        _rotate(k_ptr, ko_ptr, k_st, k_sh, t, c, s, NK, NK_P2, HALF)
+        _rotate(q_ptr, qo_ptr, q_st, q_sh, t, t, c, s, NQ, NQ_P2, HALF)
+        if STORE:  # k and v go to the cache slot of token t
+            slot = tl.load(loc_ptr + t).to(tl.int64)
+            _rotate(k_ptr, ko_ptr, k_st, k_sh, t, slot, c, s, NK, NK_P2, HALF)
+            heads = tl.arange(0, NK_P2)[:, None]
+            d = tl.arange(0, 2 * HALF)[None, :]
+            mask = heads < NK
+            val = tl.load(v_ptr + t * v_st + heads * v_sh + d, mask=mask, other=0.0)
+            tl.store(vo_ptr + (slot * NK + heads) * (2 * HALF) + d, val.to(vo_ptr.dtype.element_ty), mask=mask)
+        else:
+            _rotate(k_ptr, ko_ptr, k_st, k_sh, t, t, c, s, NK, NK_P2, HALF)
 
     return rope_kernel
 
 
-def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(positions, q, k, v, qo, ko, vo, loc, cos, sin, store: bool) -> None:
     tokens, nq, d = q.shape
     nk = k.shape[1]
-    qo = torch.empty((tokens, nq, d), dtype=q.dtype, device=q.device)
-    ko = torch.empty((tokens, nk, d), dtype=k.dtype, device=k.device)
-    if tokens:
-        _kernel()[(tokens,)](q, k, qo, ko, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                             cos.stride(0), NQ=nq, NQ_P2=next_pow2(nq), NK=nk, NK_P2=next_pow2(nk), HALF=d // 2)
+    if not tokens:
+        return
+    v_strides = (v.stride(0), v.stride(1)) if store else (0, 0)
+    _kernel()[(tokens,)](q, k, v if store else k, qo, ko, vo if store else ko, loc if store else positions, cos,
+                         sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_strides,
+                         cos.stride(0), NQ=nq, NQ_P2=next_pow2(nq), NK=nk, NK_P2=next_pow2(nk), HALF=d // 2,
+                         STORE=store)
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated (q, k), contiguous."""
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch(positions, q, k, None, qo, ko, None, None, cos, sin, store=False)
     return qo, ko
+
+
+def rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   loc: torch.Tensor) -> torch.Tensor:
+    """Rotated q (contiguous); rotated k and v written to the caches
+    ([slots, Hk, D], contiguous) at `loc` ([T] int64)."""
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch(positions, q, k, v, qo, k_cache, v_cache, loc, cos, sin, store=True)
+    return qo

@@ -57,6 +57,29 @@ def test_rope_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_store_writes_the_cache_slots(dtype):
+    from rollout_engine.kernels.rope import rope_and_store, rope_and_store_ref
+    from rollout_engine.layers.rotary import RotaryEmbedding
+    from rollout_engine.models.config import RopeConfig
+
+    rot = RotaryEmbedding(64, 4096, RopeConfig(theta=1e4)).cuda()
+    qkv = torch.randn(23, (8 + 2 * 2) * 64, device="cuda", dtype=dtype)
+    q, k, v = (t.view(23, -1, 64) for t in qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1))
+    pos = torch.randint(0, 4096, (23,), device="cuda")
+    loc = torch.randperm(100, device="cuda")[:23]
+    caches = [torch.full((100, 2, 64), 7.0, device="cuda", dtype=dtype) for _ in range(4)]
+    qo = rope_and_store(pos, q, k, v, rot.cos, rot.sin, caches[0], caches[1], loc)
+    qr = rope_and_store_ref(pos, q, k, v, rot.cos, rot.sin, caches[2], caches[3], loc)
+    assert qo.is_contiguous()
+    _close(qo, qr, dtype)
+    _close(caches[0], caches[2], dtype)
+    assert torch.equal(caches[1], caches[3])  # v is copied as is
+    untouched = torch.ones(100, dtype=torch.bool, device="cuda")
+    untouched[loc] = False
+    assert (caches[0][untouched] == 7).all() and (caches[1][untouched] == 7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
     from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
 

@@ -2,9 +2,10 @@
 registry with lazy imports (a backend's dependencies load only when used).
 
 Contract: `init_forward_metadata` is called once per step, before the model
-runs (plan once for all layers); `forward` stores the step's new K/V into
-the pool at `fb.out_cache_loc`, then attends each sequence's new queries
-causally over its whole context: the slots table[rows[i], :seq_lens[i]].
+runs (plan once for all layers). The layer has stored the step's new K/V in
+the pool at `fb.out_cache_loc` (fused with RoPE on the GPU); `forward` then
+attends each sequence's new queries causally over its whole context: the
+slots table[rows[i], :seq_lens[i]].
 Backends with `needs_device_table` read those from the device mirror of the
 table (synced before every step).
 """
@@ -47,9 +48,9 @@ class AttentionBackend(ABC):
         pass
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "PagedAttention",
-                fb: "ForwardBatch") -> torch.Tensor:
-        """q: [T, heads, d]; k, v: [T, kv_heads, d]. Returns [T, heads, d]."""
+    def forward(self, q: torch.Tensor, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
+        """q: [T, heads, d], the step's new K/V already in the pool. Returns
+        [T, heads, d]."""
 
 
 def resolve_backend_name(name: str, shape: AttentionShape) -> str:

@@ -103,9 +103,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             paged_kv_last_page_len_buffer=last_page_len_buf[:batch_size], backend="fa2")
 
     # ---- the layer call ------------------------------------------------------
-    def forward(self, q, k, v, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
+    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         pool = fb.kv_pool
-        pool.store(layer.layer_id, fb.out_cache_loc, k, v)
         p = self.shape.page_size
         k_cache = pool.k[layer.layer_id].view(-1, p, layer.num_kv_heads, layer.head_dim)
         v_cache = pool.v[layer.layer_id].view(-1, p, layer.num_kv_heads, layer.head_dim)

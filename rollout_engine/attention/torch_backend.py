@@ -34,9 +34,8 @@ class TorchAttentionBackend(AttentionBackend):
             fb.attn_metadata = [torch.from_numpy(table[r, :n]).to(device, non_blocking=True)
                                 for r, n in zip(fb.rows, fb.seq_lens)]
 
-    def forward(self, q, k, v, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
+    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         pool = fb.kv_pool
-        pool.store(layer.layer_id, fb.out_cache_loc, k, v)
         k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
         if fb.is_decode:
             return self._decode(q, k_cache, v_cache, layer, fb)

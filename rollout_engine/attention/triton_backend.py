@@ -28,9 +28,8 @@ class TritonAttentionBackend(AttentionBackend):
         dev = host.to(self.shape.device, non_blocking=True)
         fb.attn_metadata = (dev[: fb.batch_size], dev[fb.batch_size:], int(fb.extend_lens.max()))
 
-    def forward(self, q, k, v, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
+    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         pool = fb.kv_pool
-        pool.store(layer.layer_id, fb.out_cache_loc, k, v)
         k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
         seq_lens, qo_indptr, max_q_len = fb.attn_metadata
         table = fb.device_table.tensor

@@ -21,7 +21,3 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer_id][loc] = k.to(self.dtype)
-        self.v[layer_id][loc] = v.to(self.dtype)

@@ -1,5 +1,6 @@
-"""The attention layer: holds its layer id and head counts, and hands q/k/v to
-the step's attention backend, which owns the KV pool access."""
+"""The attention layer: holds its layer id and head counts, and hands the
+rotated queries to the step's attention backend, which reads K/V from the
+pool (the rotary layer has already written this step's K/V there)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -20,8 +21,7 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scaling = head_dim ** -0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
-        """q: [T, heads, d], k/v: [T, kv_heads, d] for the step's new tokens.
-        Returns [T, heads * d]."""
-        out = fb.attn_backend.forward(q, k, v, self, fb)
+    def forward(self, q: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
+        """q: [T, heads, d] for the step's new tokens. Returns [T, heads * d]."""
+        out = fb.attn_backend.forward(q, self, fb)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

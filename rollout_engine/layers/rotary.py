@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from rollout_engine.kernels._triton import use_kernel
-from rollout_engine.kernels.rope import rope, rope_ref
+from rollout_engine.kernels.rope import rope, rope_and_store, rope_and_store_ref, rope_ref
 from rollout_engine.models.config import RopeConfig
 
 
@@ -42,3 +42,10 @@ class RotaryEmbedding(nn.Module):
         one kernel rotates both and returns contiguous tensors."""
         fn = rope if use_kernel(q) else rope_ref
         return fn(positions, q, k, self.cos, self.sin)
+
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+        """Rotated q; rotated k and v go into the layer's KV cache at `loc`
+        (one kernel on the GPU)."""
+        fn = rope_and_store if use_kernel(q) else rope_and_store_ref
+        return fn(positions, q, k, v, self.cos, self.sin, k_cache, v_cache, loc)

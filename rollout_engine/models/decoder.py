@@ -51,8 +51,9 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, p.num_kv_heads, p.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, fb))
+        q = self.rotary.rotate_and_store(positions, q, k, v, fb.kv_pool.k[self.attn.layer_id],
+                                         fb.kv_pool.v[self.attn.layer_id], fb.out_cache_loc)
+        return self.o_proj(self.attn(q, fb))
 
 
 class DecoderMLP(nn.Module):
