@@ -104,7 +104,8 @@ class RolloutEngine:
         self.runner = ModelRunner(self.model, self.kv_pool, backend, table, self.device)
         if cfg.cuda_graph and backend.supports_cuda_graph:
             before = torch.cuda.memory_reserved(self.device)
-            self.runner.capture_cuda_graphs(min(cfg.cuda_graph_max_batch_size, cfg.max_running_requests))
+            self.runner.capture_cuda_graphs(min(cfg.cuda_graph_max_batch_size, cfg.max_running_requests),
+                                           self.memory.saver.graph_capture)
             self.memory.register("cuda_graph", extra_bytes=torch.cuda.memory_reserved(self.device) - before)
         stop = StopChecker(mc.eos_token_ids or _tokenizer_eos(self.tokenizer), mc.max_position, self.tokenizer)
         self.scheduler = Scheduler(

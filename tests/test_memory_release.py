@@ -14,6 +14,8 @@ class FakeSaver:
     the region asked for a CPU backup), resume restores the copy or leaves
     garbage. Pausing a paused tag would crash the real library: fail loudly."""
 
+    pauses_graphs = False
+
     def __init__(self):
         self.manager = None
         self.backup_tags: set[str] = set()
@@ -184,3 +186,44 @@ def test_preload_launcher_environment(tmp_path):
     assert env["PATH"] == "/bin"
     with pytest.raises(RuntimeError, match="no preload hook for CUDA 12"):
         preload_library(tmp_path, cuda_major=12)
+
+
+class FakeGraphs:
+    def __init__(self):
+        self.calls = []
+
+    def destroy(self):
+        self.calls.append("destroy")
+
+    def capture(self):
+        self.calls.append("capture")
+
+
+@pytest.mark.parametrize("mode", ["pause", "keep", "recapture"])
+def test_graph_modes(make_engine, mode):
+    """pause: the saver unmaps the graph region; keep: graphs untouched, 0
+    bytes freed; recapture: destroyed on release, captured on resume."""
+    from rollout_engine.memory.controller import MemoryController
+
+    engine, fake = make_engine(weights_cpu_backup=True)
+    graphs = FakeGraphs()
+    engine.runner.graphs = graphs
+    engine.memory.register("cuda_graph", extra_bytes=1234)
+    c = engine._memory
+    engine._memory = MemoryController(engine.memory, engine.scheduler, engine.prefix_cache, engine.runner,
+                                      engine.device, True, c.all_weights, graph_mode=mode)
+    freed = engine.release_memory(["cuda_graph"])
+    assert engine.memory_state()["cuda_graph"] == "released"
+    assert freed == {"cuda_graph": 0 if mode == "keep" else 1234}
+    with pytest.raises(RuntimeError, match="already released"):
+        engine.release_memory(["cuda_graph"])
+    engine.resume_memory(["cuda_graph"])
+    assert engine.memory_state()["cuda_graph"] == "resident"
+    assert graphs.calls == {"pause": [], "keep": [], "recapture": ["destroy", "capture"]}[mode]
+    saver_calls = [c for c in fake.calls if c[1] == "cuda_graph"]
+    assert saver_calls == ([("pause", "cuda_graph"), ("resume", "cuda_graph")] if mode == "pause" else [])
+    engine.runner.graphs = None
+    assert len(engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)) == 2
+    with pytest.raises(ValueError, match="graph_mode"):
+        MemoryController(engine.memory, engine.scheduler, engine.prefix_cache, engine.runner, engine.device,
+                         True, c.all_weights, graph_mode="drop")

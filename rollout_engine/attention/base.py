@@ -15,7 +15,9 @@ import importlib
 import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 import torch
 
@@ -46,6 +48,23 @@ class AttentionBackend(ABC):
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         pass
+
+    # ---- captured decode steps (backends with supports_cuda_graph) ------------
+    def init_graph_buffers(self, max_bs: int, max_context: int) -> None:
+        """Allocate the static buffers that captured decode steps read."""
+        raise NotImplementedError
+
+    def graph_metadata(self, bs: int, fb: "ForwardBatch") -> Any:
+        """Metadata for capturing a decode step of `bs` sequences (each with
+        one token of context); becomes `fb.attn_metadata` in the graph."""
+        raise NotImplementedError
+
+    def prepare_replay(self, bs: int, bucket: int, seq_lens: np.ndarray, fb: "ForwardBatch") -> None:
+        """Before replaying the graph of `bucket` for a batch of `bs` real
+        sequences: write their lengths (padding rows: one token in the
+        reserved page 0) into the static buffers. `fb` is the captured batch,
+        its static rows already filled."""
+        raise NotImplementedError
 
     @abstractmethod
     def forward(self, q: torch.Tensor, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:

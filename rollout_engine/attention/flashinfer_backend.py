@@ -93,14 +93,41 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._after_plan()
         fb.attn_metadata = self.prefill
 
-    def graph_decode_wrapper(self, batch_size: int, indptr_buf: torch.Tensor, indices_buf: torch.Tensor,
-                             last_page_len_buf: torch.Tensor):
-        """A decode wrapper for one captured batch size, over caller-owned
-        buffers (shared between sizes: one graph replays at a time)."""
-        return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+    # ---- captured decode steps ------------------------------------------------
+    def init_graph_buffers(self, max_bs: int, max_context: int) -> None:
+        """Page-table buffers shared by every captured batch size (one graph
+        replays at a time); one decode wrapper per size plans into them."""
+        dev = self.shape.device
+        max_pages = -(-max_context // self.shape.page_size)
+        self.indptr_buf = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        self.last_page_len_buf = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.indices_buf = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=dev)
+        self.graph_wrappers: dict[int, object] = {}
+
+    def graph_metadata(self, bs: int, fb: "ForwardBatch"):
+        wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-            paged_kv_indptr_buffer=indptr_buf[: batch_size + 1], paged_kv_indices_buffer=indices_buf,
-            paged_kv_last_page_len_buffer=last_page_len_buf[:batch_size], backend="fa2")
+            paged_kv_indptr_buffer=self.indptr_buf[: bs + 1], paged_kv_indices_buffer=self.indices_buf,
+            paged_kv_last_page_len_buffer=self.last_page_len_buf[:bs], backend="fa2")
+        self.indices_buf[:bs].zero_()
+        dummy = PageTable(np.arange(bs + 1, dtype=np.int32), np.ones(bs, dtype=np.int32))
+        self.plan_decode(wrapper, dummy, self.indices_buf[:bs])
+        self.graph_wrappers[bs] = wrapper
+        return wrapper
+
+    def prepare_replay(self, bs: int, bucket: int, seq_lens: np.ndarray, fb: "ForwardBatch") -> None:
+        pad = bucket - bs
+        real = PageTable.of(seq_lens, self.shape.page_size)
+        total = int(real.indptr[-1])
+        # Padding sequences: one page (the reserved page 0), one token.
+        pt = PageTable(np.concatenate([real.indptr, total + np.arange(1, pad + 1, dtype=np.int32)]),
+                       np.concatenate([real.last_page_len, np.ones(pad, dtype=np.int32)]))
+        indptr = torch.from_numpy(real.indptr).to(self.shape.device, non_blocking=True)
+        build_page_indices(fb.device_table.tensor, fb.rows_device[:bs], indptr, self.shape.page_size, total,
+                           out=self.indices_buf)
+        if pad:
+            self.indices_buf[total: total + pad].zero_()
+        self.plan_decode(self.graph_wrappers[bucket], pt, self.indices_buf[: total + pad])
 
     # ---- the layer call ------------------------------------------------------
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:

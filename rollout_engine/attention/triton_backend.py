@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 class TritonAttentionBackend(AttentionBackend):
     needs_device_table = True
+    supports_cuda_graph = True
 
     def __init__(self, shape: AttentionShape, **_):
         self.shape = shape
@@ -27,6 +28,21 @@ class TritonAttentionBackend(AttentionBackend):
         host = torch.from_numpy(np.concatenate([fb.seq_lens.astype(np.int32), qo_indptr]))
         dev = host.to(self.shape.device, non_blocking=True)
         fb.attn_metadata = (dev[: fb.batch_size], dev[fb.batch_size:], int(fb.extend_lens.max()))
+
+    # ---- captured decode steps: the kernels read lengths from a static buffer --
+    def init_graph_buffers(self, max_bs: int, max_context: int) -> None:
+        dev = self.shape.device
+        self.seq_lens_buf = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.qo_indptr_buf = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+
+    def graph_metadata(self, bs: int, fb: "ForwardBatch"):
+        return self.seq_lens_buf[:bs], self.qo_indptr_buf[: bs + 1], 1
+
+    def prepare_replay(self, bs: int, bucket: int, seq_lens: np.ndarray, fb: "ForwardBatch") -> None:
+        # Padding rows attend over one token (row 0's first slot) and are discarded.
+        lens = np.ones(bucket, dtype=np.int32)
+        lens[:bs] = seq_lens
+        self.seq_lens_buf[:bucket].copy_(torch.from_numpy(lens).to(self.shape.device, non_blocking=True))
 
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         pool = fb.kv_pool

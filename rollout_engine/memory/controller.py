@@ -1,9 +1,19 @@
 """Release and resume the engine's GPU memory between rollouts.
 
 Order matters and is fixed here: a release first settles the scheduler
-(nothing in flight), drops the prefix cache with the KV cache and the CUDA
-graphs with their pool, then unmaps; a resume maps weights and KV first and
-recaptures graphs last (capture runs the model)."""
+(nothing in flight), drops the prefix cache with the KV cache, then unmaps;
+a resume maps weights and KV first and graphs last.
+
+CUDA graphs (`graph_mode`):
+- "pause": the graph pool lives in the `cuda_graph` region (preload hook);
+  it is unmapped and mapped again like the others, graphs stay valid.
+- "keep": the hook cannot see the graph pool (torch hook mode); the graphs
+  and their pool stay resident, a release of `cuda_graph` frees 0 bytes.
+- "recapture": destroy the graphs and their pool on release, capture them
+  again on resume.
+In torch hook mode the engine keeps them (TORCH_HOOK_GRAPH_MODE): the pool is
+small next to weights and KV, and recapturing costs more than a resume
+should (BENCHMARKS.md, `memory` workload)."""
 from __future__ import annotations
 
 import gc
@@ -13,11 +23,19 @@ import torch
 
 from rollout_engine.memory.manager import RELEASED, RESIDENT, TAGS, MemoryManager
 
+GRAPH_MODES = ("pause", "keep", "recapture")
+TORCH_HOOK_GRAPH_MODE = "keep"
+
 
 class MemoryController:
     def __init__(self, manager: MemoryManager, scheduler, prefix_cache, runner, device: torch.device,
-                 weights_cpu_backup: bool, all_weights: set):
+                 weights_cpu_backup: bool, all_weights: set, graph_mode: str | None = None):
         self.manager = manager
+        if graph_mode is None:
+            graph_mode = "pause" if manager.saver.pauses_graphs else TORCH_HOOK_GRAPH_MODE
+        if graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
+        self.graph_mode = graph_mode
         self.scheduler = scheduler
         self.prefix_cache = prefix_cache
         self.runner = runner
@@ -46,14 +64,24 @@ class MemoryController:
         for tag in tags:
             if tag == "kv_cache":
                 self.prefix_cache.flush()
-            if tag == "cuda_graph" and self.runner.graphs is not None:
-                self.runner.graphs.destroy()
-                gc.collect()
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
+            if tag == "cuda_graph" and self.graph_mode != "pause":
+                freed[tag] = self._drop_graphs()
+                continue
             freed[tag] = self.manager.pause(tag)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # activation blocks cached by the step path go back too
         self._sync()
         return freed
+
+    def _drop_graphs(self) -> int:
+        """cuda_graph without a pausable pool: destroy or keep (see above)."""
+        held = self.manager.nbytes("cuda_graph")
+        self.manager.mark("cuda_graph", RELEASED)
+        if self.graph_mode == "keep" or self.runner.graphs is None:
+            return 0
+        self.runner.graphs.destroy()
+        gc.collect()
+        return held
 
     def resume(self, tags: Sequence[str]) -> None:
         tags = self.manager.check(tags, RELEASED, "resume")
@@ -63,11 +91,14 @@ class MemoryController:
                 raise RuntimeError(f"cuda_graph can only be resumed with {stays_released} resident "
                                    "(capturing runs the model)")
         for tag in tags:
+            if tag == "cuda_graph" and self.graph_mode != "pause":
+                self.manager.mark(tag, RESIDENT)
+                if self.graph_mode == "recapture" and self.runner.graphs is not None:
+                    self.runner.graphs.capture()
+                continue
             self.manager.resume(tag)
             if tag == "weights" and not self.weights_cpu_backup:
                 self.missing_weights = set(self.all_weights)
-            if tag == "cuda_graph" and self.runner.graphs is not None:
-                self.runner.graphs.capture()
         self._sync()
 
     def check_can_generate(self) -> None:

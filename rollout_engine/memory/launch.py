@@ -34,10 +34,24 @@ def preload_env(env: dict[str, str], lib: Path, site_dir: Path, cuda_major: int)
     runtime's folder on the library path (the hook links against it)."""
     out = dict(env)
     out["LD_PRELOAD"] = ":".join(p for p in (str(lib), env.get("LD_PRELOAD", "")) if p)
-    runtime = site_dir / "nvidia" / f"cu{cuda_major}" / "lib"
-    if runtime.is_dir():
+    runtime = _runtime_dir(site_dir, cuda_major)
+    if runtime is not None:
         out["LD_LIBRARY_PATH"] = ":".join(p for p in (str(runtime), env.get("LD_LIBRARY_PATH", "")) if p)
     return out
+
+
+def _runtime_dir(site_dir: Path, cuda_major: int) -> Path | None:
+    """nvidia/cu<major>/lib next to torch-memory-saver, else wherever the
+    `nvidia` namespace package lives (torch's CUDA wheels)."""
+    candidates = [site_dir / "nvidia"]
+    spec = importlib.util.find_spec("nvidia")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [Path(p) for p in spec.submodule_search_locations]
+    for base in candidates:
+        lib = base / f"cu{cuda_major}" / "lib"
+        if lib.is_dir():
+            return lib
+    return None
 
 
 def run(argv: list[str]) -> int:

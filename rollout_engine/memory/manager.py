@@ -56,12 +56,15 @@ class MemoryManager:
         return tuple(t for t in TAGS if t in tags)  # a fixed order: weights, kv_cache, cuda_graph
 
     def pause(self, tag: str) -> int:
-        if tag != "cuda_graph":  # graph memory is freed by destroying the graphs
-            self.saver.pause(tag)
+        self.saver.pause(tag)
         self.state[tag] = RELEASED
         return self.nbytes(tag)
 
     def resume(self, tag: str) -> None:
-        if tag != "cuda_graph":
-            self.saver.resume(tag)
+        self.saver.resume(tag)
         self.state[tag] = RESIDENT
+
+    def mark(self, tag: str, state: str) -> None:
+        """Record a state change made without the saver (graphs kept or
+        destroyed instead of unmapped)."""
+        self.state[tag] = state

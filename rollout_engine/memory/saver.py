@@ -10,18 +10,32 @@ import torch
 
 
 class MemorySaver(Protocol):
+    # Graph memory captured through `graph_capture` can be paused like a region.
+    pauses_graphs: bool
+
     def region(self, tag: str, cpu_backup: bool) -> ContextManager: ...
+
+    def graph_capture(self, graph: torch.cuda.CUDAGraph, pool) -> ContextManager: ...
 
     def pause(self, tag: str) -> None: ...
 
     def resume(self, tag: str) -> None: ...
 
 
+def plain_graph_capture(graph: torch.cuda.CUDAGraph, pool) -> ContextManager:
+    return torch.cuda.graph(graph, pool=pool)
+
+
 class NoSaver:
     """Allocations go nowhere special; nothing can be released."""
 
+    pauses_graphs = False
+
     def region(self, tag: str, cpu_backup: bool) -> ContextManager:
         return contextlib.nullcontext()
+
+    def graph_capture(self, graph: torch.cuda.CUDAGraph, pool) -> ContextManager:
+        return plain_graph_capture(graph, pool)
 
     def pause(self, tag: str) -> None:
         raise RuntimeError("no memory saver")
@@ -47,9 +61,16 @@ class TorchMemorySaver:
         self.tms = torch_memory_saver
         self.tms.hook_mode = hook_mode
         self.hook_mode = hook_mode
+        # Only the preload hook sees the allocations a graph capture makes.
+        self.pauses_graphs = hook_mode == "preload"
 
     def region(self, tag: str, cpu_backup: bool) -> ContextManager:
         return self.tms.region(tag=tag, enable_cpu_backup=cpu_backup)
+
+    def graph_capture(self, graph: torch.cuda.CUDAGraph, pool) -> ContextManager:
+        if not self.pauses_graphs:
+            return plain_graph_capture(graph, pool)
+        return self.tms.cuda_graph(graph, pool=pool, tag="cuda_graph")
 
     def pause(self, tag: str) -> None:
         self.tms.pause(tag)

@@ -3,6 +3,10 @@ once over static input buffers; a step pads its batch to the next bucket
 (padding rows write their K/V to the reserved page 0 and are discarded).
 Batches above the largest bucket run eagerly.
 
+Backend-neutral: the attention backend owns its static metadata buffers
+(`init_graph_buffers`, `graph_metadata` at capture, `prepare_replay` before
+each replay).
+
 Lifecycle: `capture()` after the KV pool exists, `replay()` per decode step,
 `destroy()` to drop the graphs and their memory pool (and `capture()` again).
 The graphs capture the decoder up to its final hidden states; the LM head
@@ -11,16 +15,19 @@ and sampling run after the replay.
 from __future__ import annotations
 
 import bisect
+from typing import Callable, ContextManager
 
 import numpy as np
 import torch
 
-from rollout_engine.attention.flashinfer_backend import FlashInferAttentionBackend, PageTable
+from rollout_engine.attention.base import AttentionBackend
 from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.cache.req_table import ReqToTokenTable
-from rollout_engine.kernels.kv_indices import build_page_indices
+from rollout_engine.memory.saver import plain_graph_capture
 from rollout_engine.runner.forward_batch import DeviceTable, ForwardBatch
 from rollout_engine.scheduler.batch import Batch
+
+GraphContext = Callable[[torch.cuda.CUDAGraph, object], ContextManager]
 
 
 def batch_size_buckets(max_bs: int) -> list[int]:
@@ -29,56 +36,54 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: torch.nn.Module, backend: FlashInferAttentionBackend, kv_pool: KVPool,
-                 table: ReqToTokenTable, device_table: DeviceTable, max_bs: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_pool: KVPool,
+                 table: ReqToTokenTable, device_table: DeviceTable, max_bs: int, device: torch.device,
+                 capture_context: GraphContext = plain_graph_capture):
         self.model, self.backend, self.kv_pool = model, backend, kv_pool
         self.table, self.device_table, self.device = table, device_table, device
         self.max_bs = max_bs
         self.buckets = batch_size_buckets(max_bs)
-        self.page_size = backend.shape.page_size
+        # Where graph memory comes from (a releasable region when the memory
+        # saver can pause graph pools).
+        self.capture_context = capture_context
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_bs, **i64)
         self.positions = torch.zeros(max_bs, **i64)
         self.out_cache_loc = torch.zeros(max_bs, **i64)  # 0: the reserved padding page
         self.rows = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        max_pages = -(-table.max_context // self.page_size)
-        self.indptr_buf = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
-        self.last_page_len_buf = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self.indices_buf = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=device)
+        backend.init_graph_buffers(max_bs, table.max_context)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.wrappers: dict[int, object] = {}
+        self.batches: dict[int, ForwardBatch] = {}
         self.mempool = None
 
     @property
     def captured(self) -> bool:
         return bool(self.graphs)
 
-    def _static_batch(self, bs: int, wrapper) -> ForwardBatch:
+    def _static_batch(self, bs: int) -> ForwardBatch:
         ones = np.ones(bs, dtype=np.int64)
         return ForwardBatch(
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
             extend_lens=ones, seq_lens=ones, rows=np.zeros(bs, dtype=np.int64), rows_device=self.rows[:bs],
             table=self.table, device_table=self.device_table, kv_pool=self.kv_pool, attn_backend=self.backend,
-            is_decode=True, attn_metadata=wrapper)
+            is_decode=True)
 
     @torch.inference_mode()
     def capture(self) -> None:
         self.mempool = torch.cuda.graph_pool_handle()
+        for buf in (self.input_ids, self.positions, self.out_cache_loc, self.rows):
+            buf.zero_()
         for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-            wrapper = self.backend.graph_decode_wrapper(bs, self.indptr_buf, self.indices_buf,
-                                                        self.last_page_len_buf)
-            dummy = PageTable(np.arange(bs + 1, dtype=np.int32), np.ones(bs, dtype=np.int32))
-            self.indices_buf[:bs].zero_()
-            self.backend.plan_decode(wrapper, dummy, self.indices_buf[:bs])
-            fb = self._static_batch(bs, wrapper)
-            for _ in range(2):  # warm-up outside the graph (lazy inits, autotuning)
+            fb = self._static_batch(bs)
+            fb.attn_metadata = self.backend.graph_metadata(bs, fb)
+            for _ in range(2):  # warm-up outside the graph (lazy inits, JIT, autotuning)
                 self.model(fb.input_ids, fb.positions, fb)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.mempool):
+            with self.capture_context(graph, self.mempool):
                 self.outputs[bs] = self.model(fb.input_ids, fb.positions, fb)
-            self.graphs[bs], self.wrappers[bs] = graph, wrapper
+            self.graphs[bs], self.batches[bs] = graph, fb
         torch.cuda.synchronize(self.device)
 
     def can_run(self, batch: Batch) -> bool:
@@ -102,22 +107,14 @@ class CudaGraphRunner:
         self.rows[:bucket].copy_(packed[3])
         if input_ids is not None:
             self.input_ids[:bs].copy_(input_ids)
-        # Padding sequences: one page (the reserved page 0), one token.
-        real = PageTable.of(seq_lens, self.page_size)
-        total = int(real.indptr[-1])
-        pt = PageTable(np.concatenate([real.indptr, total + np.arange(1, pad + 1, dtype=np.int32)]),
-                       np.concatenate([real.last_page_len, np.ones(pad, dtype=np.int32)]))
-        indptr = torch.from_numpy(real.indptr).to(self.device, non_blocking=True)
-        build_page_indices(self.device_table.tensor, self.rows[:bs], indptr, self.page_size, total,
-                           out=self.indices_buf)
-        if pad:
-            self.indices_buf[total: total + pad].zero_()
-        self.backend.plan_decode(self.wrappers[bucket], pt, self.indices_buf[: total + pad])
+        self.backend.prepare_replay(bs, bucket, seq_lens, self.batches[bucket])
         self.graphs[bucket].replay()
         return self.outputs[bucket][:bs]
 
     def destroy(self) -> None:
         self.graphs.clear()
         self.outputs.clear()
-        self.wrappers.clear()
+        self.batches.clear()
         self.mempool = None
+
+

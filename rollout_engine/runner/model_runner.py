@@ -80,11 +80,11 @@ class ModelRunner:
         self.device_table = DeviceTable(table, device) if backend.needs_device_table else None
         self.graphs = None  # a CudaGraphRunner once captured
 
-    def capture_cuda_graphs(self, max_bs: int) -> None:
+    def capture_cuda_graphs(self, max_bs: int, capture_context) -> None:
         from rollout_engine.runner.cuda_graph import CudaGraphRunner
 
         self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_pool, self.table, self.device_table,
-                                      max_bs, self.device)
+                                      max_bs, self.device, capture_context)
         self.graphs.capture()
 
     @torch.inference_mode()
