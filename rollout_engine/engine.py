@@ -103,9 +103,11 @@ class RolloutEngine:
         backend = create_backend(cfg.attention_backend, shape)
         self.runner = ModelRunner(self.model, self.kv_pool, backend, table, self.device)
         if cfg.cuda_graph and backend.supports_cuda_graph:
+            torch.cuda.empty_cache()  # so that the difference below is the graph pool alone
             before = torch.cuda.memory_reserved(self.device)
             self.runner.capture_cuda_graphs(min(cfg.cuda_graph_max_batch_size, cfg.max_running_requests),
                                            self.memory.saver.graph_capture)
+            torch.cuda.empty_cache()
             self.memory.register("cuda_graph", extra_bytes=torch.cuda.memory_reserved(self.device) - before)
         stop = StopChecker(mc.eos_token_ids or _tokenizer_eos(self.tokenizer), mc.max_position, self.tokenizer)
         self.scheduler = Scheduler(

@@ -92,11 +92,12 @@ def test_flashinfer_over_cached_prefixes(gpu_models, page_size):
     engine.check_integrity()
 
 
-def test_graph_replay_equals_eager(gpu_models):
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_graph_replay_equals_eager(gpu_models, backend):
     hf, folder = gpu_models[("llama", False)]
     params = SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True)
     prompts = PROMPTS * 4  # 16: a captured bucket, no padding difference
-    kw = dict(device="cuda", attention_backend="flashinfer", max_total_tokens=8192, cuda_graph_max_batch_size=16)
+    kw = dict(device="cuda", attention_backend=backend, max_total_tokens=8192, cuda_graph_max_batch_size=16)
     eager = RolloutEngine(folder, cuda_graph=False, **kw).generate(input_ids=prompts, sampling_params=params)
     graph = RolloutEngine(folder, cuda_graph=True, **kw).generate(input_ids=prompts, sampling_params=params)
     assert [o.output_token_ids for o in graph] == [o.output_token_ids for o in eager]
@@ -136,9 +137,12 @@ def test_triton_attention_kernels_match_reference(dtype):
 
 
 @pytest.mark.parametrize("kind,tie", MODEL_KINDS)
-def test_triton_backend_bf16_parity(gpu_models, kind, tie):
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_triton_backend_bf16_parity(gpu_models, kind, tie, cuda_graph):
     hf, folder = gpu_models[(kind, tie)]
-    engine = RolloutEngine(folder, device="cuda", attention_backend="triton", max_total_tokens=8192, page_size=4)
+    engine = RolloutEngine(folder, device="cuda", attention_backend="triton", max_total_tokens=8192, page_size=4,
+                           cuda_graph=cuda_graph, cuda_graph_max_batch_size=16)
+    assert (engine.runner.graphs is not None) == cuda_graph
     gap, _ = _gap_vs_hf(engine, hf, PROMPTS)
     assert gap < 2e-2
     system = list(range(300, 380))

@@ -191,43 +191,12 @@ def bench_prefill(args) -> dict[str, Any]:
             "bf16_TFLOPs": round(limits.flops / 1e12, 1)}
 
 
-def bench_weights(args) -> dict[str, Any]:
-    """Full-model update: from in-process tensors (already on the device, the
-    colocated case) and from a safetensors folder."""
-    import tempfile
+def _workloads():
+    from rollout_engine.bench.memory import bench_memory
+    from rollout_engine.bench.weights import bench_weights
 
-    from safetensors.torch import save_file
-
-    engine = _engine(args, enable_prefix_cache=False)
-    names = engine._weights.full_names()
-    tensors = [(n, engine.get_weight(n).to(engine.device)) for n in names]
-    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-    engine.update_weights(tensors)  # warm-up
-    times = []
-    for _ in range(3):
-        _sync()
-        start = time.perf_counter()
-        engine.update_weights(tensors)
-        _sync()
-        times.append(time.perf_counter() - start)
-    in_process = min(times)
-    with tempfile.TemporaryDirectory() as folder:
-        save_file({n: t.cpu().contiguous() for n, t in tensors}, f"{folder}/model.safetensors")
-        del tensors
-        _sync()
-        start = time.perf_counter()
-        engine.update_weights_from_disk(folder)
-        _sync()
-        from_disk = time.perf_counter() - start
-    engine.shutdown()
-    del engine
-    _free_device_memory()
-    return {"weight_bytes": nbytes, "in_process_s": round(in_process, 4),
-            "in_process_GBps": round(nbytes / in_process / 1e9, 1), "from_disk_s": round(from_disk, 3),
-            "from_disk_GBps": round(nbytes / from_disk / 1e9, 2)}
-
-
-WORKLOADS = {"grpo": bench_grpo, "offline": bench_offline, "decode": bench_decode, "prefill": bench_prefill, "weights": bench_weights}
+    return {"grpo": bench_grpo, "offline": bench_offline, "decode": bench_decode, "prefill": bench_prefill,
+            "weights": bench_weights, "memory": bench_memory}
 
 
 def main(args) -> int:
@@ -236,7 +205,7 @@ def main(args) -> int:
         "attention_backend": args.attention_backend, "device": _device_name(),
         "date": time.strftime("%Y-%m-%d"), "config": {k: v for k, v in vars(args).items() if k != "func"},
     }
-    report["results"] = WORKLOADS[args.workload](args)
+    report["results"] = _workloads()[args.workload](args)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -1,0 +1,106 @@
+"""`weights` workload: a full-model update in place, from in-process tensors
+(already on the device: the colocated case), from a safetensors folder, and
+(`--nccl`, two GPUs) broadcast from a trainer process on GPU 0 to an engine
+process on GPU 1 through the weight-sync group."""
+from __future__ import annotations
+
+import socket
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from rollout_engine.bench.run import _engine, _free_device_memory, _sync
+
+ROUNDS = 3
+
+
+def _timed(fn) -> float:
+    _sync()
+    start = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - start
+
+
+def bench_weights(args) -> dict[str, Any]:
+    if args.nccl:
+        return bench_nccl(args)
+    from safetensors.torch import save_file
+
+    engine = _engine(args, enable_prefix_cache=False)
+    tensors = [(n, engine.get_weight(n).to(engine.device)) for n in engine._weights.full_names()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    engine.update_weights(tensors)  # warm-up
+    in_process = min(_timed(lambda: engine.update_weights(tensors)) for _ in range(ROUNDS))
+    with tempfile.TemporaryDirectory() as folder:
+        save_file({n: t.cpu().contiguous() for n, t in tensors}, f"{folder}/model.safetensors")
+        del tensors
+        from_disk = _timed(lambda: engine.update_weights_from_disk(folder))
+    engine.shutdown()
+    del engine
+    _free_device_memory()
+    return {"weight_bytes": nbytes, "in_process_s": round(in_process, 4),
+            "in_process_GBps": round(nbytes / in_process / 1e9, 1), "from_disk_s": round(from_disk, 3),
+            "from_disk_GBps": round(nbytes / from_disk / 1e9, 2)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trainer(args, port: int, meta_queue, out_queue) -> None:
+    from rollout_engine.integrations.weight_sender import WeightSender
+
+    torch.cuda.set_device(0)
+    source = _engine(args, enable_prefix_cache=False, cuda_graph=False, max_total_tokens=4096, device="cuda:0")
+    tensors = [(n, source.get_weight(n).to("cuda:0")) for n in source._weights.full_names()]
+    del source
+    _free_device_memory()
+    sender = WeightSender("127.0.0.1", port, world_size=2, bucket_bytes=args.bucket_mb << 20, device="cuda:0")
+    meta_queue.put(WeightSender.metadata(tensors))
+    times = []
+    for _ in range(ROUNDS + 1):  # the first round warms up NCCL
+        times.append(_timed(lambda: sender.send(tensors)))
+    sender.close()
+    out_queue.put(("trainer", (times, sum(t.numel() * t.element_size() for _, t in tensors))))
+
+
+def _receiver(args, port: int, meta_queue, out_queue) -> None:
+    torch.cuda.set_device(1)
+    engine = _engine(args, enable_prefix_cache=False, max_total_tokens=65536, device="cuda:1")
+    engine.init_weight_sync_group("127.0.0.1", port, rank_offset=1, world_size=2)
+    names, dtypes, shapes = meta_queue.get(timeout=600)
+    times = []
+    for _ in range(ROUNDS + 1):
+        times.append(_timed(lambda: engine.update_weights_from_distributed(
+            names, dtypes, shapes, bucket_bytes=args.bucket_mb << 20)))
+    engine.destroy_weight_sync_group()
+    out_queue.put(("engine", times))
+
+
+def bench_nccl(args) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("--nccl needs two GPUs")
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    meta, out = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_trainer, args=(args, port, meta, out)),
+             ctx.Process(target=_receiver, args=(args, port, meta, out))]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=900) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    send_times, nbytes = results["trainer"]
+    engine_times = results["engine"][1:]
+    best = min(engine_times)
+    return {"bucket_MiB": args.bucket_mb, "weight_bytes": nbytes, "rounds_s": [round(t, 4) for t in engine_times],
+            "trainer_send_s": [round(t, 4) for t in send_times[1:]], "best_s": round(best, 4),
+            "GBps": round(nbytes / best / 1e9, 1)}
+
