@@ -59,7 +59,13 @@ class TorchMemorySaver:
         from torch_memory_saver import torch_memory_saver
 
         self.tms = torch_memory_saver
-        self.tms.hook_mode = hook_mode
+        # The library is a process-wide singleton, configured once: later
+        # engines in the same process share it (in the same mode).
+        if self.tms._impl is None:
+            self.tms.hook_mode = hook_mode
+        elif self.tms._impl._hook_mode != hook_mode:
+            raise RuntimeError(f"torch-memory-saver already runs in {self.tms._impl._hook_mode!r} mode in this "
+                               f"process, not {hook_mode!r}")
         self.hook_mode = hook_mode
         # Only the preload hook sees the allocations a graph capture makes.
         self.pauses_graphs = hook_mode == "preload"
