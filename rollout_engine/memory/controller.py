@@ -64,14 +64,23 @@ class MemoryController:
         for tag in tags:
             if tag == "kv_cache":
                 self.prefix_cache.flush()
+            before = self._free_bytes()
             if tag == "cuda_graph" and self.graph_mode != "pause":
-                freed[tag] = self._drop_graphs()
-                continue
-            freed[tag] = self.manager.pause(tag)
+                expected = self._drop_graphs()
+            else:
+                expected = self.manager.pause(tag)
+            # On the GPU, what the driver reports; elsewhere, the bookkeeping.
+            freed[tag] = expected if before is None else max(0, self._free_bytes() - before)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # activation blocks cached by the step path go back too
         self._sync()
         return freed
+
+    def _free_bytes(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.mem_get_info(self.device)[0]
 
     def _drop_graphs(self) -> int:
         """cuda_graph without a pausable pool: destroy or keep (see above)."""
@@ -81,6 +90,7 @@ class MemoryController:
             return 0
         self.runner.graphs.destroy()
         gc.collect()
+        torch.cuda.empty_cache()
         return held
 
     def resume(self, tags: Sequence[str]) -> None:
