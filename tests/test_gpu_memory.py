@@ -41,7 +41,7 @@ def _job(body: str, tmp_path, preload: bool = False) -> dict:
     if preload:
         cmd = [sys.executable, "-m", "rollout_engine.cli", "run", "--"] + cmd
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
     print(result)

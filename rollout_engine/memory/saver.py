@@ -71,6 +71,10 @@ class TorchMemorySaver:
         self.pauses_graphs = hook_mode == "preload"
 
     def region(self, tag: str, cpu_backup: bool) -> ContextManager:
+        if cpu_backup:
+            # Keep the pinned host copy between cycles: allocating and freeing
+            # it on every pause/resume costs more than the copy itself.
+            self.tms.retain_cpu_backup = True
         return self.tms.region(tag=tag, enable_cpu_backup=cpu_backup)
 
     def graph_capture(self, graph: torch.cuda.CUDAGraph, pool) -> ContextManager:
