@@ -85,3 +85,19 @@ def test_silu_and_mul(dtype):
 
     x = torch.randn(33, 2 * 3000, device="cuda", dtype=dtype)
     _close(silu_and_mul(x), silu_and_mul_ref(x), dtype)
+
+
+def test_argmax_logsumexp_matches_reference():
+    from rollout_engine.kernels.greedy import argmax_logsumexp, argmax_logsumexp_ref
+
+    x = torch.randn(7, 151936, device="cuda") * 4
+    x[1, 5000] = x[1, 70000] = x[1].max() + 1  # a tie: the first index wins, as torch.argmax
+    x[2, :100000] = float("-inf")  # whole partial chunks masked out
+    x[3, 151935] = 100.0  # the very last column
+    tok, mx, lse = argmax_logsumexp(x)
+    rtok, rmx, rlse = argmax_logsumexp_ref(x)
+    assert torch.equal(tok, rtok) and tok[1] == 5000 and tok[3] == 151935
+    assert torch.equal(mx, rmx)
+    torch.testing.assert_close(lse, rlse, atol=1e-4, rtol=1e-5)
+    small = torch.randn(3, 50, device="cuda")  # fewer columns than splits
+    assert torch.equal(argmax_logsumexp(small)[0], small.argmax(-1))

@@ -2,6 +2,7 @@
 regions, or nothing (memory saver disabled)."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from typing import ContextManager, Protocol
@@ -67,6 +68,8 @@ class TorchMemorySaver:
             raise RuntimeError(f"torch-memory-saver already runs in {self.tms._impl._hook_mode!r} mode in this "
                                f"process, not {hook_mode!r}")
         self.hook_mode = hook_mode
+        if hook_mode == "torch":
+            _free_inside_a_region_at_exit(self.tms)
         # Only the preload hook sees the allocations a graph capture makes.
         self.pauses_graphs = hook_mode == "preload"
 
@@ -87,6 +90,25 @@ class TorchMemorySaver:
 
     def resume(self, tag: str) -> None:
         self.tms.resume(tag)
+
+
+_exit_hook_registered = False
+
+
+def _free_inside_a_region_at_exit(tms) -> None:
+    """In torch hook mode the library ends the process with status 1 when
+    memory of its pools is freed outside a region, which is what interpreter
+    teardown does to every engine still alive. From exit on, stay inside a
+    region so that teardown frees quietly."""
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    _exit_hook_registered = True
+
+    def enter_region() -> None:
+        tms.region(tag="teardown").__enter__()
+
+    atexit.register(enter_region)
 
 
 def create_saver(enabled: bool, device: torch.device) -> MemorySaver:

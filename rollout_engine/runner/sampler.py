@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout_engine.kernels._triton import use_kernel
+from rollout_engine.kernels.greedy import argmax_logsumexp, argmax_logsumexp_ref
 from rollout_engine.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -103,7 +105,10 @@ def processed_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     """logits: [B, V] float32. Full [B, V] logprob tables are built only when
     top logprobs are asked for; otherwise only the chosen tokens' logprobs."""
-    greedy_tokens = logits.argmax(dim=-1)
+    if use_kernel(logits):
+        greedy_tokens, row_max, log_norm = argmax_logsumexp(logits)
+    else:
+        greedy_tokens, row_max, log_norm = argmax_logsumexp_ref(logits)
     needs_processed = not sb.all_greedy or sb.use_sort_filters or sb.use_min_p
     probs = processed_probs(logits, sb) if needs_processed else None
     if sb.all_greedy:
@@ -116,11 +121,13 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
         # Rounding at the very top of the CDF must not pick a filtered token.
         drawn = torch.where(probs.gather(-1, drawn[:, None]).squeeze(1) > 0, drawn, probs.argmax(dim=-1))
         tokens = torch.where(sb.temperatures > 0, drawn, greedy_tokens)
-    log_norm = torch.logsumexp(logits, dim=-1)
-    raw = logits.gather(-1, tokens[:, None]).squeeze(1) - log_norm
-    # Greedy rows without filters sample from the raw distribution at temperature 1.
-    processed = raw if probs is None else torch.log(probs.gather(-1, tokens[:, None]).squeeze(1))
-    logprobs = torch.where(sb.raw_logprobs, raw, processed)
+    if probs is None and sb.all_greedy:  # every token is its row's argmax; raw == processed
+        logprobs = row_max - log_norm
+    else:
+        raw = logits.gather(-1, tokens[:, None]).squeeze(1) - log_norm
+        # Greedy rows without filters sample from the raw distribution at temperature 1.
+        processed = raw if probs is None else torch.log(probs.gather(-1, tokens[:, None]).squeeze(1))
+        logprobs = torch.where(sb.raw_logprobs, raw, processed)
     top_ids = top_lps = None
     if sb.max_top_logprobs:
         raw_table = logits - log_norm[:, None]
