@@ -93,6 +93,7 @@ class TorchMemorySaver:
 
 
 _exit_hook_registered = False
+_held_at_exit: list = []
 
 
 def _free_inside_a_region_at_exit(tms) -> None:
@@ -106,7 +107,9 @@ def _free_inside_a_region_at_exit(tms) -> None:
     _exit_hook_registered = True
 
     def enter_region() -> None:
-        tms.region(tag="teardown").__enter__()
+        region = tms.region(tag="teardown")
+        region.__enter__()
+        _held_at_exit.append(region)  # never closed: closing would leave the region
 
     atexit.register(enter_region)
 
