@@ -67,6 +67,8 @@ def test_flashinfer_bf16_parity(gpu_models, kind, tie, cuda_graph):
                            max_total_tokens=8192, cuda_graph_max_batch_size=16)
     assert (engine.runner.graphs is not None) == cuda_graph
     gap, _ = _gap_vs_hf(engine, hf, PROMPTS)
+    single, _ = _gap_vs_hf(engine, hf, PROMPTS[1:2])  # batch-1 decode: the one-row matrix-vector kernel
+    assert single < 2e-2
     reference = RolloutEngine(folder, device="cuda", attention_backend="torch", max_total_tokens=8192)
     ref_gap, _ = _gap_vs_hf(reference, hf, PROMPTS)
     print(f"{kind} graphs={cuda_graph}: flashinfer gap {gap:.4f}, torch backend gap {ref_gap:.4f}")

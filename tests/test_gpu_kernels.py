@@ -101,3 +101,19 @@ def test_argmax_logsumexp_matches_reference():
     torch.testing.assert_close(lse, rlse, atol=1e-4, rtol=1e-5)
     small = torch.randn(3, 50, device="cuda")  # fewer columns than splits
     assert torch.equal(argmax_logsumexp(small)[0], small.argmax(-1))
+
+
+@pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (4096, 14336, False), (1000, 1000, True), (28672, 4096, True)])
+def test_gemv_matches_linear(n, k, bias):
+    import torch.nn.functional as F
+
+    from rollout_engine.kernels.gemv import gemv, linear
+
+    torch.manual_seed(0)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(gemv(x, w, b).float(), ref, atol=3e-2, rtol=2e-2)
+    two = torch.randn(2, k, device="cuda", dtype=torch.bfloat16)  # more rows: the library path
+    torch.testing.assert_close(linear(two, w, b), F.linear(two, w, b))

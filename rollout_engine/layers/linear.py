@@ -11,10 +11,10 @@ import contextvars
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rollout_engine.distributed.comm import TPComm
+from rollout_engine.kernels.gemv import linear
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -56,7 +56,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data, full.narrow(0, self.comm.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -132,5 +132,5 @@ class RowParallelLinear(nn.Module):
         copy_into(param.data, full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+        y = self.comm.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias

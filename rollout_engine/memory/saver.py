@@ -93,7 +93,6 @@ class TorchMemorySaver:
 
 
 _exit_hook_registered = False
-_held_at_exit: list = []
 
 
 def _free_inside_a_region_at_exit(tms) -> None:
@@ -107,9 +106,8 @@ def _free_inside_a_region_at_exit(tms) -> None:
     _exit_hook_registered = True
 
     def enter_region() -> None:
-        region = tms.region(tag="teardown")
-        region.__enter__()
-        _held_at_exit.append(region)  # never closed: closing would leave the region
+        # The flag is per thread; teardown runs on this one.
+        tms._impl._binary_wrapper.cdll.tms_set_interesting_region(True)
 
     atexit.register(enter_region)
 

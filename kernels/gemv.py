@@ -1,0 +1,67 @@
+"""Matrix-vector product for one-token steps (batch-1 decode): y = x W^T (+ b)
+for x [1, K], W [N, K]. At one row the GEMM libraries pick tiles built for
+more rows (and split-K reductions); a plain streaming kernel reads the weight
+closer to the memory bandwidth (BENCHMARKS.md). Other shapes use F.linear."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from rollout_engine.kernels._triton import use_kernel
+
+
+def _config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps), measured on H200 for 8B-sized layers."""
+    if k >= 8192:
+        return 16, 1024, 8
+    if n <= 4096:
+        return 4, 1024, 4
+    if n >= 16384:
+        return 16, 256, 4
+    return 16, 512, 4
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < N
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < K
+            w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            x = tl.load(x_ptr + k, mask=k_mask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+    return gemv_kernel
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [1, K] contiguous; weight: [N, K] with unit column stride."""
+    n, k = weight.shape
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    bn, bk, warps = _config(n, k)
+    _kernel()[(-(-n // bn),)](x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
+                              HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with the one-row GPU case in `gemv`."""
+    if (x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16) and use_kernel(x)):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
