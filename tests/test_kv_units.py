@@ -76,3 +76,21 @@ def test_table_rows_are_recycled():
     assert t.alloc_row() == r0
     t.write(r1, 2, np.array([7, 8]))
     assert t.slots(r1, 2, 4).tolist() == [7, 8]
+
+
+def test_backend_resolution_respects_head_size():
+    import torch
+
+    from rollout_engine.attention.base import AttentionShape, resolve_backend_name
+
+    def shape(head_dim, device="cuda", dtype=torch.bfloat16):
+        return AttentionShape(8, 2, head_dim, 1, dtype, torch.device(device))
+
+    assert resolve_backend_name("auto", shape(16, "cpu")) == "torch"
+    assert resolve_backend_name("auto", shape(16)) == "torch"  # FlashInfer has no kernels for 16
+    assert resolve_backend_name("auto", shape(128, dtype=torch.float32)) == "torch"
+    with pytest.raises(ValueError, match="head_dim"):
+        resolve_backend_name("flashinfer", shape(16))
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        resolve_backend_name("triton", shape(96))
+    assert resolve_backend_name("triton", shape(64)) == "triton"

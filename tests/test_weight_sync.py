@@ -88,7 +88,8 @@ def test_fsdp_ranks_update_their_colocated_engines(llama, tmp_path, kind):
     for p in procs:
         p.start()
     results = sorted(_gather(procs, out, 2))
-    fresh = RolloutEngine(folder_b, max_total_tokens=2048).generate(
+    where = dict(device="cuda", dtype="float32") if kind == 1 else dict(device="cpu")  # as the ranks' engines
+    fresh = RolloutEngine(folder_b, max_total_tokens=2048, **where).generate(
         input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
     for rank, version, tokens in results:
         assert version == 1 and tokens == [o.output_token_ids for o in fresh]

@@ -32,6 +32,9 @@ BACKENDS: dict[str, str] = {
 }
 
 
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
 @dataclass(frozen=True)
 class AttentionShape:
     num_heads: int  # query heads on this rank
@@ -73,15 +76,23 @@ class AttentionBackend(ABC):
 
 
 def resolve_backend_name(name: str, shape: AttentionShape) -> str:
-    """"auto": flashinfer on CUDA in fp16/bf16 when it is installed, else torch."""
+    """"auto": flashinfer on CUDA in fp16/bf16 when it is installed and
+    supports the head size, else torch."""
     half = shape.dtype in (torch.float16, torch.bfloat16)
     if name != "auto":
         if name != "torch" and shape.device.type != "cuda":
             raise ValueError(f"attention_backend {name!r} needs a CUDA device")
         if name != "torch" and not half:
             raise ValueError(f"attention_backend {name!r} needs dtype bfloat16 or float16, got {shape.dtype}")
+        if name == "flashinfer" and shape.head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(f"attention_backend 'flashinfer' supports head_dim {FLASHINFER_HEAD_DIMS}, "
+                             f"the model has {shape.head_dim}")
+        if name == "triton" and shape.head_dim & (shape.head_dim - 1):
+            raise ValueError(f"attention_backend 'triton' needs a power-of-two head_dim, the model has "
+                             f"{shape.head_dim}")
         return name
-    if shape.device.type == "cuda" and half and importlib.util.find_spec("flashinfer") is not None:
+    if (shape.device.type == "cuda" and half and shape.head_dim in FLASHINFER_HEAD_DIMS
+            and importlib.util.find_spec("flashinfer") is not None):
         return "flashinfer"
     return "torch"
 
