@@ -266,16 +266,18 @@ class RolloutEngine:
 
     def release_memory(self, tags: Sequence[str] = TAGS) -> dict[str, int]:
         """Unmap the GPU memory of `tags` (addresses are kept); returns the
-        bytes freed per tag. Needs enable_memory_saver=True; refuses while
-        requests run unless generation is paused, and refuses the KV cache
-        while paused requests hold it. The prefix cache goes with the KV cache."""
+        bytes the driver saw freed per tag. Needs enable_memory_saver=True;
+        refuses while requests run unless generation is paused, and refuses
+        the KV cache while paused requests hold it. The prefix cache goes with
+        the KV cache. CUDA graphs are unmapped under the preload hook and kept
+        in torch hook mode (0 bytes; see memory/controller.py)."""
         with self._lock:
             return self._memory.release(tags, self._paused)
 
     def resume_memory(self, tags: Sequence[str] = TAGS) -> None:
         """Map `tags` again at the same addresses. Weights come back as they
         were with weights_cpu_backup=True; otherwise new weights must be
-        loaded before generating. CUDA graphs are captured again."""
+        loaded before generating. CUDA graphs stay valid."""
         with self._lock:
             self._memory.resume(tags)
 
