@@ -5,27 +5,18 @@ pool cannot be unmapped (keep them, or destroy and recapture)."""
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from rollout_engine.bench import workloads
-from rollout_engine.bench.run import _engine, _free_device_memory, _sync
+from rollout_engine.bench.run import _engine, _free_device_memory, timed
 from rollout_engine.memory.manager import TAGS
 
 
 def used_device_bytes() -> int:
     free, total = torch.cuda.mem_get_info()
     return total - free
-
-
-def _timed(fn) -> tuple[float, Any]:
-    _sync()
-    start = time.perf_counter()
-    out = fn()
-    _sync()
-    return time.perf_counter() - start, out
 
 
 def _rollout(engine, wl) -> list[list[int]]:
@@ -35,9 +26,9 @@ def _rollout(engine, wl) -> list[list[int]]:
 
 def _cycle(engine, tags) -> dict[str, float]:
     before = used_device_bytes()
-    release_s, _ = _timed(lambda: engine.release_memory(tags))
+    release_s = timed(lambda: engine.release_memory(tags))
     freed = before - used_device_bytes()
-    resume_s, _ = _timed(lambda: engine.resume_memory(tags))
+    resume_s = timed(lambda: engine.resume_memory(tags))
     return {"release_s": release_s, "resume_s": resume_s, "freed_bytes": freed}
 
 
@@ -63,9 +54,9 @@ def bench_memory(args) -> dict[str, Any]:
         "tag_GiB": {t: round(engine.memory.nbytes(t) / 2**30, 3) for t in TAGS},
     }
     # Everything at once, as a training loop does.
-    release_s, _ = _timed(lambda: engine.release_memory())
+    release_s = timed(lambda: engine.release_memory())
     freed = held - (used_device_bytes() - used_before)
-    resume_s, _ = _timed(lambda: engine.resume_memory())
+    resume_s = timed(lambda: engine.resume_memory())
     report["all_tags"] = {"release_s": round(release_s, 4), "resume_s": round(resume_s, 4),
                           "freed_GiB": round(freed / 2**30, 3), "freed_share": round(freed / held, 4),
                           "outputs_identical": _rollout(engine, wl) == reference}

@@ -33,6 +33,15 @@ def _engine(args, **overrides):
     return RolloutEngine(args.model, **kw)
 
 
+def timed(fn) -> float:
+    """Seconds `fn()` takes, the device synchronised on both sides."""
+    _sync()
+    start = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - start
+
+
 def _free_device_memory() -> None:
     """After the caller dropped its last engine reference: collect it (the
     engine holds reference cycles) and return its memory to the device, so the

@@ -6,22 +6,13 @@ from __future__ import annotations
 
 import socket
 import tempfile
-import time
 from typing import Any
 
 import torch
 
-from rollout_engine.bench.run import _engine, _free_device_memory, _sync
+from rollout_engine.bench.run import _engine, _free_device_memory, timed
 
 ROUNDS = 3
-
-
-def _timed(fn) -> float:
-    _sync()
-    start = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - start
 
 
 def bench_weights(args) -> dict[str, Any]:
@@ -33,11 +24,11 @@ def bench_weights(args) -> dict[str, Any]:
     tensors = [(n, engine.get_weight(n).to(engine.device)) for n in engine._weights.full_names()]
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     engine.update_weights(tensors)  # warm-up
-    in_process = min(_timed(lambda: engine.update_weights(tensors)) for _ in range(ROUNDS))
+    in_process = min(timed(lambda: engine.update_weights(tensors)) for _ in range(ROUNDS))
     with tempfile.TemporaryDirectory() as folder:
         save_file({n: t.cpu().contiguous() for n, t in tensors}, f"{folder}/model.safetensors")
         del tensors
-        from_disk = _timed(lambda: engine.update_weights_from_disk(folder))
+        from_disk = timed(lambda: engine.update_weights_from_disk(folder))
     engine.shutdown()
     del engine
     _free_device_memory()
@@ -64,7 +55,7 @@ def _trainer(args, port: int, meta_queue, out_queue) -> None:
     meta_queue.put(WeightSender.metadata(tensors))
     times = []
     for _ in range(ROUNDS + 1):  # the first round warms up NCCL
-        times.append(_timed(lambda: sender.send(tensors)))
+        times.append(timed(lambda: sender.send(tensors)))
     sender.close()
     out_queue.put(("trainer", (times, sum(t.numel() * t.element_size() for _, t in tensors))))
 
@@ -76,7 +67,7 @@ def _receiver(args, port: int, meta_queue, out_queue) -> None:
     names, dtypes, shapes = meta_queue.get(timeout=600)
     times = []
     for _ in range(ROUNDS + 1):
-        times.append(_timed(lambda: engine.update_weights_from_distributed(
+        times.append(timed(lambda: engine.update_weights_from_distributed(
             names, dtypes, shapes, bucket_bytes=args.bucket_mb << 20)))
     engine.destroy_weight_sync_group()
     out_queue.put(("engine", times))
