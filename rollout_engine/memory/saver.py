@@ -106,8 +106,11 @@ def _free_inside_a_region_at_exit(tms) -> None:
     _exit_hook_registered = True
 
     def enter_region() -> None:
-        # The flag is per thread; teardown runs on this one.
-        tms._impl._binary_wrapper.cdll.tms_set_interesting_region(True)
+        # The flag is per thread; teardown runs on this one. (Library internals,
+        # pinned at 0.0.10: if they move, exit as before rather than raise.)
+        cdll = getattr(getattr(getattr(tms, "_impl", None), "_binary_wrapper", None), "cdll", None)
+        if cdll is not None:
+            cdll.tms_set_interesting_region(True)
 
     atexit.register(enter_region)
 
