@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from rollout_engine.runner.forward_batch import ForwardBatch
 
 WORKSPACE_BYTES = 256 << 20
-TENSOR_CORE_MIN_BATCH = 1
 
 
 @dataclass
@@ -46,17 +45,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.fi = flashinfer
         self.shape = shape
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=shape.device)
-        self.group_allows_tensor_cores = shape.num_heads // shape.num_kv_heads >= 4
-        self.decode_wrappers = {tc: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=tc, backend="fa2") for tc in {False, self.tensor_cores(1 << 30)}}
+        # Tensor cores whenever 4+ query heads share a KV head: at every batch
+        # size measured (1 to 256) as fast or faster than the CUDA-core kernel.
+        self.use_tensor_cores = shape.num_heads // shape.num_kv_heads >= 4
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend="fa2")
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self._plan_copied: torch.cuda.Event | None = None
-
-    def tensor_cores(self, batch_size: int) -> bool:
-        """Decode on tensor cores when 4+ query heads share a KV head (at
-        every batch size measured, 1 to 256, at least as fast as the
-        CUDA-core kernel; BENCHMARKS.md)."""
-        return self.group_allows_tensor_cores and batch_size >= TENSOR_CORE_MIN_BATCH
 
     # ---- planning --------------------------------------------------------------
     def page_indices(self, fb: "ForwardBatch", pt: PageTable, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,9 +83,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         pt = PageTable.of(fb.seq_lens, s.page_size)
         indices = self.page_indices(fb, pt)
         if fb.is_decode:
-            wrapper = self.decode_wrappers[self.tensor_cores(fb.batch_size)]
-            self.plan_decode(wrapper, pt, indices)
-            fb.attn_metadata = wrapper
+            self.plan_decode(self.decode, pt, indices)
+            fb.attn_metadata = self.decode
             return
         qo_indptr = np.zeros(fb.batch_size + 1, dtype=np.int32)
         np.cumsum(fb.extend_lens, out=qo_indptr[1:])
@@ -114,7 +108,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def graph_metadata(self, bs: int, fb: "ForwardBatch"):
         wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores(bs),
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
             paged_kv_indptr_buffer=self.indptr_buf[: bs + 1], paged_kv_indices_buffer=self.indices_buf,
             paged_kv_last_page_len_buffer=self.last_page_len_buf[:bs], backend="fa2")
         self.indices_buf[:bs].zero_()
