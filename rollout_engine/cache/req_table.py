@@ -1,7 +1,8 @@
 """Request -> token table: row r, column p is the KV slot of token p of the
-request holding row r. The numpy table is the scheduler's source of truth;
-writes are also logged so the runner can mirror them into a device copy with
-one scatter per step (GPU kernels build attention indices from it)."""
+request holding row r. The numpy table is the scheduler's source of truth.
+When a device mirror exists (GPU attention backends build attention indices
+from it), the cells written since the last sync are tracked so the mirror
+can be brought up to date with one scatter per step."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +14,13 @@ class ReqToTokenTable:
         self.max_context = max_context
         self.table = np.zeros((max_rows, max_context), dtype=np.int64)
         self._free_rows = list(range(max_rows - 1, -1, -1))
-        self._log: list[tuple[int, int, np.ndarray]] = []
+        self._tracking = False
+        self._touched: list[tuple[int, int, int]] = []  # (row, start, length) of each write
+
+    def track_writes(self) -> None:
+        """Start recording written cells for `drain_writes` (a table without
+        a device mirror records nothing)."""
+        self._tracking = True
 
     def alloc_row(self) -> int:
         if not self._free_rows:
@@ -25,18 +32,24 @@ class ReqToTokenTable:
 
     def write(self, row: int, start: int, slots: np.ndarray) -> None:
         self.table[row, start: start + len(slots)] = slots
-        self._log.append((row, start, np.asarray(slots, dtype=np.int64)))
+        if self._tracking:
+            self._touched.append((row, start, len(slots)))
 
     def slots(self, row: int, start: int, end: int) -> np.ndarray:
         return self.table[row, start:end]
 
     def drain_writes(self) -> np.ndarray | None:
-        """Every write since the last drain as one [3, N] array of (row,
-        column, slot), in order (later writes win); None if there were none."""
-        if not self._log:
+        """The cells written since the last drain as one [3, N] array of
+        (row, column, current slot); None if there were none.
+
+        A cell can be written more than once between two drains (a row freed
+        and given to a new request, a prefix re-pointed at the cache's copy),
+        and a device scatter applies duplicate indices in no defined order.
+        So every entry carries the cell's value now, never a past one: the
+        duplicates agree and any order of applying them gives the host table."""
+        if not self._touched:
             return None
-        rows = np.concatenate([np.full(len(s), r, dtype=np.int64) for r, _, s in self._log])
-        cols = np.concatenate([np.arange(c, c + len(s), dtype=np.int64) for _, c, s in self._log])
-        vals = np.concatenate([s for _, _, s in self._log])
-        self._log.clear()
-        return np.stack([rows, cols, vals])
+        rows = np.concatenate([np.full(n, r, dtype=np.int64) for r, _, n in self._touched])
+        cols = np.concatenate([np.arange(c, c + n, dtype=np.int64) for _, c, n in self._touched])
+        self._touched.clear()
+        return np.stack([rows, cols, self.table[rows, cols]])

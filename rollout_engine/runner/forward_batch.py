@@ -20,7 +20,8 @@ class DeviceTable:
 
     def __init__(self, table: ReqToTokenTable, device: torch.device):
         self.host = table
-        self.tensor = torch.zeros(table.table.shape, dtype=torch.int32, device=device)
+        self.tensor = torch.from_numpy(table.table.astype(np.int32)).to(device)
+        table.track_writes()
 
     def sync(self) -> None:
         writes = self.host.drain_writes()

@@ -1,0 +1,232 @@
+"""Differential stress testing of the engine against a reference forward that
+does not share its fast path.
+
+A random sequence of calls runs on one long-lived engine (prompts sharing
+prefixes at random lengths, repeated prompts, follow-up turns, n > 1, random
+`max_new_tokens` including 1, aborts mid-stream, batches that grow and shrink).
+Every output is then teacher-forced through the reference (a Hugging Face
+model in fp32) and checked token by token:
+
+- greedy: the emitted token's reference logprob is within `margin` nats of
+  the reference's best token at that position (robust to near-ties in low
+  precision; a token continuing another request's context is off by nats);
+- every token (greedy or sampled, logprobs asked in "raw" mode): the
+  engine's logprob is within `logprob_tol` of the reference's.
+
+The largest gaps seen are reported, so the margins can be tightened.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout_engine import SamplingParams
+
+
+@dataclass
+class Call:
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    # Abort request `abort_index` (of the call's outputs) after this many
+    # streamed deltas; None: a plain generate.
+    abort_after: int | None = None
+    abort_index: int = 0
+
+
+@dataclass
+class Report:
+    requests: int = 0
+    calls: int = 0
+    tokens: int = 0
+    aborted: int = 0
+    max_greedy_gap: float = 0.0  # reference best - reference logprob of the emitted greedy token
+    max_logprob_diff: float = 0.0  # |engine raw logprob - reference logprob|
+    violations: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (f"{self.calls} calls, {self.requests} requests, {self.tokens} tokens, {self.aborted} aborted; "
+                f"largest greedy gap {self.max_greedy_gap:.4f} nats, largest logprob difference "
+                f"{self.max_logprob_diff:.4f}; {len(self.violations)} violations")
+
+
+class WorkloadGenerator:
+    """Random calls whose prompts overlap the way RL traffic does."""
+
+    def __init__(self, seed: int, token_range: tuple[int, int], base_prompts: list[list[int]] | None = None,
+                 max_prompt_len: int = 80, max_new_tokens: int = 24, max_batch: int = 40):
+        self.rng = random.Random(seed)
+        self.lo, self.hi = token_range
+        self.base = base_prompts or []
+        self.max_prompt_len = max_prompt_len
+        self.max_new_tokens = max_new_tokens
+        self.max_batch = max_batch
+        self.history: list[list[int]] = []  # prompts, and prompts + outputs, seen so far
+
+    def _tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.lo, self.hi) for _ in range(n)]
+
+    def prompt(self) -> list[int]:
+        r = self.rng.random()
+        if self.history and r < 0.25:  # the same prompt again
+            return list(self.rng.choice(self.history)[: self.max_prompt_len])
+        if self.history and r < 0.55:  # a shared prefix of random length, then something new
+            old = self.rng.choice(self.history)
+            cut = self.rng.randint(1, min(len(old), self.max_prompt_len - 1))
+            return old[:cut] + self._tokens(self.rng.randint(1, max(1, self.max_prompt_len - cut)))
+        if self.base and r < 0.8:
+            return list(self.rng.choice(self.base))
+        return self._tokens(self.rng.randint(1, self.max_prompt_len))
+
+    def params(self) -> SamplingParams:
+        rng = self.rng
+        max_new = 1 if rng.random() < 0.15 else rng.randint(2, self.max_new_tokens)
+        common = dict(max_new_tokens=max_new, logprob_mode="raw", ignore_eos=rng.random() < 0.5)
+        if rng.random() < 0.65:
+            return SamplingParams(temperature=0.0, n=rng.choice([1, 1, 1, 2]), **common)
+        return SamplingParams(temperature=1.0, n=rng.choice([1, 2, 4]), seed=rng.randrange(1 << 40), **common)
+
+    def call(self) -> Call:
+        rng = self.rng
+        num = rng.choice([1, 1, 2, 3, 5, 8, 13, rng.randint(1, self.max_batch)])
+        prompts = [self.prompt() for _ in range(num)]
+        params = [self.params() for _ in range(num)]
+        self.history += prompts
+        call = Call(prompts, params)
+        if rng.random() < 0.15:
+            call.abort_after = rng.randint(0, 6)
+            call.abort_index = rng.randrange(sum(p.n for p in params))
+        return call
+
+    def observe(self, prompt: list[int], output: list[int]) -> None:
+        """Follow-up turns: a finished sequence can be extended later."""
+        if output and self.rng.random() < 0.3:
+            self.history.append(prompt + output)
+
+
+def run_call(engine, call: Call, tag: str) -> list:
+    """Run one call; returns its outputs (input order, samples adjacent)."""
+    ids = [f"{tag}-{i}" for i in range(len(call.prompts))]
+    if call.abort_after is None:
+        return engine.generate(input_ids=call.prompts, sampling_params=call.params, request_ids=ids)
+    merged: dict[str, dict] = {}
+    order: list[str] = []
+    target = None
+    for k, delta in enumerate(engine.stream(input_ids=call.prompts, sampling_params=call.params, request_ids=ids)):
+        if delta.request_id not in merged:
+            merged[delta.request_id] = dict(prompt=delta.prompt_token_ids, tokens=[], logprobs=[], reason=None)
+            order.append(delta.request_id)
+        m = merged[delta.request_id]
+        m["tokens"] += delta.output_token_ids
+        m["logprobs"] += delta.output_logprobs or []
+        m["reason"] = delta.finish_reason
+        if k == call.abort_after:
+            expanded = [rid if p.n == 1 else f"{rid}-{j}" for rid, p in zip(ids, call.params) for j in range(p.n)]
+            target = expanded[call.abort_index]
+            engine.abort([target])
+    expanded = [rid if p.n == 1 else f"{rid}-{j}" for rid, p in zip(ids, call.params) for j in range(p.n)]
+    return [_Streamed(rid, merged[rid]) for rid in expanded]
+
+
+@dataclass
+class _Streamed:
+    """A streamed request's deltas put together, shaped like a RolloutOutput."""
+
+    request_id: str
+    parts: dict
+
+    @property
+    def prompt_token_ids(self):
+        return self.parts["prompt"]
+
+    @property
+    def output_token_ids(self):
+        return self.parts["tokens"]
+
+    @property
+    def output_logprobs(self):
+        return self.parts["logprobs"]
+
+    @property
+    def finish_reason(self):
+        return self.parts["reason"]
+
+
+class Reference:
+    """Teacher-forced log-softmax of whole sequences through a Hugging Face
+    model in fp32 (its own attention, no paged cache, no graphs)."""
+
+    def __init__(self, hf_model, device: str):
+        self.model = hf_model.to(device, torch.float32).eval()
+        self.device = device
+
+    @torch.no_grad()
+    def output_logprobs(self, pairs: list[tuple[list[int], list[int]]], chunk: int = 16) -> list[torch.Tensor]:
+        """For each (prompt, output): [len(output), vocab], the distributions
+        the output tokens were drawn from. Right-padded batches."""
+        result: list[torch.Tensor] = []
+        for i in range(0, len(pairs), chunk):
+            part = pairs[i: i + chunk]
+            seqs = [p + o for p, o in part]
+            width = max(len(s) for s in seqs)
+            ids = torch.zeros(len(seqs), width, dtype=torch.long)
+            mask = torch.zeros(len(seqs), width, dtype=torch.long)
+            for j, s in enumerate(seqs):
+                ids[j, : len(s)] = torch.tensor(s)
+                mask[j, : len(s)] = 1
+            logits = self.model(ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            for j, (p, o) in enumerate(part):
+                result.append(torch.log_softmax(logits[j, len(p) - 1: len(p) + len(o) - 1].float(), dim=-1))
+        return result
+
+
+def check_outputs(reference: Reference, call: Call, outputs: list, report: Report, margin: float,
+                  logprob_tol: float, tag: str) -> None:
+    params = [p for p in call.params for _ in range(p.n)]
+    report.calls += 1
+    checked = []
+    for out, p in zip(outputs, params):
+        report.requests += 1
+        toks = out.output_token_ids
+        report.aborted += out.finish_reason == "abort"
+        if out.finish_reason == "length" and len(toks) != p.max_new_tokens:
+            report.violations.append(f"{tag}/{out.request_id}: 'length' after {len(toks)} of {p.max_new_tokens}")
+        if out.finish_reason != "abort" and not toks:
+            report.violations.append(f"{tag}/{out.request_id}: finished with no tokens")
+        if toks:
+            checked.append((out, p))
+    all_lps = reference.output_logprobs([(o.prompt_token_ids, o.output_token_ids) for o, _ in checked])
+    for (out, p), lps in zip(checked, all_lps):
+        toks = out.output_token_ids
+        report.tokens += len(toks)
+        ids = torch.tensor(toks, device=lps.device)
+        ref = lps.gather(-1, ids[:, None]).squeeze(1)
+        diff = (torch.tensor(out.output_logprobs, device=lps.device) - ref).abs()
+        report.max_logprob_diff = max(report.max_logprob_diff, float(diff.max()))
+        if float(diff.max()) > logprob_tol:
+            t = int(diff.argmax())
+            report.violations.append(f"{tag}/{out.request_id}: token {t} logprob {out.output_logprobs[t]:.3f} vs "
+                                     f"reference {float(ref[t]):.3f}")
+        if p.greedy:
+            gap = lps.max(-1).values - ref
+            report.max_greedy_gap = max(report.max_greedy_gap, float(gap.max()))
+            if float(gap.max()) > margin:
+                t = int(gap.argmax())
+                report.violations.append(f"{tag}/{out.request_id}: greedy token {t} is {float(gap[t]):.2f} nats "
+                                         f"below the reference's best")
+
+
+def stress(engine, reference: Reference, gen: WorkloadGenerator, num_calls: int, margin: float,
+           logprob_tol: float) -> Report:
+    """Run `num_calls` random calls on `engine`, checking every output and the
+    KV bookkeeping after every call."""
+    report = Report()
+    for c in range(num_calls):
+        call = gen.call()
+        outputs = run_call(engine, call, f"c{c}")
+        check_outputs(reference, call, outputs, report, margin, logprob_tol, f"call {c}")
+        for out in outputs:
+            gen.observe(out.prompt_token_ids, out.output_token_ids)
+        engine.check_integrity()
+    return report
