@@ -1,143 +1,270 @@
-"""`rollout-engine` command line: download, generate, demo."""
+"""`rollout-engine` command line: download, generate, demo, run, bench.
+
+Every failure the user can act on ends in one line, `rollout-engine: error:
+...`, and a non-zero exit status (2 for bad input, 1 for a failure at run
+time, 130 for Ctrl-C); flags are checked before any model is loaded. Set
+ROLLOUT_ENGINE_DEBUG=1 to get the traceback of a run-time failure instead.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import subprocess
 import sys
 import time
+from typing import Any, NoReturn
 
-from rollout_engine.model_zoo import DEFAULT_MODEL, ZOO
+from rollout_engine.cli_args import (INPUT_IDS_HELP, UsageError, add_engine_args, add_sampling_args, build_config,
+                                     build_sampling, check_engine_args, has_tokenizer, input_ids, positive_int)
+from rollout_engine.config import EngineConfig
+from rollout_engine.model_zoo import ZOO
 
+PROG = "rollout-engine"
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
     "Give me three tips for learning to program.",
     "Explain what a prime number is in one sentence.",
 ]
+BENCH_WORKLOADS = ["grpo", "offline", "decode", "prefill", "weights", "memory"]
+CPU_WORKLOADS = ("grpo", "weights")  # the others measure the device with torch.cuda
+# Engine fields that bench/run.py's engine factory passes on; other engine
+# flags would be accepted and silently ignored, so bench does not offer them.
+BENCH_ENGINE_FIELDS = ("model", "load_format", "attention_backend", "max_total_tokens", "seed", "cuda_graph")
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"folder, zoo name {sorted(ZOO)}, or preset (with --load-format dummy)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--max-total-tokens", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+class Parser(argparse.ArgumentParser):
+    """Reports a usage error as one line (through main) instead of usage + exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
-def _make_engine(args):
-    from rollout_engine import RolloutEngine
+# ---- download ---------------------------------------------------------------------
 
-    return RolloutEngine(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-                         attention_backend=args.attention_backend, max_total_tokens=args.max_total_tokens,
-                         seed=args.seed)
-
-
-def _sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("-n", type=int, default=1, help="samples per prompt")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-
-
-def cmd_download(args) -> int:
+def cmd_download(args: argparse.Namespace) -> int:
     from rollout_engine.model_zoo import ensure_model
 
     print(ensure_model(args.name))
     return 0
 
 
-def cmd_generate(args) -> int:
-    from rollout_engine import SamplingParams
+# ---- generate / demo ----------------------------------------------------------------
 
-    engine = _make_engine(args)
-    prompts = args.prompts or DEMO_PROMPTS
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, n=args.n)
+def cmd_generate(args: argparse.Namespace) -> int:
+    config = build_config(args)
+    params = build_sampling(args)
+    check_engine_args(config)
+    prompts, ids = _prompts(args, config)
+    engine = _make_engine(config)
     if args.chat:
         ids = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-        kwargs = {"input_ids": ids}
-    else:
-        kwargs = {"prompts": prompts}
+    kwargs = {"input_ids": ids} if ids is not None else {"prompts": prompts}
     start = time.perf_counter()
     outs = engine.generate(sampling_params=params, progress=True, **kwargs)
-    elapsed = time.perf_counter() - start
+    _print_outputs(outs, prompts or ids, params.n, time.perf_counter() - start)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    args.prompts, args.input_ids, args.chat = DEMO_PROMPTS, None, True
+    return cmd_generate(args)
+
+
+def _prompts(args: argparse.Namespace, config: EngineConfig) -> tuple[list[str] | None, list[list[int]] | None]:
+    """(text prompts, token-id prompts), exactly one of them set."""
+    if args.input_ids:
+        if args.prompts:
+            raise UsageError("argument --input-ids: pass text prompts or --input-ids, not both")
+        if args.chat:
+            raise UsageError("argument --chat: the chat template applies to text prompts, not to --input-ids")
+        return None, args.input_ids
+    if not has_tokenizer(config):
+        what, remedy = ("the chat template", "--tokenizer FOLDER") if args.chat else \
+            ("text prompts", "--input-ids, or --tokenizer FOLDER")
+        raise UsageError(f"{what} needs a tokenizer and {config.model!r} ({config.load_format}) has none: "
+                         f"pass {remedy}")
+    return args.prompts or DEMO_PROMPTS, None
+
+
+def _make_engine(config: EngineConfig) -> Any:
+    from rollout_engine import RolloutEngine
+
+    kwargs = {k: getattr(config, k) for k in config.__dataclass_fields__ if k != "model"}
+    return RolloutEngine(config.model, **kwargs)
+
+
+def _print_outputs(outs: list[Any], prompts: list[Any], n: int, elapsed: float) -> None:
     for i, out in enumerate(outs):
-        prompt = prompts[i // args.n]
         lps = out.output_logprobs or []
         mean_lp = sum(lps) / len(lps) if lps else float("nan")
-        print(f"--- [{out.request_id}] {prompt!r}")
-        print(f"{out.text!r}")
+        print(f"--- [{out.request_id}] {_short(prompts[i // n])}")
+        # Without a tokenizer there is no text: the token ids are the output.
+        print(repr(out.text) if out.text is not None else f"token ids: {out.output_token_ids}")
         print(f"    {len(out.output_token_ids)} tokens, finish={out.finish_reason}, mean logprob={mean_lp:.3f}, "
               f"first logprobs={[round(x, 3) for x in lps[:5]]}")
     total = sum(len(o.output_token_ids) for o in outs)
     print(f"{len(outs)} samples, {total} output tokens in {elapsed:.2f} s: {total / elapsed:.1f} tok/s")
-    return 0
 
 
-def cmd_demo(args) -> int:
-    args.prompts, args.chat = [], True
-    return cmd_generate(args)
+def _short(prompt: str | list[int]) -> str:
+    if isinstance(prompt, str):
+        return repr(prompt)
+    return f"token ids: {prompt}" if len(prompt) <= 16 else f"token ids: {prompt[:16]}... ({len(prompt)})"
 
 
-def cmd_run(args) -> int:
+# ---- run ----------------------------------------------------------------------------
+
+def cmd_run(args: argparse.Namespace) -> int:
+    argv = args.program[1:] if args.program[:1] == ["--"] else args.program
+    if not argv:
+        raise UsageError("run needs a program: rollout-engine run -- python train.py ...")
+    if not _memory_saver_installed():
+        raise UsageError('run needs torch-memory-saver: install the gpu extra (pip install -e ".[gpu]")')
     from rollout_engine.memory.launch import run
 
-    argv = args.program[1:] if args.program[:1] == ["--"] else args.program
     return run(argv)
 
 
-def cmd_bench(args) -> int:
+def _memory_saver_installed() -> bool:
+    return importlib.util.find_spec("torch_memory_saver") is not None
+
+
+# ---- bench --------------------------------------------------------------------------
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    check_engine_args(build_config(args))
+    _check_bench_args(args)
+    args.no_cuda_graph = not args.cuda_graph  # the name bench/run.py reads
     from rollout_engine.bench.run import main as bench_main
 
     return bench_main(args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rollout-engine")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("download", help="fetch and convert a zoo model once")
+def _check_bench_args(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.workload not in CPU_WORKLOADS and not torch.cuda.is_available():
+        raise UsageError(f"argument --workload: {args.workload} needs a CUDA GPU and torch sees none "
+                         f"(on the CPU: {', '.join(CPU_WORKLOADS)})")
+    if args.workload == "weights" and args.nccl and torch.cuda.device_count() < 2:
+        raise UsageError("argument --nccl: broadcasting GPU 0 -> GPU 1 needs two CUDA GPUs")
+    if args.prompt_min > args.prompt_max:
+        raise UsageError(f"argument --prompt-min: {args.prompt_min} is above --prompt-max {args.prompt_max}")
+    # The report is written after the run: a bad path should not cost the run.
+    if args.out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise UsageError(f"argument --out: the folder of {args.out!r} does not exist")
+
+
+# ---- parser -------------------------------------------------------------------------
+
+def build_parser() -> Parser:
+    parser = Parser(prog=PROG, description="LLM inference engine for RL rollouts.",
+                    epilog="Errors are one line; ROLLOUT_ENGINE_DEBUG=1 shows the traceback of run-time failures.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_download(sub)
+    _add_generate(sub)
+    _add_demo(sub)
+    _add_run(sub)
+    _add_bench(sub)
+    return parser
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except absent ones (None, an off switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _subparser(sub: Any, name: str, help: str) -> Parser:
+    return sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
+
+
+def _add_download(sub: Any) -> None:
+    p = _subparser(sub, "download", "fetch and convert a zoo model once")
     p.add_argument("name", choices=sorted(ZOO))
     p.set_defaults(func=cmd_download)
-    p = sub.add_parser("generate", help="one-shot generation")
-    _engine_args(p)
-    _sampling_args(p, 64)
-    p.add_argument("prompts", nargs="*")
+
+
+def _add_generate(sub: Any) -> None:
+    p = _subparser(sub, "generate", "one-shot generation from text prompts or token ids")
+    p.add_argument("prompts", nargs="*", help="text prompts (default: a few demo prompts); they need a tokenizer")
+    p.add_argument("--input-ids", type=input_ids, action="extend", metavar="IDS", help=INPUT_IDS_HELP)
+    p.add_argument("--chat", action="store_true", help="wrap each text prompt in the model's chat template")
+    add_engine_args(p)
+    add_sampling_args(p, max_new_tokens=64, n=1)
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("demo", help="a rollout on chat prompts: n samples each, texts, logprobs, tok/s")
-    _engine_args(p)
-    _sampling_args(p, 64)
-    p.set_defaults(func=cmd_demo, n=4)
-    p = sub.add_parser("run", help="start a program with the memory-saver preload hook: run -- python train.py")
-    p.add_argument("program", nargs=argparse.REMAINDER)
+
+
+def _add_demo(sub: Any) -> None:
+    # The demo always applies the chat template to its prompts: no --chat flag.
+    p = _subparser(sub, "demo", "a rollout on chat prompts: n samples each, texts, logprobs, tok/s")
+    add_engine_args(p)
+    add_sampling_args(p, max_new_tokens=64, n=4)
+    p.set_defaults(func=cmd_demo)
+
+
+def _add_run(sub: Any) -> None:
+    p = _subparser(sub, "run", "start a program with the memory-saver preload hook: run -- python train.py "
+                               "(needs the gpu extra)")
+    p.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments, after --")
     p.set_defaults(func=cmd_run)
-    p = sub.add_parser("bench", help="benchmark workloads (see BENCHMARKS.md)")
-    p.add_argument("--workload", choices=["grpo", "offline", "decode", "prefill", "weights", "memory"], default="grpo")
-    p.add_argument("--model", default="qwen3-0.6b")
-    p.add_argument("--load-format", default="dummy")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--max-total-tokens", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-prompts", type=int, default=64, help="grpo: prompts; offline: requests; prefill: prompts")
-    p.add_argument("-n", type=int, default=8)
-    p.add_argument("--prompt-min", type=int, default=256)
-    p.add_argument("--prompt-max", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=1024)
-    p.add_argument("--no-cuda-graph", action="store_true")
-    p.add_argument("--baseline", choices=["none", "hf"], default="none", help="offline: also run HF generate")
-    p.add_argument("--hf-requests", type=int, default=64, help="offline: requests given to the HF baseline")
-    p.add_argument("--hf-batch-size", type=int, default=64)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128, 256], help="decode")
-    p.add_argument("--context", type=int, default=1024, help="decode: context length")
-    p.add_argument("--steps", type=int, default=128, help="decode: steps measured")
-    p.add_argument("--nccl", action="store_true", help="weights: broadcast GPU 0 -> GPU 1 (two processes)")
-    p.add_argument("--bucket-mb", type=int, default=512, help="weights --nccl: bucket size in MiB")
-    p.add_argument("--cycles", type=int, default=5, help="memory: release/resume cycles timed")
+
+
+def _add_bench(sub: Any) -> None:
+    p = _subparser(sub, "bench", "benchmark workloads (see BENCHMARKS.md)")
+    p.add_argument("--workload", choices=BENCH_WORKLOADS, default="grpo",
+                   help=f"what to measure; all but {' and '.join(CPU_WORKLOADS)} need a CUDA GPU")
+    add_engine_args(p, BENCH_ENGINE_FIELDS, defaults={"model": "qwen3-0.6b", "load_format": "dummy"})
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-prompts", type=positive_int, default=64,
+                   help="grpo: prompts; offline: requests; prefill: prompts")
+    g.add_argument("-n", type=positive_int, default=8, help="grpo: samples per prompt")
+    g.add_argument("--prompt-min", type=positive_int, default=256, help="grpo: shortest prompt in tokens")
+    g.add_argument("--prompt-max", type=positive_int, default=1024, help="grpo: longest prompt; prefill: prompt length")
+    g.add_argument("--output-len", type=positive_int, default=1024, help="grpo: tokens generated per sample")
+    g.add_argument("--baseline", choices=["none", "hf"], default="none", help="offline: also run HF generate")
+    g.add_argument("--hf-requests", type=positive_int, default=64, help="offline: requests given to the HF baseline")
+    g.add_argument("--hf-batch-size", type=positive_int, default=64, help="offline: HF baseline batch size")
+    g.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 32, 128, 256],
+                   help="decode: batch sizes measured")
+    g.add_argument("--context", type=positive_int, default=1024, help="decode: context length")
+    g.add_argument("--steps", type=positive_int, default=128, help="decode: steps measured")
+    g.add_argument("--nccl", action="store_true", help="weights: broadcast GPU 0 -> GPU 1 (two processes)")
+    g.add_argument("--bucket-mb", type=positive_int, default=512, help="weights --nccl: bucket size in MiB")
+    g.add_argument("--cycles", type=positive_int, default=5, help="memory: release/resume cycles timed")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(func=cmd_bench)
-    args = parser.parse_args(argv)
-    return args.func(args)
+
+
+# ---- entry point --------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except UsageError as exc:
+        return _fail(exc, 2)
+    except (ValueError, FileNotFoundError) as exc:  # the engine's checks of its input
+        return _fail(exc, 2, reraise=True)
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+        return _fail(exc, 1, reraise=True)
+
+
+def _fail(error: BaseException | str, status: int, reraise: bool = False) -> int:
+    """Print `error` as one line and return `status`; with ROLLOUT_ENGINE_DEBUG
+    set, raise an exception that did not come from our own checks instead."""
+    if reraise and os.environ.get("ROLLOUT_ENGINE_DEBUG"):
+        raise error  # type: ignore[misc]
+    message = " ".join(str(error).split()) or type(error).__name__
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""RolloutEngine: the public, in-process entry point (see API.md)."""
+"""RolloutEngine: the public, in-process entry point (README.md, "Use")."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +18,7 @@ from rollout_engine.cache.radix import RadixCache
 from rollout_engine.cache.req_table import ReqToTokenTable
 from rollout_engine.config import EngineConfig
 from rollout_engine.distributed.comm import TPComm
+from rollout_engine.layers.weight_copy import NonFiniteWeights
 from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens
 from rollout_engine.memory.controller import MemoryController
 from rollout_engine.memory.manager import TAGS, MemoryManager
@@ -64,6 +65,7 @@ class RolloutEngine:
         self._lock = threading.Lock()
         self._rng = random.Random(cfg.seed)
         self._next_id = 0
+        self._closed = False
 
     def _load_model(self, path: str) -> None:
         cfg = self.config
@@ -137,22 +139,34 @@ class RolloutEngine:
         """Yields deltas: each carries the tokens (and logprobs) produced since
         the previous delta of that request; `finish_reason` is None until the
         request's last delta."""
+        # Delta texts hold complete characters and never a stop string (nor a
+        # tail that may still become one, held back until decided); a
+        # request's delta texts and token ids add up to what `generate` returns.
         reqs = self._make_requests(prompts, input_ids, sampling_params, request_ids)
         sent = {id(r): 0 for r in reqs}
         closed: set[int] = set()
         for _ in self._drive(reqs, progress=False):
-            for r in reqs:
-                if id(r) in closed or not (r.num_output_tokens > sent[id(r)] or r.finished):
-                    continue
-                yield self._output(r, since=sent[id(r)])
-                sent[id(r)] = r.num_output_tokens
-                if r.finished:
-                    closed.add(id(r))
+            with self._lock:  # other callers' threads step these requests too: read a settled state
+                deltas = []
+                for r in reqs:
+                    if id(r) in closed or not (r.num_output_tokens > sent[id(r)] or r.finished):
+                        continue
+                    deltas.append(self._output(r, since=sent[id(r)]))
+                    sent[id(r)] = r.num_output_tokens
+                    if r.finished:
+                        closed.add(id(r))
+            yield from deltas
 
-    def abort(self, request_ids: Sequence[str] | None = None) -> None:
-        """Stop the named (or all) requests; they finish with "abort" and keep
-        what they produced."""
-        self.scheduler.abort(None if request_ids is None else list(request_ids))
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        """Stop the named (or all) requests that exist now; they finish with
+        "abort" and keep what they produced. Unknown ids are ignored, and a
+        request submitted later is never affected. Returns how many requests
+        were stopped."""
+        if request_ids is not None and (isinstance(request_ids, str) or not isinstance(request_ids, (list, tuple))):
+            raise ValueError("request_ids must be a list of request id strings, or None for all")
+        self._require_open()
+        with self._lock:
+            return self.scheduler.abort(None if request_ids is None else list(request_ids))
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a chat conversation, ready for `generate(input_ids=...)`."""
@@ -165,11 +179,13 @@ class RolloutEngine:
 
     def flush_cache(self) -> None:
         """Drop every prefix-cache entry not used by a running request."""
+        self._require_open()
         with self._lock:
             self.prefix_cache.flush()
 
     def cache_stats(self) -> dict[str, float]:
         """Prefix-cache and scheduler counters since the engine started."""
+        self._require_open()
         st, sched = self.prefix_cache.stats, self.scheduler
         return {"queried_tokens": st.queried_tokens, "matched_tokens": st.matched_tokens,
                 "hit_rate": st.hit_rate, "evicted_tokens": st.evicted_tokens,
@@ -181,6 +197,7 @@ class RolloutEngine:
     def check_integrity(self) -> None:
         """Assert that every KV page is free, held by one running request, or
         in the prefix cache."""
+        self._require_open()
         with self._lock:
             self.scheduler.check_integrity()
 
@@ -192,6 +209,7 @@ class RolloutEngine:
         or shape raises ValueError and changes nothing. A generator is
         streamed, one tensor at a time; if it breaks off, generating is
         refused until a complete update. Returns the new weight version."""
+        self._require_open()
         if isinstance(named_tensors, Mapping):
             named_tensors = list(named_tensors.items())
         with self._lock:
@@ -200,6 +218,7 @@ class RolloutEngine:
     def update_weights_from_disk(self, path: str, version: int | None = None) -> int:
         """The same from a safetensors folder; names and shapes are checked
         from the file headers before any tensor is read."""
+        self._require_open()
         if not os.path.isdir(path):
             raise ValueError(f"path {path!r} is not a folder")
         with self._lock:
@@ -216,8 +235,10 @@ class RolloutEngine:
             self._weights.validate(named_tensors)
         try:
             touched = self._weights.load(named_tensors)
-        except Exception:
-            if streamed:  # some tensors were copied: the weights are a mix now
+        except Exception as e:
+            if streamed or isinstance(e, NonFiniteWeights):
+                # Tensors were copied before the failure: the weights are a
+                # mix now, so generating waits for a complete update.
                 self._memory.missing_weights = set(self._weights.required())
             raise
         self._memory.missing_weights -= touched
@@ -232,6 +253,7 @@ class RolloutEngine:
                                group_name: str = "weight_sync", backend: str = "nccl") -> None:
         """Join a weight-sync group (its own rendezvous; rank 0 is the
         trainer's sender, this engine's rank is rank_offset + its TP rank)."""
+        self._require_open()
         self._receiver.init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[torch.dtype],
@@ -242,6 +264,7 @@ class RolloutEngine:
         `bucket_bytes` on both sides) and copy them in place. A bad name or
         shape raises ValueError after the broadcasts were drained (so the
         sender never hangs), with nothing changed."""
+        self._require_open()
         specs = specs_of(names, dtypes, shapes)
         with self._lock:
             try:
@@ -261,6 +284,7 @@ class RolloutEngine:
 
     def get_weight(self, name: str) -> torch.Tensor:
         """A copy of the weight `name` (HF name), unfused."""
+        self._require_open()
         with self._lock:
             return self._weights.read(name)
 
@@ -271,6 +295,7 @@ class RolloutEngine:
         the KV cache while paused requests hold it. The prefix cache goes with
         the KV cache. CUDA graphs are unmapped under the preload hook and kept
         in torch hook mode (0 bytes; see memory/controller.py)."""
+        self._require_open()
         with self._lock:
             return self._memory.release(tags, self._paused)
 
@@ -278,17 +303,21 @@ class RolloutEngine:
         """Map `tags` again at the same addresses. Weights come back as they
         were with weights_cpu_backup=True; otherwise new weights must be
         loaded before generating. CUDA graphs stay valid."""
+        self._require_open()
         with self._lock:
             self._memory.resume(tags)
 
     def memory_state(self) -> dict[str, str]:
-        """tag -> "resident" | "released"."""
+        """tag -> "resident" | "released", for the tags this engine holds
+        (no "cuda_graph" without CUDA graphs)."""
+        self._require_open()
         return self._memory.state()
 
     def pause_generation(self, mode: str = "abort") -> None:
         """Stop stepping. "abort": running and waiting requests finish with
         "abort" now; "keep": they stay, holding their KV, until
         continue_generation(). New generate calls are refused while paused."""
+        self._require_open()
         if mode not in ("abort", "keep"):
             raise ValueError(f"mode must be 'abort' or 'keep', got {mode!r}")
         with self._lock:
@@ -299,16 +328,40 @@ class RolloutEngine:
             self._paused = True
 
     def continue_generation(self) -> None:
+        self._require_open()
         self._paused = False
 
     def shutdown(self) -> None:
-        self.abort()
+        """Abort what runs, then drop the model, the KV cache and the CUDA
+        graphs; every later call raises RuntimeError. Calling it again does
+        nothing."""
+        if self._closed:
+            return
         with self._lock:
+            self.scheduler.abort()
             while self.scheduler.has_work():
                 self.scheduler.step()
+            self._closed = True
+            if self.runner.graphs is not None:
+                self.runner.graphs.destroy()
+            # Everything that holds device memory goes; what is left is the
+            # configuration and counters.
+            self.runner = self.scheduler = self.model = self.kv_pool = self._memory = None
+            self._weights = self.prefix_cache = None
+            self.memory = None
+        import gc
+
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("engine is shut down")
 
     # ---- internals -------------------------------------------------------------
     def _make_requests(self, prompts, input_ids, sampling_params, request_ids) -> list[Request]:
+        self._require_open()
         if self._paused:
             raise RuntimeError("generation is paused: call continue_generation() first")
         self._memory.check_can_generate()
@@ -317,8 +370,7 @@ class RolloutEngine:
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             check_request(i, ids, p, self.limits, self.tokenizer is not None)
         with self._lock:
-            live = (*self.scheduler.running, *self.scheduler.waiting)
-            taken = {r.request_id for r in live} | {s.request_id for r in live for s in r.fork_siblings}
+            taken = {r.request_id for r in self.scheduler.live_requests()}
             names = resolve_request_ids(request_ids, len(token_lists), taken)
             reqs = []
             for i, (ids, p) in enumerate(zip(token_lists, params)):
@@ -363,15 +415,23 @@ class RolloutEngine:
 
     def _output(self, r: Request, since: int = 0) -> RolloutOutput:
         p = r.params
+        end = r.num_output_tokens  # sampled tokens; placeholders scheduled ahead excluded
+        # Text from the request's incremental detokenizer: complete characters
+        # only, cut right before the first stop string (the token ids and
+        # logprobs keep every sampled token). since=0: all the text so far
+        # (generate); since>0: the text released since this request's
+        # previous output (stream deltas). None without a tokenizer.
         text = None
-        if self.tokenizer is not None:
-            text = r.text if r.text is not None and since == 0 else self.tokenizer.decode(
-                r.output_ids[since:], skip_special_tokens=True)
+        detok = self.scheduler.stop.detokenizer(r)
+        if detok is not None:
+            text = detok.read(from_start=since == 0)
+            if r.finished:
+                self.scheduler.stop.release(r)
         return RolloutOutput(
             request_id=r.request_id, prompt_token_ids=list(r.prompt_ids),
-            output_token_ids=r.output_ids[since: r.num_output_tokens],
-            output_logprobs=r.output_logprobs[since:] if p.logprobs else None,
-            top_logprobs=r.top_logprobs[since:] if p.top_logprobs else None,
+            output_token_ids=r.output_ids[since:end],
+            output_logprobs=r.output_logprobs[since:end] if p.logprobs else None,
+            top_logprobs=r.top_logprobs[since:end] if p.top_logprobs else None,
             prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
             finish_reason=r.finish_reason, text=text, num_cached_tokens=r.num_cached_tokens,
             weight_version=r.weight_version)

@@ -36,6 +36,8 @@ class Request:
     # Output positions scheduled ahead whose token is still being sampled
     # (PLACEHOLDER in output_ids until filled, in order).
     pending_tokens: int = 0
+    # Set by an abort; the scheduler finishes the request before its next step.
+    abort_requested: bool = False
 
     @property
     def num_output_tokens(self) -> int:

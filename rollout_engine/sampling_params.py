@@ -1,9 +1,11 @@
 """Per-request sampling parameters (public API)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 LOGPROB_MODES = ("processed", "raw")
+MAX_SEED = 1 << 63
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,8 @@ class SamplingParams:
 
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             bad("max_new_tokens", "must be an integer >= 1")
-        if not _is_num(self.temperature) or not self.temperature >= 0.0:
-            bad("temperature", "must be a number >= 0")
+        if not _is_num(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            bad("temperature", "must be a finite number >= 0")
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -51,6 +53,9 @@ class SamplingParams:
             bad("n", "must be an integer >= 1")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             bad("seed", "must be None or an integer >= 0")
+        if _is_int(self.n) and self.seed is not None and self.seed + self.n - 1 >= MAX_SEED:
+            # The sampler hashes seeds as signed 64-bit integers; sample i uses seed + i.
+            bad("seed", f"plus n - 1 must be below 2**63 (sample i of n uses seed + i)")
         if self.stop_token_ids is not None and (
             not isinstance(self.stop_token_ids, (list, tuple))
             or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)

@@ -36,18 +36,33 @@ def resolve_prompts(prompts: Sequence[str] | None, input_ids: Sequence[Sequence[
                 _fail(i, "prompts", "is empty")
             out.append(tokenizer.encode(p))
         return out
-    if not isinstance(input_ids, (list, tuple)):
+    if not _is_sequence(input_ids):
         raise ValueError("input_ids must be a list of lists of token ids")
+    return [_token_ids(i, ids, limits.vocab_size) for i, ids in enumerate(input_ids)]
+
+
+def _is_sequence(x: Any) -> bool:
+    """A list or tuple, or a 1-d/2-d array (numpy, torch) of integers."""
+    return isinstance(x, (list, tuple)) or (hasattr(x, "tolist") and getattr(x, "ndim", 0) >= 1)
+
+
+def _token_ids(i: int, ids: Any, vocab_size: int) -> list[int]:
+    """One prompt's ids as plain ints. Integer scalars of numpy or torch are
+    accepted; anything else is named for what it is."""
+    if not _is_sequence(ids):
+        _fail(i, "input_ids", f"must be a list of token ids, got {type(ids).__name__}")
     out = []
-    for i, ids in enumerate(input_ids):
-        if not isinstance(ids, (list, tuple)):
-            _fail(i, "input_ids", "must be a list of token ids")
-        if len(ids) == 0:
-            _fail(i, "input_ids", "is empty")
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limits.vocab_size:
-                _fail(i, "input_ids", f"contains {t!r}, outside the vocabulary [0, {limits.vocab_size})")
-        out.append(list(ids))
+    for t in (ids.tolist() if hasattr(ids, "tolist") else ids):
+        if hasattr(t, "item") and getattr(t, "ndim", 1) == 0 and hasattr(t, "dtype"):
+            t = t.item()  # a numpy or torch scalar
+        if isinstance(t, bool) or not isinstance(t, int):
+            what = "a nested list" if isinstance(t, (list, tuple)) else f"{t!r} ({type(t).__name__})"
+            _fail(i, "input_ids", f"must hold integer token ids, got {what}")
+        if not 0 <= t < vocab_size:
+            _fail(i, "input_ids", f"contains {t}, outside the vocabulary [0, {vocab_size})")
+        out.append(t)
+    if not out:
+        _fail(i, "input_ids", "is empty")
     return out
 
 

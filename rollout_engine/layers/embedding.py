@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout_engine.distributed.comm import TPComm
-from rollout_engine.layers.linear import copy_into
+from rollout_engine.layers.weight_copy import copy_into
 
 
 class VocabParallelEmbedding(nn.Module):

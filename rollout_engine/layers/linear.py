@@ -7,7 +7,6 @@ parameter's storage is allocated once and never rebound.
 """
 from __future__ import annotations
 
-import contextvars
 from typing import Sequence
 
 import torch
@@ -15,24 +14,13 @@ from torch import nn
 
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels.gemv import linear
+from rollout_engine.layers.weight_copy import copy_into
 
 
 def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
         raise ValueError(f"{numerator} is not divisible by tp_size {denominator}")
     return numerator // denominator
-
-
-# Set while WeightLoader validates a whole update before copying anything:
-# loaders run as usual (slicing views, so shapes are checked) but copy nothing.
-VALIDATE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("validate_only", default=False)
-
-
-def copy_into(dst: torch.Tensor, src: torch.Tensor, name: str = "") -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"shape mismatch for {name or 'parameter'}: expected {tuple(dst.shape)}, got {tuple(src.shape)}")
-    if not VALIDATE_ONLY.get():
-        dst.copy_(src.to(dtype=dst.dtype))
 
 
 def _param(shape: tuple[int, ...], loader) -> nn.Parameter:

@@ -122,4 +122,6 @@ class MemoryController:
                                "broke off, load a complete set of weights first")
 
     def state(self) -> dict[str, str]:
-        return {tag: self.manager.state[tag] for tag in TAGS}
+        """The tags this engine holds: no "cuda_graph" without captured graphs."""
+        held = [t for t in TAGS if t != "cuda_graph" or self.runner.graphs is not None]
+        return {tag: self.manager.state[tag] for tag in held}

@@ -81,12 +81,41 @@ def move_buffers_out(model: torch.nn.Module) -> None:
                 module._buffers[name] = buf.clone()
 
 
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation can take: free GPU memory, or the host's
+    MemAvailable (None where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(model: str, cfg: ModelConfig, comm: TPComm, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, with the sizes, a model whose weights cannot fit (instead of
+    being killed by the kernel's OOM killer half-way through)."""
+    with torch.device("meta"):
+        shapes = DecoderForCausalLM(cfg, comm)
+    need = sum(p.numel() for p in shapes.parameters()) * dtype.itemsize
+    have = available_bytes(device)
+    if have is not None and need > have:
+        where = "free GPU memory" if device.type == "cuda" else "available host memory"
+        raise ValueError(f"model {model!r} needs {need / 2**30:.1f} GiB for its weights in {dtype}, "
+                         f"but only {have / 2**30:.1f} GiB of {where} is left")
+
+
 def load_model(model: str, load_format: str, comm: TPComm, device: torch.device, dtype: torch.dtype,
                seed: int, weights_region: ContextManager | None = None) -> DecoderForCausalLM:
     """Parameters are allocated inside `weights_region`; loading happens
     outside it (its temporaries must not land in the region)."""
     hf, eos = read_hf_config(model)
     cfg = ModelConfig.from_hf(hf, eos)
+    check_fits(model, cfg, comm, device, dtype)
     with weights_region or contextlib.nullcontext():
         net = build_model(cfg, comm, device, dtype)
     move_buffers_out(net)

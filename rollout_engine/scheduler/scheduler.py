@@ -67,9 +67,8 @@ class Scheduler:
         self.num_ahead_steps = 0  # decode steps scheduled while the previous one ran
         self.prompt_tokens_computed = 0  # prompt positions whose KV was computed (not cached)
         self.decode_tokens = 0
-        self._abort_ids: set[str] = set()
-        self._abort_all = False
         self._pending: tuple[Batch, Any] | None = None  # launched, not yet collected
+        self._abort_marked = 0  # requests marked by abort() since the last step applied them
 
     # ---- requests in and out -------------------------------------------------
     def add(self, req: Request) -> None:
@@ -78,20 +77,30 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending)
 
-    def abort(self, request_ids: list[str] | None = None) -> None:
-        """Thread-safe: takes effect at the start of the next step."""
-        if request_ids is None:
-            self._abort_all = True
-        else:
-            self._abort_ids.update(request_ids)
+    def live_requests(self) -> list[Request]:
+        """Every request not finished: running, waiting, and samples not forked yet."""
+        live = [*self.running, *self.waiting]
+        return live + [s for r in live for s in r.fork_siblings]
+
+    def abort(self, request_ids: list[str] | None = None) -> int:
+        """Mark the named (or all) requests that exist now; they finish with
+        "abort" at the start of the next step. Ids of no live request are
+        ignored: an abort never reaches a request submitted after it.
+        Returns the number of requests marked."""
+        wanted = None if request_ids is None else set(request_ids)
+        marked = 0
+        for r in self.live_requests():
+            if wanted is None or r.request_id in wanted:
+                r.abort_requested = True
+                marked += 1
+        self._abort_marked += marked
+        return marked
 
     def _apply_aborts(self) -> list[Request]:
-        if not (self._abort_all or self._abort_ids):
+        if not self._abort_marked:
             return []
-        ids, everything = set(self._abort_ids), self._abort_all
-        self._abort_ids.clear()
-        self._abort_all = False
-        hit = lambda r: everything or r.request_id in ids  # noqa: E731
+        self._abort_marked = 0
+        hit = lambda r: r.abort_requested  # noqa: E731
         done = [r for r in self.running if hit(r)] + [r for r in self.waiting if hit(r)]
         for leader in (*self.running, *self.waiting):  # siblings not forked yet
             done += [r for r in leader.fork_siblings if hit(r)]
@@ -115,7 +124,7 @@ class Scheduler:
         applied. A request that finishes in step N computed one token too many
         in step N+1; that result is dropped."""
         finished: list[Request] = []
-        if self._pending is not None and (self.waiting or self._abort_all or self._abort_ids):
+        if self._pending is not None and (self.waiting or self._abort_marked):
             finished += self._collect_pending()  # admissions and aborts see settled state
         finished += self._apply_aborts()
         if self._pending is None:

@@ -15,7 +15,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from rollout_engine.layers.linear import VALIDATE_ONLY, QKVParallelLinear, MergedColumnParallelLinear, copy_into
+from rollout_engine.layers.linear import QKVParallelLinear, MergedColumnParallelLinear
+from rollout_engine.layers.weight_copy import FINITE_CHECK, VALIDATE_ONLY, FiniteCheck, copy_into
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -99,13 +100,22 @@ class WeightLoader:
 
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[Target]:
         """Copy each tensor into its parameter as it arrives (a generator is
-        consumed one tensor at a time). Returns the (parameter, shard)s written."""
+        consumed one tensor at a time), checking finiteness in the same pass.
+        Returns the (parameter, shard)s written; raises NonFiniteWeights
+        (after copying) if any value was NaN or infinite."""
         touched: set[Target] = set()
-        with torch.no_grad():
-            for hf_name, tensor in named_tensors:
-                target = self._load_one(hf_name, tensor)
-                if target is not None:
-                    touched.add(target)
+        check = FiniteCheck()
+        token = FINITE_CHECK.set(check)
+        try:
+            with torch.no_grad():
+                for hf_name, tensor in named_tensors:
+                    check.start(hf_name)
+                    target = self._load_one(hf_name, tensor)
+                    if target is not None:
+                        touched.add(target)
+        finally:
+            FINITE_CHECK.reset(token)
+        check.raise_if_bad()
         return touched
 
     def read(self, hf_name: str) -> torch.Tensor:

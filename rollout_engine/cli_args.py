@@ -1,0 +1,215 @@
+"""Command-line flags shared by the `rollout-engine` subcommands (and, later,
+the HTTP server): engine flags generated from `EngineConfig`'s fields,
+sampling flags, and the checks that run before a model is loaded."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import typing
+from typing import Any, Iterable, Mapping
+
+from rollout_engine.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, EngineConfig
+from rollout_engine.model_zoo import DEFAULT_MODEL, ZOO
+from rollout_engine.models.presets import PRESETS
+from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.tokenizer import has_tokenizer_files
+
+# Help text of every EngineConfig field; tests/test_cli.py checks that none is
+# missing, so a new field cannot reach the command line undocumented.
+FIELD_HELP: dict[str, str] = {
+    "model": "local Hugging Face folder, a zoo model fetched once by name, or (with --load-format dummy) "
+             "a preset with random weights",
+    "device": "where the model runs: auto (CUDA when available, else the CPU), cpu, cuda or cuda:N",
+    "dtype": "dtype of weights and activations; auto is bfloat16 on CUDA and float32 on the CPU",
+    "load_format": "auto reads the safetensors weights; dummy builds the model with random weights "
+                   "(presets, benchmarks)",
+    "tokenizer": "folder with tokenizer files, for a model without them (text prompts and --chat need one)",
+    "max_total_tokens": "KV cache capacity in tokens; unset, it is sized from free memory",
+    "mem_fraction": "share of the free GPU memory that weights, activations and the KV cache may take "
+                    "when the cache is sized from it",
+    "max_running_requests": "most requests decoded together in one batch",
+    "max_prefill_tokens": "most prompt tokens prefilled in one step; longer prompts are prefilled in chunks",
+    "page_size": "tokens per KV cache page (a power of two)",
+    "enable_prefix_cache": "reuse the KV of shared prompt prefixes across requests (radix tree)",
+    "attention_backend": "attention kernels; auto picks flashinfer on CUDA where it applies, else torch",
+    "cuda_graph": "replay decode steps as CUDA graphs (CUDA only)",
+    "cuda_graph_max_batch_size": "largest decode batch replayed as a CUDA graph",
+    "enable_memory_saver": "put weights and KV cache in torch-memory-saver regions so that the GPU memory "
+                           "can be released between rollouts (CUDA, gpu extra)",
+    "weights_cpu_backup": "with the memory saver: keep a CPU copy of the weights so that a release keeps them",
+    "tp_size": "tensor-parallel degree: GPUs per engine",
+    "seed": "seed of dummy weights and of the sampling seeds drawn for requests",
+    "overlap_schedule": "schedule decode step N+1 while step N runs on the device",
+}
+
+# Fields whose allowed values config.py lists as a tuple.
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": DTYPES, "load_format": LOAD_FORMATS, "attention_backend": ATTENTION_BACKENDS,
+}
+
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "ignore_eos")
+
+
+class UsageError(ValueError):
+    """Bad command-line input; printed as one `rollout-engine: error:` line, exit status 2."""
+
+
+def flag_of(field: str) -> str:
+    return "-n" if field == "n" else "--" + field.replace("_", "-")
+
+
+def _scalar_type(hint: Any) -> type:
+    """`str`, `int`, `float` or `bool` from a field annotation such as `int | None`."""
+    types = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    if len(types) != 1 or types[0] not in (str, int, float, bool):
+        raise TypeError(f"EngineConfig annotation {hint!r} has no command-line form; extend cli_args")
+    return types[0]
+
+
+def add_engine_args(parser: argparse.ArgumentParser, fields: Iterable[str] | None = None,
+                    defaults: Mapping[str, Any] | None = None) -> None:
+    """Add `--field-name` for each EngineConfig field (all, or those in `fields`),
+    in an "engine" group, with `defaults` overriding the dataclass defaults."""
+    wanted = set(fields) if fields is not None else None
+    defaults = {"model": DEFAULT_MODEL, **(defaults or {})}
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if wanted is not None and f.name not in wanted:
+            continue
+        default = defaults.get(f.name, f.default)
+        kind = _scalar_type(hints[f.name])
+        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": _help(f.name)}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw.update(type=kind, choices=FIELD_CHOICES.get(f.name), metavar=None if f.name in FIELD_CHOICES
+                      else f.name.split("_")[-1].upper())
+        group.add_argument(flag_of(f.name), **kw)
+
+
+def _help(field: str) -> str:
+    text = FIELD_HELP[field]
+    if field == "model":
+        text += f"; zoo: {', '.join(sorted(ZOO))}; presets: {', '.join(sorted(PRESETS))}"
+    return text
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments (`model` included) from the flags that
+    `add_engine_args` added."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+
+
+def build_config(args: argparse.Namespace) -> EngineConfig:
+    """The validated EngineConfig; a bad value is a UsageError naming its flag."""
+    try:
+        return EngineConfig(**engine_kwargs(args))
+    except ValueError as exc:
+        raise _named(exc, [f.name for f in dataclasses.fields(EngineConfig)]) from None
+
+
+def _named(exc: ValueError, fields: Iterable[str]) -> UsageError:
+    """Config and sampling errors start with the field name ("page_size must be
+    ..."); say it as the flag, the way argparse does."""
+    match = re.match(r"(?:sampling_params\.)?(\w+) (.*)", str(exc), re.S)
+    if match and match.group(1) in fields:
+        return UsageError(f"argument {flag_of(match.group(1))}: {match.group(2)}")
+    return UsageError(str(exc))
+
+
+def check_engine_args(config: EngineConfig) -> None:
+    """Checks that need no model: the model and tokenizer exist, CUDA is there
+    when asked for. Fails fast instead of after a download or a load."""
+    model, dummy = config.model, config.load_format == "dummy"
+    if not os.path.isdir(model):
+        if dummy and model not in PRESETS:
+            raise UsageError(f"argument --model: {model!r} is neither a folder nor a preset "
+                             f"({', '.join(sorted(PRESETS))})")
+        if not dummy and model not in ZOO:
+            hint = " (a preset: add --load-format dummy)" if model in PRESETS else ""
+            raise UsageError(f"argument --model: {model!r} is neither a folder nor a zoo model "
+                             f"({', '.join(sorted(ZOO))}){hint}")
+    if config.tokenizer is not None and not has_tokenizer_files(config.tokenizer):
+        raise UsageError(f"argument --tokenizer: {config.tokenizer!r} is not a folder with tokenizer files")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if config.device.startswith("cuda") and not cuda:
+        raise UsageError(f"argument --device: {config.device!r} was asked for, but torch sees no CUDA GPU")
+    if config.enable_memory_saver and (config.device == "cpu" or not cuda):
+        raise UsageError("argument --enable-memory-saver: the memory saver needs a CUDA device")
+
+
+def has_tokenizer(config: EngineConfig) -> bool:
+    """Whether the engine built from `config` will load a tokenizer (as
+    `load_tokenizer` decides, given `check_engine_args` passed)."""
+    if config.tokenizer is not None:
+        return True
+    if os.path.isdir(config.model):
+        return has_tokenizer_files(config.model)
+    return config.load_format != "dummy"  # a zoo model's folder comes with its tokenizer
+
+
+# ---- sampling -------------------------------------------------------------------
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int = 64, n: int = 1) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
+                       help="tokens generated per sample at most")
+    group.add_argument("--temperature", type=float, default=0.7, metavar="T", help="0 samples greedily")
+    group.add_argument("--top-p", type=float, default=0.9, metavar="P",
+                       help="keep the most likely tokens whose probabilities sum to P")
+    group.add_argument("--top-k", type=int, default=-1, metavar="K",
+                       help="keep the K most likely tokens; -1 or 0 keeps all")
+    group.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                       help="drop tokens less likely than P times the most likely one")
+    group.add_argument("-n", type=int, default=n, metavar="N", help="samples per prompt")
+    group.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+
+
+def build_sampling(args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the sampling flags; a bad value is a UsageError naming its flag."""
+    try:
+        return SamplingParams(**{f: getattr(args, f) for f in SAMPLING_FIELDS})
+    except ValueError as exc:
+        raise _named(exc, SAMPLING_FIELDS) from None
+
+
+# ---- argparse types ---------------------------------------------------------------
+
+INPUT_IDS_HELP = ("token ids of one prompt, comma-separated (--input-ids 1,2,3; repeat the flag for more "
+                  "prompts), or a JSON list of lists for several ('[[1,2,3],[4,5]]'); instead of text prompts")
+
+
+def input_ids(text: str) -> list[list[int]]:
+    """argparse type of --input-ids: the prompts (lists of token ids) in `text`."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg})") from None
+        prompts = value if value and all(isinstance(p, list) for p in value) else [value]
+    else:
+        try:
+            prompts = [[int(t) for t in text.split(",")]]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+    for p in prompts:
+        if not p or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+            raise argparse.ArgumentTypeError(f"{text!r}: each prompt must be a non-empty list of token ids >= 0")
+    return prompts
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value

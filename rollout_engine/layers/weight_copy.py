@@ -1,0 +1,74 @@
+"""How a weight reaches its parameter: `copy_into`, used by every
+parameter's loader for a cold load and a hot swap alike, and the finiteness
+of an update, checked as the weights are copied.
+
+Each tensor of an update gets one int32 flag on the device; the copies set it
+(kernels/copy_check.py) and the whole update is read back once at the end,
+so there is no host sync per tensor. A non-finite value makes the update
+fail with `NonFiniteWeights`, naming the first bad tensor."""
+from __future__ import annotations
+
+import contextvars
+
+import torch
+
+from rollout_engine.kernels.copy_check import copy_and_check
+
+FLAGS_PER_BUFFER = 1024
+
+
+class NonFiniteWeights(ValueError):
+    pass
+
+
+class FiniteCheck:
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._buffers: dict[torch.device, list[torch.Tensor]] = {}
+
+    def start(self, name: str) -> None:
+        """The copies that follow belong to tensor `name`."""
+        self.names.append(name)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        copy_and_check(dst, src, self._flag(dst.device, len(self.names) - 1))
+
+    def _flag(self, device: torch.device, index: int) -> torch.Tensor:
+        buffers = self._buffers.setdefault(device, [])
+        while len(buffers) <= index // FLAGS_PER_BUFFER:
+            buffers.append(torch.zeros(FLAGS_PER_BUFFER, dtype=torch.int32, device=device))
+        return buffers[index // FLAGS_PER_BUFFER][index % FLAGS_PER_BUFFER:][:1]
+
+    def first_bad(self) -> str | None:
+        """The first tensor holding a non-finite value (one host read per device)."""
+        bad = []
+        for buffers in self._buffers.values():
+            flags = torch.cat(buffers).cpu()
+            hits = torch.nonzero(flags).flatten()
+            if len(hits):
+                bad.append(int(hits[0]))
+        return self.names[min(bad)] if bad else None
+
+    def raise_if_bad(self) -> None:
+        name = self.first_bad()
+        if name is not None:
+            raise NonFiniteWeights(f"{name}: holds NaN or infinite values; the update was refused")
+
+
+# Set while WeightLoader copies an update: copy_into routes through it.
+FINITE_CHECK: contextvars.ContextVar[FiniteCheck | None] = contextvars.ContextVar("finite_check", default=None)
+# Set while WeightLoader validates a whole update before copying anything:
+# loaders run as usual (slicing views, so shapes are checked) but copy nothing.
+VALIDATE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("validate_only", default=False)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor, name: str = "") -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"shape mismatch for {name or 'parameter'}: expected {tuple(dst.shape)}, got {tuple(src.shape)}")
+    if VALIDATE_ONLY.get():
+        return
+    check = FINITE_CHECK.get()
+    if check is not None:
+        check.copy(dst, src)
+    else:
+        dst.copy_(src.to(dtype=dst.dtype))

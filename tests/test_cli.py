@@ -1,0 +1,216 @@
+"""`rollout-engine` command line: flags from EngineConfig, bad input reported
+as one line before any model loads, token-id prompts, CPU-only limits."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models import make_hf_model, save_model
+from rollout_engine import cli
+from rollout_engine.cli import main
+from rollout_engine.cli_args import FIELD_HELP, add_engine_args, engine_kwargs, flag_of, input_ids
+from rollout_engine.config import EngineConfig
+from rollout_engine.model_zoo import DEFAULT_MODEL
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("rollout-engine: error: ")
+    return lines[0]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if the command gets as far as building an engine."""
+    def refuse(config):
+        raise AssertionError(f"the model was loaded: {config}")
+    monkeypatch.setattr(cli, "_make_engine", refuse)
+
+
+# ---- flags generated from EngineConfig -----------------------------------------
+
+def test_every_engine_field_has_help_text():
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(FIELD_HELP) == fields
+    assert all(text.strip() for text in FIELD_HELP.values())
+
+
+def test_generate_help_lists_every_engine_field_with_its_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    flat = "".join(out.split())  # help lines wrap anywhere
+    for f in dataclasses.fields(EngineConfig):
+        assert flag_of(f.name) in out, f.name
+        assert "".join(FIELD_HELP[f.name].split()) in flat, f.name
+    for flag in ("--input-ids", "--chat", "--tokenizer", "--no-cuda-graph", "--no-enable-prefix-cache"):
+        assert flag in out
+
+
+def test_engine_kwargs_round_trip_defaults_and_bools():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    defaults = engine_kwargs(parser.parse_args([]))
+    assert EngineConfig(**defaults) == EngineConfig(model=DEFAULT_MODEL)
+    kw = engine_kwargs(parser.parse_args(["--no-cuda-graph", "--page-size", "16", "--mem-fraction", "0.5",
+                                          "--tokenizer", "tok", "--max-total-tokens", "4096"]))
+    assert kw["cuda_graph"] is False and kw["page_size"] == 16 and kw["mem_fraction"] == 0.5
+    assert kw["tokenizer"] == "tok" and kw["max_total_tokens"] == 4096
+    sub = argparse.ArgumentParser()
+    add_engine_args(sub, ["model", "seed"], defaults={"model": "qwen3-0.6b"})
+    assert engine_kwargs(sub.parse_args([])) == {"model": "qwen3-0.6b", "seed": 0}
+
+
+# ---- token-id prompts --------------------------------------------------------------
+
+def test_input_ids_forms():
+    assert input_ids("1, 2,3") == [[1, 2, 3]]
+    assert input_ids("[[1,2],[3]]") == [[1, 2], [3]]
+    assert input_ids("[4,5]") == [[4, 5]]
+    for bad in ("", "1,,2", "a", "[[1],[]]", "[]", "[1.5]", "-1", "[[1", "[true]"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            input_ids(bad)
+
+
+def test_generate_from_input_ids_prints_token_ids(llama, capsys):
+    _, folder = llama
+    rc = main(["generate", "--model", folder, "--input-ids", "1,2,3", "--input-ids", "[[4,5]]",
+               "--max-new-tokens", "4", "-n", "2", "--temperature", "0", "--max-total-tokens", "256"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    generated = [json.loads(line.split(":", 1)[1]) for line in out.splitlines() if line.startswith("token ids:")]
+    assert len(generated) == 4 and all(len(ids) == 4 for ids in generated)
+    assert generated[0] == generated[1]  # greedy: both samples of a prompt agree
+    assert "4 samples, 16 output tokens" in out
+
+
+def test_text_prompt_without_tokenizer_is_one_line_exit_2():
+    # As a user runs it: a subprocess, through the module's __main__.
+    proc = subprocess.run([sys.executable, "-m", "rollout_engine.cli", "generate", "--model", "qwen3-0.6b",
+                           "--load-format", "dummy", "hi"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "--input-ids" in proc.stderr and "--tokenizer" in proc.stderr
+
+
+def test_generate_chat_with_tokenizer_flag(smollm2_dir, tmp_path, capsys, monkeypatch):
+    # A tiny model with SmolLM2's vocabulary size, its tokenizer passed by flag.
+    folder = save_model(make_hf_model("llama", vocab_size=49152), tmp_path / "tiny")
+    from rollout_engine import RolloutEngine
+
+    calls = []
+    template = RolloutEngine.apply_chat_template
+    monkeypatch.setattr(RolloutEngine, "apply_chat_template",
+                        lambda self, messages, *a: calls.append(messages) or template(self, messages, *a))
+    rc = main(["generate", "--model", folder, "--tokenizer", smollm2_dir, "--chat", "--max-new-tokens", "3",
+               "--ignore-eos", "--max-total-tokens", "512", "What is 2+2?"])
+    assert rc == 0
+    assert calls == [[{"role": "user", "content": "What is 2+2?"}]]
+    out = capsys.readouterr().out
+    assert "'What is 2+2?'" in out and "1 samples, 3 output tokens" in out
+
+
+# ---- bad input: one line, exit 2, before the model loads ---------------------------------
+
+@pytest.mark.parametrize("flags, named", [
+    (["-n", "0"], "-n"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--top-p", "0"], "--top-p"),
+    (["--page-size", "3"], "--page-size"),
+    (["--dtype", "foo"], "--dtype"),
+    (["--mem-fraction", "2"], "--mem-fraction"),
+    (["--max-total-tokens", "0"], "--max-total-tokens"),
+    (["--max-prefill-tokens", "x"], "--max-prefill-tokens"),
+    (["--attention-backend", "fast"], "--attention-backend"),
+    (["--input-ids", "1,x"], "--input-ids"),
+    (["--input-ids", "1", "hi"], "--input-ids"),
+    (["--input-ids", "1", "--chat"], "--chat"),
+    (["--tokenizer", "/"], "--tokenizer"),
+    (["--enable-memory-saver", "--device", "cpu"], "--enable-memory-saver"),
+])
+def test_bad_generate_flags(llama, flags, named, capsys, no_model_load):
+    _, folder = llama
+    assert main(["generate", "--model", folder, *flags]) == 2
+    assert f"argument {named}:" in _one_line_error(capsys)
+
+
+def test_unknown_model_is_named(capsys, no_model_load):
+    assert main(["generate", "--model", "no-such-model"]) == 2
+    assert "--model" in _one_line_error(capsys)
+    assert main(["generate", "--model", "qwen3-0.6b"]) == 2  # a preset without --load-format dummy
+    assert "--load-format dummy" in _one_line_error(capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_cuda_device_without_gpu(llama, capsys, no_model_load):
+    assert main(["generate", "--model", llama[1], "--device", "cuda", "--input-ids", "1"]) == 2
+    assert "--device" in _one_line_error(capsys)
+
+
+def test_demo_has_no_chat_flag(capsys, no_model_load):
+    assert main(["demo", "--chat"]) == 2
+    assert "--chat" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("error, status", [(ValueError("bad\ninput"), 2), (FileNotFoundError("x"), 2),
+                                           (RuntimeError("boom"), 1), (KeyboardInterrupt(), 130)])
+def test_errors_escaping_a_command_are_one_line(llama, error, status, capsys, monkeypatch):
+    def fail(config):
+        raise error
+    monkeypatch.setattr(cli, "_make_engine", fail)
+    monkeypatch.delenv("ROLLOUT_ENGINE_DEBUG", raising=False)
+    assert main(["generate", "--model", llama[1], "--input-ids", "1"]) == status
+    _one_line_error(capsys)
+
+
+# ---- bench ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_bench_run(monkeypatch):
+    import rollout_engine.bench.run as bench_run
+
+    def refuse(args):
+        raise AssertionError("the benchmark ran")
+    monkeypatch.setattr(bench_run, "main", refuse)
+
+
+@pytest.mark.parametrize("workload", ["offline", "decode", "prefill", "memory"])
+def test_gpu_workloads_need_cuda(workload, capsys, monkeypatch, no_bench_run):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--workload", workload]) == 2
+    line = _one_line_error(capsys)
+    assert "--workload" in line and "CUDA GPU" in line
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["-n", "0"], "-n"),
+    (["--max-total-tokens", "0"], "--max-total-tokens"),
+    (["--prompt-min", "64", "--prompt-max", "32"], "--prompt-min"),
+    (["--out", "/no/such/folder/report.json"], "--out"),
+    (["--model", "nope"], "--model"),
+    (["--page-size", "16"], "--page-size"),  # bench's engine factory would ignore it: not offered
+])
+def test_bad_bench_flags(flags, named, capsys, no_bench_run):
+    assert main(["bench", "--workload", "grpo", *flags]) == 2
+    assert named in _one_line_error(capsys)
+
+
+# ---- run -----------------------------------------------------------------------------------
+
+def test_run_without_memory_saver(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_memory_saver_installed", lambda: False)
+    assert main(["run", "--", "python", "-c", "pass"]) == 2
+    assert 'pip install -e ".[gpu]"' in _one_line_error(capsys)
+    assert main(["run"]) == 2
+    assert "run needs a program" in _one_line_error(capsys)

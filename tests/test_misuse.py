@@ -1,0 +1,188 @@
+"""Bad input and misuse, as a new user would try them, on one long-lived
+engine (SmolLM2, so text prompts and stop strings are covered): each case
+raises the right exception naming the field, and a normal greedy generate
+right after gives the same tokens as before the misuse."""
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+from rollout_engine import RolloutEngine, SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0)
+PROMPT = ["What is the capital of France?"]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir):
+    return RolloutEngine(smollm2_dir, max_total_tokens=2048)
+
+
+@pytest.fixture(scope="module")
+def baseline(engine):
+    return engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids
+
+
+def _sp(**kw):
+    return lambda e: SamplingParams(**kw)
+
+
+def _gen(**kw):
+    return lambda e: e.generate(**kw)
+
+
+def _stream(**kw):
+    return lambda e: list(e.stream(**kw))
+
+
+def _nan_update(e):
+    w = e.get_weight("model.layers.0.mlp.down_proj.weight")
+    w[0, 0] = float("nan")
+    e.update_weights({"model.layers.0.mlp.down_proj.weight": w})
+
+
+def _restore(e):
+    """After a refused update the weights are a mix: load them all again."""
+    from rollout_engine.weights.loader import iter_safetensors
+
+    e.update_weights(list(iter_safetensors(e.config.model)))
+
+
+def _paused_generate(e):
+    e.pause_generation("keep")
+    e.generate(PROMPT, sampling_params=GREEDY)
+
+
+# (id, action, exception, words the message must contain, clean-up)
+CASES = [
+    ("max_new_tokens=0", _sp(max_new_tokens=0), ValueError, "max_new_tokens", None),
+    ("max_new_tokens=1.5", _sp(max_new_tokens=1.5), ValueError, "max_new_tokens", None),
+    ("temperature=-1", _sp(temperature=-1.0), ValueError, "temperature", None),
+    ("temperature=inf", _sp(temperature=math.inf), ValueError, "temperature", None),
+    ("temperature=nan", _sp(temperature=math.nan), ValueError, "temperature", None),
+    ("temperature='hot'", _sp(temperature="hot"), ValueError, "temperature", None),
+    ("top_p=0", _sp(top_p=0.0), ValueError, "top_p", None),
+    ("top_p=1.5", _sp(top_p=1.5), ValueError, "top_p", None),
+    ("top_p=nan", _sp(top_p=math.nan), ValueError, "top_p", None),
+    ("top_k=-2", _sp(top_k=-2), ValueError, "top_k", None),
+    ("min_p=2", _sp(min_p=2.0), ValueError, "min_p", None),
+    ("n=0", _sp(n=0), ValueError, "sampling_params.n ", None),
+    ("seed=-1", _sp(seed=-1), ValueError, "seed", None),
+    ("seed=2**64", _sp(seed=2**64), ValueError, "seed", None),
+    ("seed+n-1 overflows", _sp(seed=2**63 - 1, n=2), ValueError, "seed", None),
+    ("seed='1'", _sp(seed="1"), ValueError, "seed", None),
+    ("stop_token_ids=[-1]", _sp(stop_token_ids=[-1]), ValueError, "stop_token_ids", None),
+    ("stop=['']", _sp(stop=[""]), ValueError, "stop", None),
+    ("stop='x'", _sp(stop="x"), ValueError, "stop", None),
+    ("top_logprobs=-1", _sp(top_logprobs=-1), ValueError, "top_logprobs", None),
+    ("logprob_mode", _sp(logprob_mode="bogus"), ValueError, "logprob_mode", None),
+    ("ignore_eos='yes'", _sp(ignore_eos="yes"), ValueError, "ignore_eos", None),
+    ("no prompts", _gen(), ValueError, "prompts", None),
+    ("prompts and input_ids", _gen(prompts=PROMPT, input_ids=[[1]]), ValueError, "prompts", None),
+    ("prompts is a string", _gen(prompts="hi"), ValueError, "prompts", None),
+    ("empty prompt", _gen(prompts=[""]), ValueError, "prompts", None),
+    ("prompt not a string", _gen(prompts=[3]), ValueError, "prompts", None),
+    ("empty input_ids", _gen(input_ids=[[]]), ValueError, "input_ids", None),
+    ("float token", _gen(input_ids=[[1.5]]), ValueError, "integer", None),
+    ("nested token", _gen(input_ids=[[[1, 2]]]), ValueError, "nested", None),
+    ("token >= vocab", _gen(input_ids=[[10**6]]), ValueError, "vocabulary", None),
+    ("negative token", _gen(input_ids=[[-1]]), ValueError, "vocabulary", None),
+    ("input_ids a string", _gen(input_ids="abc"), ValueError, "input_ids", None),
+    ("params list too short", _gen(prompts=PROMPT * 2, sampling_params=[GREEDY]), ValueError, "sampling_params",
+     None),
+    ("params not SamplingParams", _gen(prompts=PROMPT, sampling_params=[{"n": 1}]), ValueError, "sampling_params",
+     None),
+    ("duplicate request ids", _gen(prompts=PROMPT * 2, request_ids=["a", "a"]), ValueError, "request_ids", None),
+    ("request ids wrong length", _gen(prompts=PROMPT, request_ids=["a", "b"]), ValueError, "request_ids", None),
+    ("beyond the context", _gen(prompts=PROMPT, sampling_params=SamplingParams(max_new_tokens=10**6)), ValueError,
+     "max_new_tokens", None),
+    ("top_logprobs > vocab", _gen(prompts=PROMPT, sampling_params=SamplingParams(top_logprobs=10**6)), ValueError,
+     "top_logprobs", None),
+    ("stop token outside vocab", _gen(prompts=PROMPT, sampling_params=SamplingParams(stop_token_ids=[10**6])),
+     ValueError, "stop_token_ids", None),
+    ("stream, bad token", _stream(input_ids=[[10**6]]), ValueError, "input_ids", None),
+    ("stream, bad params list", _stream(prompts=PROMPT, sampling_params=[]), ValueError, "sampling_params", None),
+    ("update: unknown name", lambda e: e.update_weights({"nope.weight": torch.zeros(2)}), ValueError, "nope.weight",
+     None),
+    ("update: wrong shape", lambda e: e.update_weights({"model.norm.weight": torch.zeros(3)}), ValueError,
+     "shape", None),
+    ("update: NaN", _nan_update, ValueError, "down_proj", _restore),
+    ("update: bad version", lambda e: e.update_weights({}, version=-1), ValueError, "version", None),
+    ("update from a missing folder", lambda e: e.update_weights_from_disk("/nonexistent"), ValueError, "path", None),
+    ("get_weight unknown", lambda e: e.get_weight("nope"), ValueError, "nope", None),
+    ("release without memory saver", lambda e: e.release_memory(), RuntimeError, "enable_memory_saver", None),
+    ("pause mode", lambda e: e.pause_generation("bogus"), ValueError, "mode", None),
+    ("abort with a string", lambda e: e.abort("req-1"), ValueError, "request_ids", None),
+    ("generate while paused", _paused_generate, RuntimeError, "paused", lambda e: e.continue_generation()),
+]
+
+
+@pytest.mark.parametrize("action,exc,words,cleanup", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_misuse_is_refused_and_the_engine_stays_usable(engine, baseline, action, exc, words, cleanup):
+    with pytest.raises(exc) as info:
+        action(engine)
+    assert words in str(info.value), str(info.value)
+    if cleanup is not None:
+        cleanup(engine)
+    assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
+    engine.check_integrity()
+
+
+def test_enough_misuse_cases():
+    assert len(CASES) >= 40
+
+
+def test_a_refused_update_blocks_generation_until_a_complete_one(engine, baseline):
+    with pytest.raises(ValueError, match="NaN"):
+        _nan_update(engine)
+    with pytest.raises(RuntimeError, match="no valid values"):
+        engine.generate(PROMPT, sampling_params=GREEDY)
+    _restore(engine)
+    assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
+
+
+def test_numpy_and_torch_token_ids_are_accepted(engine):
+    ids = engine.tokenizer.encode(PROMPT[0])
+    want = engine.generate(input_ids=[ids], sampling_params=GREEDY)[0].output_token_ids
+    for form in (np.array(ids), [np.int64(t) for t in ids], torch.tensor(ids), [torch.tensor(t) for t in ids]):
+        assert engine.generate(input_ids=[form], sampling_params=GREEDY)[0].output_token_ids == want
+    assert engine.generate(input_ids=np.array([ids]), sampling_params=GREEDY)[0].output_token_ids == want
+
+
+def test_an_abort_never_reaches_later_requests(engine, baseline):
+    assert engine.abort() == 0  # idle: nothing to stop
+    assert engine.abort(["job-1"]) == 0  # not submitted yet
+    out = engine.generate(PROMPT, sampling_params=GREEDY, request_ids=["job-1"])[0]
+    assert out.finish_reason != "abort" and out.output_token_ids == baseline
+
+
+def test_memory_state_lists_only_held_tags(engine):
+    assert engine.memory_state() == {"weights": "resident", "kv_cache": "resident"}
+
+
+def test_shutdown_frees_the_engine_and_refuses_later_calls(smollm2_dir):
+    engine = RolloutEngine(smollm2_dir, max_total_tokens=512)
+    engine.generate(PROMPT, sampling_params=GREEDY)
+    weight = weakref.ref(next(engine.model.parameters()))
+    engine.shutdown()
+    gc.collect()
+    assert weight() is None
+    for call in (lambda: engine.generate(PROMPT), lambda: list(engine.stream(PROMPT)), engine.memory_state,
+                 lambda: engine.update_weights({}), engine.flush_cache, lambda: engine.abort()):
+        with pytest.raises(RuntimeError, match="engine is shut down"):
+            call()
+    engine.shutdown()  # a second shutdown is harmless
+
+
+def test_a_model_too_large_for_memory_is_refused_with_its_size(monkeypatch):
+    from rollout_engine.runner import model_loader
+
+    monkeypatch.setattr(model_loader, "available_bytes", lambda device: 1 << 30)
+    with pytest.raises(ValueError, match=r"needs 2\.\d GiB .* only 1\.0 GiB") as info:
+        RolloutEngine("qwen3-0.6b", load_format="dummy", device="cpu", dtype="float32", max_total_tokens=64)
+    assert "qwen3-0.6b" in str(info.value)
