@@ -117,3 +117,24 @@ def test_gemv_matches_linear(n, k, bias):
     torch.testing.assert_close(gemv(x, w, b).float(), ref, atol=3e-2, rtol=2e-2)
     two = torch.randn(2, k, device="cuda", dtype=torch.bfloat16)  # more rows: the library path
     torch.testing.assert_close(linear(two, w, b), F.linear(two, w, b))
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                                 (torch.float32, torch.float16)])
+def test_copy_and_check_matches_reference(src_dtype, dst_dtype):
+    from rollout_engine.kernels.copy_check import copy_and_check, copy_and_check_ref
+
+    src = torch.randn(3, 100_003, device="cuda", dtype=src_dtype)
+    for bad in (None, float("nan"), float("inf"), float("-inf"), 1e6):
+        if bad is not None:
+            src[2, 99_999] = bad  # near the end of the last block
+        got, ref = torch.empty_like(src, dtype=dst_dtype), torch.empty_like(src, dtype=dst_dtype)
+        flag, ref_flag = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32,
+                                                                                      device="cuda")
+        copy_and_check(got, src, flag)
+        copy_and_check_ref(ref, src, ref_flag)
+        assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
+        assert bool(flag) == bool(ref_flag), (bad, dst_dtype)
+        # 1e6 is finite in bf16 but overflows fp16: only the stored value counts.
+        assert bool(flag) == (bad is not None and not (bad == 1e6 and dst_dtype == torch.bfloat16))
+        src[2, 99_999] = 0.0
