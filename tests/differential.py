@@ -43,12 +43,14 @@ class Report:
     aborted: int = 0
     max_greedy_gap: float = 0.0  # reference best - reference logprob of the emitted greedy token
     max_logprob_diff: float = 0.0  # |engine raw logprob - reference logprob|
+    max_mean_diff: float = 0.0  # the same, averaged over one request's tokens
     violations: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         return (f"{self.calls} calls, {self.requests} requests, {self.tokens} tokens, {self.aborted} aborted; "
                 f"largest greedy gap {self.max_greedy_gap:.4f} nats, largest logprob difference "
-                f"{self.max_logprob_diff:.4f}; {len(self.violations)} violations")
+                f"{self.max_logprob_diff:.4f} (largest request mean {self.max_mean_diff:.4f}); "
+                f"{len(self.violations)} violations")
 
 
 class WorkloadGenerator:
@@ -182,7 +184,10 @@ class Reference:
 
 
 def check_outputs(reference: Reference, call: Call, outputs: list, report: Report, margin: float,
-                  logprob_tol: float, tag: str) -> None:
+                  logprob_tol: float, tag: str, mean_tol: float | None = None) -> None:
+    """`margin`: greedy tokens; `logprob_tol`: every token; `mean_tol`: a
+    request's mean logprob difference (default: logprob_tol)."""
+    mean_tol = logprob_tol if mean_tol is None else mean_tol
     params = [p for p in call.params for _ in range(p.n)]
     report.calls += 1
     checked = []
@@ -204,6 +209,9 @@ def check_outputs(reference: Reference, call: Call, outputs: list, report: Repor
         ref = lps.gather(-1, ids[:, None]).squeeze(1)
         diff = (torch.tensor(out.output_logprobs, device=lps.device) - ref).abs()
         report.max_logprob_diff = max(report.max_logprob_diff, float(diff.max()))
+        report.max_mean_diff = max(report.max_mean_diff, float(diff.mean()))
+        if float(diff.mean()) > mean_tol:
+            report.violations.append(f"{tag}/{out.request_id}: mean logprob difference {float(diff.mean()):.3f}")
         if float(diff.max()) > logprob_tol:
             t = int(diff.argmax())
             report.violations.append(f"{tag}/{out.request_id}: token {t} logprob {out.output_logprobs[t]:.3f} vs "
@@ -218,14 +226,14 @@ def check_outputs(reference: Reference, call: Call, outputs: list, report: Repor
 
 
 def stress(engine, reference: Reference, gen: WorkloadGenerator, num_calls: int, margin: float,
-           logprob_tol: float) -> Report:
+           logprob_tol: float, mean_tol: float | None = None) -> Report:
     """Run `num_calls` random calls on `engine`, checking every output and the
     KV bookkeeping after every call."""
     report = Report()
     for c in range(num_calls):
         call = gen.call()
         outputs = run_call(engine, call, f"c{c}")
-        check_outputs(reference, call, outputs, report, margin, logprob_tol, f"call {c}")
+        check_outputs(reference, call, outputs, report, margin, logprob_tol, f"call {c}", mean_tol)
         for out in outputs:
             gen.observe(out.prompt_token_ids, out.output_token_ids)
         engine.check_integrity()

@@ -29,7 +29,11 @@ QUESTIONS = ["What is the capital of France?", "List three prime numbers.", "Wri
              "Translate 'good morning' into Spanish.", "What is 12 times 7?", "Why is the sky blue?",
              "Give me a synonym for happy.", "What is the boiling point of water?", "Who wrote Hamlet?"]
 MARGIN = 1.0  # nats: bf16 near-ties pass, another prompt's continuation does not
-LOGPROB_TOL = 1.0
+# Per token, bf16 against fp32: over ~50k tokens of SmolLM2 the largest gap
+# seen was 1.5 nats (a handful of tokens past 1.0); another request's KV put
+# tokens 13-27 nats off. Per request, the mean stays far below either.
+LOGPROB_TOL = 2.0
+MEAN_TOL = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +98,7 @@ def test_cached_prompt_answers_its_own_prompt(model, reference, backend):
         for k in (1, 2, 4):
             call = Call(prompts[:k], [twelve] * k)
             check_outputs(reference, call, run_call(engine, call, f"r{rnd}k{k}"), report, MARGIN, LOGPROB_TOL,
-                          f"round {rnd}")
+                          f"round {rnd}", MEAN_TOL)
         engine.check_integrity()
     print(f"{backend}: {report.summary()}")
     assert not report.violations, report.violations[:5]
@@ -112,7 +116,7 @@ def test_differential_stress(model, reference, backend, page_size):
                            cuda_graph_max_batch_size=32, max_running_requests=96)
     gen = WorkloadGenerator(seed=page_size, token_range=token_range, base_prompts=prompts, max_prompt_len=96,
                             max_new_tokens=48, max_batch=40)
-    report = stress(engine, reference, gen, calls, MARGIN, LOGPROB_TOL)
+    report = stress(engine, reference, gen, calls, MARGIN, LOGPROB_TOL, MEAN_TOL)
     stats = engine.cache_stats()
     print(f"{backend} page_size={page_size}: {report.summary()}; retractions {stats['retractions']}, "
           f"hit rate {stats['hit_rate']:.2f}, ahead steps {stats['ahead_steps']}")
