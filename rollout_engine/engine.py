@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import random
 import threading
 import time
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -18,34 +16,26 @@ from rollout_engine.cache.radix import RadixCache
 from rollout_engine.cache.req_table import ReqToTokenTable
 from rollout_engine.config import EngineConfig
 from rollout_engine.distributed.comm import TPComm
-from rollout_engine.layers.weight_copy import NonFiniteWeights
 from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens
 from rollout_engine.memory.controller import MemoryController
 from rollout_engine.memory.manager import TAGS, MemoryManager
 from rollout_engine.memory.saver import create_saver
-from rollout_engine.model_zoo import ZOO, ensure_model
+from rollout_engine.model_zoo import resolve_model_path
 from rollout_engine.outputs import RolloutOutput
 from rollout_engine.request import Request
+from rollout_engine.request_factory import RequestFactory
 from rollout_engine.runner.model_loader import load_model, resolve_device, resolve_dtype
 from rollout_engine.runner.model_runner import ModelRunner
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from rollout_engine.scheduler.stop import StopChecker
-from rollout_engine.tokenizer import chat_token_ids, load_tokenizer
-from rollout_engine.distributed.weight_sync import DEFAULT_BUCKET_BYTES, specs_of
-from rollout_engine.weights.loader import WeightLoader, iter_safetensors, safetensors_shapes
+from rollout_engine.tokenizer import chat_token_ids, load_tokenizer, tokenizer_eos_ids
+from rollout_engine.distributed.weight_sync import DEFAULT_BUCKET_BYTES
+from rollout_engine.weights.loader import WeightLoader
 from rollout_engine.weights.receiver import WeightReceiver
-from rollout_engine.validation import Limits, check_request, resolve_params, resolve_prompts, resolve_request_ids
-
-
-def resolve_model_path(model: str, load_format: str) -> str:
-    if os.path.isdir(model) or load_format == "dummy":
-        return model
-    if model in ZOO:
-        return ensure_model(model)
-    raise ValueError(f"model {model!r} is not a folder, a known model ({sorted(ZOO)}), "
-                     "or a preset with load_format='dummy'")
+from rollout_engine.weights.updater import WeightUpdater
+from rollout_engine.validation import Limits
 
 
 class RolloutEngine:
@@ -60,11 +50,9 @@ class RolloutEngine:
         self._load_model(resolve_model_path(model, cfg.load_format))
         allocator, table = self._build_kv_memory(free_before)
         self._build_runtime(allocator, table)
-        self._weight_version = 0
         self._paused = False
         self._lock = threading.Lock()
-        self._rng = random.Random(cfg.seed)
-        self._next_id = 0
+        self._requests = RequestFactory(self.tokenizer, self.limits, cfg.seed)
         self._closed = False
 
     def _load_model(self, path: str) -> None:
@@ -74,8 +62,6 @@ class RolloutEngine:
         self.memory.register("weights", self.model.parameters())
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(path, cfg.tokenizer)
-        self._weights = WeightLoader(self.model)
-        self._receiver = WeightReceiver()
 
     def _build_kv_memory(self, free_before: int) -> tuple[PageAllocator, ReqToTokenTable]:
         """KV pool (in its memory region), slot allocator, request table and
@@ -111,13 +97,15 @@ class RolloutEngine:
                                            self.memory.saver.graph_capture)
             torch.cuda.empty_cache()
             self.memory.register("cuda_graph", extra_bytes=torch.cuda.memory_reserved(self.device) - before)
-        stop = StopChecker(mc.eos_token_ids or _tokenizer_eos(self.tokenizer), mc.max_position, self.tokenizer)
+        stop = StopChecker(mc.eos_token_ids or tokenizer_eos_ids(self.tokenizer), mc.max_position, self.tokenizer)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens, overlap=cfg.overlap_schedule),
             KVManager(allocator, table, self.prefix_cache), self.runner, stop,
-            weight_version=lambda: self._weight_version)
+            weight_version=lambda: self._updater.version)
+        loader = WeightLoader(self.model)
         self._memory = MemoryController(self.memory, self.scheduler, self.prefix_cache, self.runner, self.device,
-                                        cfg.weights_cpu_backup, self._weights.required())
+                                        cfg.weights_cpu_backup, loader.required())
+        self._updater = WeightUpdater(loader, WeightReceiver(), self._memory, self.prefix_cache, self.device)
 
     # ---- generation ------------------------------------------------------------
     def generate(self, prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
@@ -175,7 +163,7 @@ class RolloutEngine:
     # ---- RL controls -----------------------------------------------------------
     @property
     def weight_version(self) -> int:
-        return self._weight_version
+        return self._updater.version
 
     def flush_cache(self) -> None:
         """Drop every prefix-cache entry not used by a running request."""
@@ -207,54 +195,30 @@ class RolloutEngine:
         handled here; any dtype or device). Addresses never change, so CUDA
         graphs stay valid. A list or dict is checked whole first: a bad name
         or shape raises ValueError and changes nothing. A generator is
-        streamed, one tensor at a time; if it breaks off, generating is
-        refused until a complete update. Returns the new weight version."""
+        streamed, one tensor at a time. Values are checked for NaN/inf as
+        they are copied: a non-finite value raises ValueError naming the
+        first bad tensor. After a failure that copied tensors (a non-finite
+        value, a stream that broke off), generating is refused until a
+        complete update. Returns the new weight version."""
         self._require_open()
         if isinstance(named_tensors, Mapping):
             named_tensors = list(named_tensors.items())
         with self._lock:
-            return self._update(named_tensors, version, flush_cache)
+            return self._updater.update(named_tensors, version, flush_cache)
 
     def update_weights_from_disk(self, path: str, version: int | None = None) -> int:
         """The same from a safetensors folder; names and shapes are checked
         from the file headers before any tensor is read."""
         self._require_open()
-        if not os.path.isdir(path):
-            raise ValueError(f"path {path!r} is not a folder")
         with self._lock:
-            self._weights.validate(safetensors_shapes(path))
-            return self._update(iter_safetensors(path), version, flush_cache=True, checked=True)
-
-    def _update(self, named_tensors, version: int | None, flush_cache: bool, checked: bool = False) -> int:
-        if not self.memory.resident("weights"):
-            raise RuntimeError("cannot update weights while they are released; resume_memory(['weights']) first")
-        if version is not None and (not isinstance(version, int) or version < 0):
-            raise ValueError(f"version must be a non-negative integer, got {version!r}")
-        streamed = not isinstance(named_tensors, (list, tuple))
-        if not streamed and not checked:
-            self._weights.validate(named_tensors)
-        try:
-            touched = self._weights.load(named_tensors)
-        except Exception as e:
-            if streamed or isinstance(e, NonFiniteWeights):
-                # Tensors were copied before the failure: the weights are a
-                # mix now, so generating waits for a complete update.
-                self._memory.missing_weights = set(self._weights.required())
-            raise
-        self._memory.missing_weights -= touched
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._weight_version = self._weight_version + 1 if version is None else version
-        if flush_cache:
-            self.prefix_cache.flush()  # KV computed with the old weights
-        return self._weight_version
+            return self._updater.update_from_disk(path, version)
 
     def init_weight_sync_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                group_name: str = "weight_sync", backend: str = "nccl") -> None:
         """Join a weight-sync group (its own rendezvous; rank 0 is the
         trainer's sender, this engine's rank is rank_offset + its TP rank)."""
         self._require_open()
-        self._receiver.init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+        self._updater.receiver.init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[torch.dtype],
                                         shapes: Sequence[Sequence[int]], src_rank: int = 0,
@@ -265,28 +229,23 @@ class RolloutEngine:
         shape raises ValueError after the broadcasts were drained (so the
         sender never hangs), with nothing changed."""
         self._require_open()
-        specs = specs_of(names, dtypes, shapes)
         with self._lock:
-            try:
-                self._weights.validate((s.name, torch.empty(s.shape, dtype=s.dtype, device="meta")) for s in specs)
-                error = None
-            except ValueError as e:
-                error = e
-            stream = self._receiver.receive(specs, src_rank, group_name, bucket_bytes, self.device)
-            if error is not None:
-                for _ in stream:
-                    pass
-                raise error
-            return self._update(stream, version, flush_cache=True, checked=True)
+            return self._updater.update_from_distributed(names, dtypes, shapes, src_rank, version, group_name,
+                                                         bucket_bytes)
 
     def destroy_weight_sync_group(self, group_name: str = "weight_sync") -> None:
-        self._receiver.destroy(group_name)
+        self._require_open()
+        self._updater.receiver.destroy(group_name)
 
     def get_weight(self, name: str) -> torch.Tensor:
         """A copy of the weight `name` (HF name), unfused."""
         self._require_open()
         with self._lock:
-            return self._weights.read(name)
+            return self._updater.loader.read(name)
+
+    def weight_names(self) -> list[str]:
+        """The HF names that together cover every weight of the model."""
+        return self._updater.loader.full_names()
 
     def release_memory(self, tags: Sequence[str] = TAGS) -> dict[str, int]:
         """Unmap the GPU memory of `tags` (addresses are kept); returns the
@@ -347,7 +306,7 @@ class RolloutEngine:
             # Everything that holds device memory goes; what is left is the
             # configuration and counters.
             self.runner = self.scheduler = self.model = self.kv_pool = self._memory = None
-            self._weights = self.prefix_cache = None
+            self._updater = self.prefix_cache = None
             self.memory = None
         import gc
 
@@ -365,22 +324,11 @@ class RolloutEngine:
         if self._paused:
             raise RuntimeError("generation is paused: call continue_generation() first")
         self._memory.check_can_generate()
-        token_lists = resolve_prompts(prompts, input_ids, self.tokenizer, self.limits)
-        params = resolve_params(sampling_params, len(token_lists))
-        for i, (ids, p) in enumerate(zip(token_lists, params)):
-            check_request(i, ids, p, self.limits, self.tokenizer is not None)
+        token_lists, params = self._requests.validate(prompts, input_ids, sampling_params)
         with self._lock:
             taken = {r.request_id for r in self.scheduler.live_requests()}
-            names = resolve_request_ids(request_ids, len(token_lists), taken)
-            reqs = []
-            for i, (ids, p) in enumerate(zip(token_lists, params)):
-                base = names[i] if names else f"req-{self._next_id}"
-                self._next_id += 1
-                first_seed = p.seed if p.seed is not None else self._rng.getrandbits(62)
-                group = [Request(request_id=base if p.n == 1 else f"{base}-{j}", prompt_ids=list(ids), params=p,
-                                 seed=first_seed + j, prompt_logprobs=[None] if p.prompt_logprobs else None)
-                         for j in range(p.n)]
-                reqs += group
+            groups = self._requests.create(token_lists, params, request_ids, taken)
+            for group in groups:
                 if self.prefix_cache.enabled:
                     # The prompt is prefilled once; samples 1..n-1 fork from it.
                     group[0].fork_siblings = group[1:]
@@ -388,7 +336,7 @@ class RolloutEngine:
                 else:
                     for r in group:
                         self.scheduler.add(r)
-        return reqs
+        return [r for group in groups for r in group]
 
     def _drive(self, reqs: list[Request], progress: bool) -> Iterator[None]:
         """Step the scheduler until every request in `reqs` finished; other
@@ -435,9 +383,3 @@ class RolloutEngine:
             prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
             finish_reason=r.finish_reason, text=text, num_cached_tokens=r.num_cached_tokens,
             weight_version=r.weight_version)
-
-
-def _tokenizer_eos(tokenizer) -> tuple[int, ...]:
-    if tokenizer is None or tokenizer.eos_token_id is None:
-        return ()
-    return (tokenizer.eos_token_id,)

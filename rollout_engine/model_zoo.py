@@ -85,3 +85,12 @@ def convert_gguf(gguf_file: str, out_dir: str) -> None:
     fresh.generation_config = loaded.generation_config
     fresh.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+
+
+def resolve_model_path(model: str, load_format: str) -> str:
+    if os.path.isdir(model) or load_format == "dummy":
+        return model
+    if model in ZOO:
+        return ensure_model(model)
+    raise ValueError(f"model {model!r} is not a folder, a known model ({sorted(ZOO)}), "
+                     "or a preset with load_format='dummy'")

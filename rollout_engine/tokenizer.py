@@ -28,3 +28,9 @@ def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]], add_generatio
         raise ValueError("a chat template needs a tokenizer; pass tokenizer=... to the engine")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def tokenizer_eos_ids(tokenizer) -> tuple[int, ...]:
+    if tokenizer is None or tokenizer.eos_token_id is None:
+        return ()
+    return (tokenizer.eos_token_id,)

@@ -21,7 +21,7 @@ def bench_weights(args) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     engine = _engine(args, enable_prefix_cache=False)
-    tensors = [(n, engine.get_weight(n).to(engine.device)) for n in engine._weights.full_names()]
+    tensors = [(n, engine.get_weight(n).to(engine.device)) for n in engine.weight_names()]
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     engine.update_weights(tensors)  # warm-up
     in_process = min(timed(lambda: engine.update_weights(tensors)) for _ in range(ROUNDS))
@@ -53,7 +53,7 @@ def _trainer(args, port: int, meta_queue, out_queue) -> None:
 
     torch.cuda.set_device(0)
     source = _engine(args, enable_prefix_cache=False, cuda_graph=False, max_total_tokens=4096, device="cuda:0")
-    tensors = [(n, source.get_weight(n).to("cuda:0")) for n in source._weights.full_names()]
+    tensors = [(n, source.get_weight(n).to("cuda:0")) for n in source.weight_names()]
     del source
     _free_device_memory()
     sender = WeightSender("127.0.0.1", port, world_size=2, bucket_bytes=args.bucket_mb << 20, device="cuda:0")
