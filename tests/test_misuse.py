@@ -186,3 +186,29 @@ def test_a_model_too_large_for_memory_is_refused_with_its_size(monkeypatch):
     with pytest.raises(ValueError, match=r"needs 2\.\d GiB .* only 1\.0 GiB") as info:
         RolloutEngine("qwen3-0.6b", load_format="dummy", device="cpu", dtype="float32", max_total_tokens=64)
     assert "qwen3-0.6b" in str(info.value)
+
+
+CLI_CASES = [
+    (["generate", "-n", "0", "hi"], "-n"),
+    (["generate", "--temperature", "-1", "hi"], "--temperature"),
+    (["generate", "--page-size", "3", "hi"], "--page-size"),
+    (["generate", "--dtype", "foo", "hi"], "--dtype"),
+    (["generate", "--max-new-tokens", "abc", "hi"], "--max-new-tokens"),
+    (["generate", "--seed", "-5", "hi"], "--seed"),
+    (["bench", "--workload", "nope"], "--workload"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", CLI_CASES, ids=[" ".join(a) for a, _ in CLI_CASES])
+def test_cli_misuse_is_one_line_and_the_engine_stays_usable(engine, baseline, argv, flag, capsys, monkeypatch):
+    from rollout_engine import cli
+
+    monkeypatch.setattr(cli, "_make_engine", lambda config: pytest.fail("the model was loaded"))
+    try:
+        status = cli.main(argv)
+    except SystemExit as exit_:  # argparse's own errors
+        status = exit_.code
+    assert status == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and flag in err, err
+    assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
