@@ -131,9 +131,16 @@ class RolloutEngine:
         # tail that may still become one, held back until decided); a
         # request's delta texts and token ids add up to what `generate` returns.
         reqs = self._make_requests(prompts, input_ids, sampling_params, request_ids)
+        drive = self._drive(reqs, progress=False)
+        try:
+            yield from self._deltas(reqs, drive)
+        finally:
+            drive.close()  # a stream closed early aborts its requests
+
+    def _deltas(self, reqs: list[Request], drive: Iterator[None]) -> Iterator[RolloutOutput]:
         sent = {id(r): 0 for r in reqs}
         closed: set[int] = set()
-        for _ in self._drive(reqs, progress=False):
+        for _ in drive:
             with self._lock:  # other callers' threads step these requests too: read a settled state
                 deltas = []
                 for r in reqs:
@@ -155,6 +162,12 @@ class RolloutEngine:
         self._require_open()
         with self._lock:
             return self.scheduler.abort(None if request_ids is None else list(request_ids))
+
+    def num_unfinished_requests(self) -> int:
+        """Requests queued or running (samples not forked yet included)."""
+        self._require_open()
+        with self._lock:
+            return len(self.scheduler.live_requests())
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a chat conversation, ready for `generate(input_ids=...)`."""
@@ -360,6 +373,12 @@ class RolloutEngine:
                 yield
         finally:
             bar.close()
+            # Left early (a closed stream, Ctrl-C, an error): the caller will
+            # not collect these requests, so stop them and return their KV.
+            if not self._closed and not all(r.finished for r in reqs):
+                with self._lock:
+                    self.scheduler.abort_requests(reqs)
+                    self.scheduler.step()
 
     def _output(self, r: Request, since: int = 0) -> RolloutOutput:
         p = r.params

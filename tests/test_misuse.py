@@ -212,3 +212,34 @@ def test_cli_misuse_is_one_line_and_the_engine_stays_usable(engine, baseline, ar
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err and flag in err, err
     assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
+
+
+def test_closing_a_stream_early_aborts_its_requests(engine, baseline):
+    long = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True, n=2)
+    it = engine.stream(PROMPT, sampling_params=long)
+    next(it), next(it)
+    assert engine.num_unfinished_requests() == 2
+    it.close()
+    assert engine.num_unfinished_requests() == 0
+    engine.check_integrity()
+    assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
+
+
+def test_ctrl_c_in_generate_aborts_its_requests(engine, baseline, monkeypatch):
+    step = engine.scheduler.step
+    calls = []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    assert engine.num_unfinished_requests() == 0
+    monkeypatch.setattr(engine.scheduler, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPT * 3, sampling_params=SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))
+    assert engine.num_unfinished_requests() == 0
+    monkeypatch.undo()
+    engine.check_integrity()
+    assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline

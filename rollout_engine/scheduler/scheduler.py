@@ -88,9 +88,13 @@ class Scheduler:
         ignored: an abort never reaches a request submitted after it.
         Returns the number of requests marked."""
         wanted = None if request_ids is None else set(request_ids)
+        return self.abort_requests([r for r in self.live_requests() if wanted is None or r.request_id in wanted])
+
+    def abort_requests(self, reqs: list[Request]) -> int:
+        """Mark these requests (those not finished yet) to be aborted."""
         marked = 0
-        for r in self.live_requests():
-            if wanted is None or r.request_id in wanted:
+        for r in reqs:
+            if not r.finished and not r.abort_requested:
                 r.abort_requested = True
                 marked += 1
         self._abort_marked += marked
