@@ -64,6 +64,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     outs = engine.generate(sampling_params=params, progress=True, **kwargs)
     _print_outputs(outs, prompts or ids, params.n, time.perf_counter() - start)
+    template = getattr(engine.tokenizer, "chat_template", None)
+    if not args.chat and template and any(o.finish_reason == "stop" and len(o.output_token_ids) <= 1 for o in outs):
+        print("hint: the model stopped at once; chat models usually want --chat", file=sys.stderr)
     return 0
 
 
@@ -81,9 +84,9 @@ def _prompts(args: argparse.Namespace, config: EngineConfig) -> tuple[list[str] 
             raise UsageError("argument --chat: the chat template applies to text prompts, not to --input-ids")
         return None, args.input_ids
     if not has_tokenizer(config):
-        what, remedy = ("the chat template", "--tokenizer FOLDER") if args.chat else \
-            ("text prompts", "--input-ids, or --tokenizer FOLDER")
-        raise UsageError(f"{what} needs a tokenizer and {config.model!r} ({config.load_format}) has none: "
+        what, remedy = ("the chat template needs", "--tokenizer FOLDER") if args.chat else \
+            ("text prompts need", "--input-ids, or --tokenizer FOLDER")
+        raise UsageError(f"{what} a tokenizer and {config.model!r} ({config.load_format}) has none: "
                          f"pass {remedy}")
     return args.prompts or DEMO_PROMPTS, None
 
@@ -102,7 +105,8 @@ def _print_outputs(outs: list[Any], prompts: list[Any], n: int, elapsed: float) 
         print(f"--- [{out.request_id}] {_short(prompts[i // n])}")
         # Without a tokenizer there is no text: the token ids are the output.
         print(repr(out.text) if out.text is not None else f"token ids: {out.output_token_ids}")
-        print(f"    {len(out.output_token_ids)} tokens, finish={out.finish_reason}, mean logprob={mean_lp:.3f}, "
+        count = len(out.output_token_ids)
+        print(f"    {count} token{'s' if count != 1 else ''}, finish={out.finish_reason}, mean logprob={mean_lp:.3f}, "
               f"first logprobs={[round(x, 3) for x in lps[:5]]}")
     total = sum(len(o.output_token_ids) for o in outs)
     print(f"{len(outs)} samples, {total} output tokens in {elapsed:.2f} s: {total / elapsed:.1f} tok/s")

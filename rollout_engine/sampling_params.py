@@ -55,7 +55,8 @@ class SamplingParams:
             bad("seed", "must be None or an integer >= 0")
         if _is_int(self.n) and self.seed is not None and self.seed + self.n - 1 >= MAX_SEED:
             # The sampler hashes seeds as signed 64-bit integers; sample i uses seed + i.
-            bad("seed", f"plus n - 1 must be below 2**63 (sample i of n uses seed + i)")
+            raise ValueError(f"sampling_params.seed plus n - 1 must be below 2**63 (sample i of n uses seed + i), "
+                             f"got seed={self.seed} and n={self.n}")
         if self.stop_token_ids is not None and (
             not isinstance(self.stop_token_ids, (list, tuple))
             or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
