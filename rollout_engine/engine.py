@@ -401,4 +401,4 @@ class RolloutEngine:
             top_logprobs=r.top_logprobs[since:end] if p.top_logprobs else None,
             prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
             finish_reason=r.finish_reason, text=text, num_cached_tokens=r.num_cached_tokens,
-            weight_version=r.weight_version)
+            weight_version=r.weight_version, output_weight_versions=r.output_weight_versions[since:end])

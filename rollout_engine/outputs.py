@@ -1,7 +1,7 @@
 """What `RolloutEngine.generate` returns (public API)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -15,4 +15,7 @@ class RolloutOutput:
     finish_reason: str  # "stop" | "length" | "abort"
     text: str | None  # decoded output, when a tokenizer is loaded
     num_cached_tokens: int  # prompt tokens served from the prefix cache
-    weight_version: int  # version of the weights that produced the tokens
+    weight_version: int  # version of the weights when the request finished
+    # Per output token, the weight version that produced it (differs from
+    # weight_version only across an update made while the request ran).
+    output_weight_versions: list[int] = field(default_factory=list)

@@ -16,6 +16,7 @@ class Request:
     seed: int  # this sample's RNG stream; the token at position p draws from (seed, p)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_weight_versions: list[int] = field(default_factory=list)  # per sampled token
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
     finish_reason: str | None = None

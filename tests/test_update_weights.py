@@ -96,3 +96,26 @@ def test_tied_model_takes_the_embedding(tiny_models):
     engine.update_weights([("model.embed_tokens.weight", emb), ("lm_head.weight", emb)])
     assert torch.equal(engine.get_weight("lm_head.weight"), emb)
     assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+
+
+def test_each_token_carries_the_weight_version_that_produced_it(llama):
+    from models import make_hf_model
+
+    _, folder = llama
+    engine = RolloutEngine(folder, device="cpu", max_total_tokens=1024)
+    new = make_hf_model("llama", seed=7)
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    stream = engine.stream(input_ids=[[1, 2, 3, 4]], sampling_params=params)
+    tokens, versions = [], []
+    for k, delta in enumerate(stream):
+        tokens += delta.output_token_ids
+        versions += delta.output_weight_versions
+        if k == 5:  # mid-rollout: hold the request, swap the weights, go on
+            engine.pause_generation("keep")
+            engine.update_weights(new.state_dict())
+            engine.continue_generation()
+    assert len(versions) == len(tokens) == 30
+    switch = versions.index(1)
+    assert 0 < switch < 30 and versions == [0] * switch + [1] * (30 - switch)
+    whole = engine.generate(input_ids=[[1, 2, 3, 4]], sampling_params=params)[0]
+    assert whole.output_weight_versions == [1] * 30 and whole.weight_version == 1

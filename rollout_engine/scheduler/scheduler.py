@@ -304,6 +304,7 @@ class Scheduler:
         else:
             req.output_ids[fill_index] = result.token
             req.pending_tokens -= 1
+        req.output_weight_versions.append(weight_version)
         if req.params.logprobs:
             req.output_logprobs.append(result.logprob)
         if req.params.top_logprobs:
