@@ -38,6 +38,9 @@ from rollout_engine.weights.updater import WeightUpdater
 from rollout_engine.validation import Limits
 
 
+PAUSE_MODES = ("abort", "keep", "retract")
+
+
 class RolloutEngine:
     def __init__(self, model: str, **kwargs):
         self.config = cfg = EngineConfig(model=model, **kwargs)
@@ -288,15 +291,22 @@ class RolloutEngine:
     def pause_generation(self, mode: str = "abort") -> None:
         """Stop stepping. "abort": running and waiting requests finish with
         "abort" now; "keep": they stay, holding their KV, until
-        continue_generation(). New generate calls are refused while paused."""
+        continue_generation(); "retract": running requests give up their KV
+        (kept in the prefix cache where it can be) and wait, so the KV cache
+        can be released meanwhile; they resume from their output so far.
+        With "keep" or "retract", tokens after a weight update come from the
+        new weights (`output_weight_versions`). New generate calls are
+        refused while paused."""
         self._require_open()
-        if mode not in ("abort", "keep"):
-            raise ValueError(f"mode must be 'abort' or 'keep', got {mode!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._lock:
             self.scheduler.settle()
             if mode == "abort":
                 self.scheduler.abort()
                 self.scheduler.step()
+            elif mode == "retract":
+                self.scheduler.retract_all()
             self._paused = True
 
     def continue_generation(self) -> None:

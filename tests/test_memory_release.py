@@ -227,3 +227,42 @@ def test_graph_modes(make_engine, mode):
     with pytest.raises(ValueError, match="graph_mode"):
         MemoryController(engine.memory, engine.scheduler, engine.prefix_cache, engine.runner, engine.device,
                          True, c.all_weights, graph_mode="drop")
+
+
+def test_pause_retract_releases_kv_while_requests_wait(make_engine, llama):
+    """Requests give their KV back, the KV cache (and weights) are released
+    and resumed, new weights arrive, and the requests finish from where they
+    were, the rest of their tokens from the new weights."""
+    from models import make_hf_model
+
+    engine, _ = make_engine(weights_cpu_backup=True)
+    params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+    alone = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    reqs = engine._make_requests(None, PROMPTS, params, None)
+    for _ in range(4):
+        engine.scheduler.step()
+    produced = [list(r.output_ids[: r.num_output_tokens]) for r in reqs]
+    engine.pause_generation(mode="retract")
+    assert not engine.scheduler.running and len(engine.scheduler.waiting) == len(reqs)
+    engine.release_memory()
+    engine.resume_memory()
+    engine.continue_generation()
+    while not all(r.finished for r in reqs):  # same weights: the same tokens as without the pause
+        engine.scheduler.step()
+    assert [r.output_ids for r in reqs] == [o.output_token_ids for o in alone]
+
+    reqs = engine._make_requests(None, PROMPTS, params, None)
+    for _ in range(4):
+        engine.scheduler.step()
+    engine.pause_generation(mode="retract")
+    done = [r.num_output_tokens for r in reqs]  # a step in flight was settled by the pause
+    engine.release_memory(["kv_cache"])
+    engine.update_weights(make_hf_model("llama", seed=9).state_dict())
+    engine.resume_memory(["kv_cache"])
+    engine.continue_generation()
+    while not all(r.finished for r in reqs):
+        engine.scheduler.step()
+    for r, n in zip(reqs, done):
+        assert r.output_weight_versions == [0] * n + [1] * (20 - n)
+    engine.check_integrity()
+    assert all(p for p in produced)

@@ -55,9 +55,9 @@ class MemoryController:
         tags = self.manager.check(tags, RESIDENT, "release")
         if self.scheduler.has_work() and not paused:
             raise RuntimeError("requests are running: call pause_generation() before releasing memory")
-        if "kv_cache" in tags and (self.scheduler.running or self.scheduler.waiting):
-            raise RuntimeError("paused requests still hold the KV cache: pause_generation(mode='abort') "
-                               "or let them finish before releasing kv_cache")
+        if "kv_cache" in tags and self.scheduler.running:
+            raise RuntimeError("paused requests still hold the KV cache: pause_generation(mode='retract') or "
+                               "(mode='abort') before releasing kv_cache")
         self.scheduler.settle()
         self._sync()
         freed = {}

@@ -252,6 +252,14 @@ class Scheduler:
                 return
             budget -= taken
 
+    def retract_all(self) -> None:
+        """Every running request gives up its KV (into the prefix cache, where
+        it may be reused) and waits at the front of the queue, in order; it
+        resumes from its output so far."""
+        self.settle()
+        for req in reversed(list(self.running)):
+            self._retract(req)
+
     def _retract(self, req: Request) -> None:
         """Take a running request back to the front of the queue. Its computed
         KV goes to the prefix cache; its output so far is kept, and resuming
