@@ -198,6 +198,18 @@ class RolloutEngine:
                 "prompt_tokens_computed": sched.prompt_tokens_computed,
                 "decode_tokens": sched.decode_tokens}
 
+    def metrics(self) -> dict:
+        """A snapshot of counters and timings since the engine started:
+        requests (running, waiting, finished by reason), tokens, steps, step
+        and time-to-first-token times, the prefix cache (`cache_stats()`),
+        the weight version and the memory state."""
+        self._require_open()
+        with self._lock:
+            sched = self.scheduler
+            return {"running_requests": len(sched.running), "waiting_requests": len(sched.waiting),
+                    **sched.stats.snapshot(), "cache": self.cache_stats(), "weight_version": self.weight_version,
+                    "kv_capacity_tokens": self.limits.kv_capacity, "memory": self._memory.state()}
+
     def check_integrity(self) -> None:
         """Assert that every KV page is free, held by one running request, or
         in the prefix cache."""

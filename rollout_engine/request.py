@@ -2,6 +2,7 @@
 manager and the output builder read and update."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ class Request:
     pending_tokens: int = 0
     # Set by an abort; the scheduler finishes the request before its next step.
     abort_requested: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
 
     @property
     def num_output_tokens(self) -> int:

@@ -243,3 +243,18 @@ def test_ctrl_c_in_generate_aborts_its_requests(engine, baseline, monkeypatch):
     monkeypatch.undo()
     engine.check_integrity()
     assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
+
+
+def test_metrics_snapshot_counts_what_ran(engine):
+    before = engine.metrics()
+    outs = engine.generate(PROMPT * 2, sampling_params=SamplingParams(max_new_tokens=5, temperature=0,
+                                                                       ignore_eos=True, n=2))
+    after = engine.metrics()
+    assert after["output_tokens"] - before["output_tokens"] == sum(len(o.output_token_ids) for o in outs) == 20
+    assert after["finished"]["length"] - before["finished"].get("length", 0) == 4
+    assert after["steps_timed"] > before["steps_timed"] and after["step_seconds_mean"] > 0
+    assert after["ttft_count"] - before["ttft_count"] == 4 and after["ttft_seconds_mean"] > 0
+    assert after["running_requests"] == after["waiting_requests"] == 0
+    assert after["cache"]["queried_tokens"] > before["cache"]["queried_tokens"]
+    assert after["memory"] == {"weights": "resident", "kv_cache": "resident"}
+    assert after["weight_version"] == engine.weight_version

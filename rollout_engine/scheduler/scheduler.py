@@ -11,6 +11,7 @@ need no special path.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -18,6 +19,7 @@ from typing import Any, Callable, Protocol
 from rollout_engine.request import PLACEHOLDER, Request
 from rollout_engine.scheduler.batch import Batch, ScheduledSeq
 from rollout_engine.scheduler.kv_manager import KVManager
+from rollout_engine.scheduler.stats import StepStats
 from rollout_engine.scheduler.stop import StopChecker
 
 
@@ -69,6 +71,7 @@ class Scheduler:
         self.decode_tokens = 0
         self._pending: tuple[Batch, Any] | None = None  # launched, not yet collected
         self._abort_marked = 0  # requests marked by abort() since the last step applied them
+        self.stats = StepStats()
 
     # ---- requests in and out -------------------------------------------------
     def add(self, req: Request) -> None:
@@ -120,7 +123,15 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that finished in it.
+        """Run one batch; returns the requests that finished in it."""
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.stats.on_step(time.perf_counter() - start)
+
+    def _step(self) -> list[Request]:
+        """One batch.
 
         Overlap: while a pure decode step runs on the device, the next decode
         step is scheduled and launched (its inputs are the tokens still being
@@ -313,6 +324,7 @@ class Scheduler:
             req.output_ids[fill_index] = result.token
             req.pending_tokens -= 1
         req.output_weight_versions.append(weight_version)
+        self.stats.on_token(req)
         if req.params.logprobs:
             req.output_logprobs.append(result.logprob)
         if req.params.top_logprobs:
@@ -326,6 +338,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
+        self.stats.on_finish(reason)
         self.kv.release(req)
 
     def check_integrity(self) -> None:
