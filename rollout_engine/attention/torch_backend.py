@@ -1,7 +1,9 @@
 """Reference attention in plain torch: gathers each sequence's K/V from the
 pool by slot index. Works on CPU and GPU; the yardstick the fast backends
 are tested against. Decode steps run batched (contexts padded to the longest,
-masked); extend steps loop over sequences with a causal mask."""
+masked); extend steps loop over sequences, each through SDPA's fused kernel
+(causal without a mask when nothing is cached, else an explicit mask built
+per chunk of queries)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -15,6 +17,10 @@ from rollout_engine.attention.base import AttentionBackend
 if TYPE_CHECKING:
     from rollout_engine.layers.attention import PagedAttention
     from rollout_engine.runner.forward_batch import ForwardBatch
+
+# Bound on the elements of one extend mask (a float tensor: 64 MiB in fp32);
+# longer contexts with a cached prefix are attended in chunks of queries.
+_MASK_ELEMS = 1 << 24
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -39,22 +45,54 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
         if fb.is_decode:
             return self._decode(q, k_cache, v_cache, layer, fb)
-        group = layer.num_heads // layer.num_kv_heads
         out = torch.empty_like(q)
         q_start = 0
         for i in range(fb.batch_size):
             q_len, kv_len = int(fb.extend_lens[i]), int(fb.seq_lens[i])
             idx = fb.attn_metadata[i]
-            qi = q[q_start: q_start + q_len].transpose(0, 1)  # [heads, q_len, d]
-            ki = k_cache[idx].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
-            vi = v_cache[idx].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
-            mask = None
-            if q_len > 1:  # query j sits at position kv_len - q_len + j
-                q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-                mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scaling)
-            out[q_start: q_start + q_len] = oi.transpose(0, 1)
+            # 4-D [1, heads, len, d] views: SDPA takes its fused (flash) CPU
+            # kernel only for 4-D inputs; 3-D ones run the math path, which
+            # materialises [heads, q_len, kv_len] scores (GBs for long prompts).
+            # enable_gqa lets the kernel share each KV head across its query
+            # heads instead of copying K/V `group` times (repeat_interleave).
+            qi = q[q_start: q_start + q_len].transpose(0, 1)[None]
+            ki = k_cache[idx].to(q.dtype).transpose(0, 1)[None]
+            vi = v_cache[idx].to(q.dtype).transpose(0, 1)[None]
+            oi = self._extend_one(qi, ki, vi, layer.scaling)
+            out[q_start: q_start + q_len] = oi[0].transpose(0, 1)
             q_start += q_len
+        return out
+
+    @staticmethod
+    def _extend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """One sequence: q [1, heads, q_len, d], its whole context k, v
+        [1, kv_heads, kv_len, d]; query j sits at position kv_len - q_len + j."""
+        q_len, kv_len = q.shape[2], k.shape[2]
+        prefix = kv_len - q_len  # tokens already in the cache before this step
+        if prefix == 0:
+            # No cached prefix: the mask is the plain causal one, and
+            # is_causal lets the fused kernel skip the blocks above the
+            # diagonal without building any mask.
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        if q_len == 1:  # the one query sees the whole context: no mask
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+        # A cached prefix: is_causal would align the diagonal top-left (query j
+        # sees keys <= j), but here query j sees keys <= prefix + j, so the
+        # mask is explicit. It is built per chunk of queries, each chunk
+        # attending only to the keys up to its last query, so the mask stays
+        # at most about _MASK_ELEMS elements however long the context. It is
+        # additive (0 / -inf) in q's dtype: a boolean one would be converted
+        # to that by SDPA anyway, one more copy.
+        out = torch.empty_like(q)
+        chunk = max(1, _MASK_ELEMS // kv_len)
+        for a in range(0, q_len, chunk):
+            b = min(a + chunk, q_len)
+            end = prefix + b  # keys [0, end) are visible to some query of the chunk
+            q_pos = torch.arange(prefix + a, end, device=q.device)
+            masked = torch.arange(end, device=q.device)[None, :] > q_pos[:, None]
+            mask = torch.zeros(masked.shape, dtype=q.dtype, device=q.device).masked_fill_(masked, float("-inf"))
+            out[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, :end], v[:, :, :end],
+                                                            attn_mask=mask, scale=scale, enable_gqa=True)
         return out
 
     @staticmethod
