@@ -21,7 +21,7 @@ from rollout_engine.memory.controller import MemoryController
 from rollout_engine.memory.manager import TAGS, MemoryManager
 from rollout_engine.memory.saver import create_saver
 from rollout_engine.model_zoo import resolve_model_path
-from rollout_engine.outputs import RolloutOutput
+from rollout_engine.outputs import RolloutOutput, build_output
 from rollout_engine.request import Request
 from rollout_engine.request_factory import RequestFactory
 from rollout_engine.runner.model_loader import load_model, resolve_device, resolve_dtype
@@ -29,6 +29,7 @@ from rollout_engine.runner.model_runner import ModelRunner
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from rollout_engine.scheduler.stats import counters
 from rollout_engine.scheduler.stop import StopChecker
 from rollout_engine.tokenizer import chat_token_ids, load_tokenizer, tokenizer_eos_ids
 from rollout_engine.distributed.weight_sync import DEFAULT_BUCKET_BYTES
@@ -118,7 +119,7 @@ class RolloutEngine:
         reqs = self._make_requests(prompts, input_ids, sampling_params, request_ids)
         for _ in self._drive(reqs, progress):
             pass
-        return [self._output(r) for r in reqs]
+        return [build_output(r, self.scheduler.stop) for r in reqs]
 
     async def generate_async(self, *args, **kwargs) -> list[RolloutOutput]:
         """Awaitable `generate`; concurrent calls are batched together."""
@@ -149,7 +150,7 @@ class RolloutEngine:
                 for r in reqs:
                     if id(r) in closed or not (r.num_output_tokens > sent[id(r)] or r.finished):
                         continue
-                    deltas.append(self._output(r, since=sent[id(r)]))
+                    deltas.append(build_output(r, self.scheduler.stop, since=sent[id(r)]))
                     sent[id(r)] = r.num_output_tokens
                     if r.finished:
                         closed.add(id(r))
@@ -190,13 +191,7 @@ class RolloutEngine:
     def cache_stats(self) -> dict[str, float]:
         """Prefix-cache and scheduler counters since the engine started."""
         self._require_open()
-        st, sched = self.prefix_cache.stats, self.scheduler
-        return {"queried_tokens": st.queried_tokens, "matched_tokens": st.matched_tokens,
-                "hit_rate": st.hit_rate, "evicted_tokens": st.evicted_tokens,
-                "cached_tokens": self.prefix_cache.cached_tokens, "retractions": sched.num_retractions,
-                "steps": sched.num_steps, "ahead_steps": sched.num_ahead_steps,
-                "prompt_tokens_computed": sched.prompt_tokens_computed,
-                "decode_tokens": sched.decode_tokens}
+        return counters(self.prefix_cache, self.scheduler)
 
     def metrics(self) -> dict:
         """A snapshot of counters and timings since the engine started:
@@ -401,26 +396,3 @@ class RolloutEngine:
                 with self._lock:
                     self.scheduler.abort_requests(reqs)
                     self.scheduler.step()
-
-    def _output(self, r: Request, since: int = 0) -> RolloutOutput:
-        p = r.params
-        end = r.num_output_tokens  # sampled tokens; placeholders scheduled ahead excluded
-        # Text from the request's incremental detokenizer: complete characters
-        # only, cut right before the first stop string (the token ids and
-        # logprobs keep every sampled token). since=0: all the text so far
-        # (generate); since>0: the text released since this request's
-        # previous output (stream deltas). None without a tokenizer.
-        text = None
-        detok = self.scheduler.stop.detokenizer(r)
-        if detok is not None:
-            text = detok.read(from_start=since == 0)
-            if r.finished:
-                self.scheduler.stop.release(r)
-        return RolloutOutput(
-            request_id=r.request_id, prompt_token_ids=list(r.prompt_ids),
-            output_token_ids=r.output_ids[since:end],
-            output_logprobs=r.output_logprobs[since:end] if p.logprobs else None,
-            top_logprobs=r.top_logprobs[since:end] if p.top_logprobs else None,
-            prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
-            finish_reason=r.finish_reason, text=text, num_cached_tokens=r.num_cached_tokens,
-            weight_version=r.weight_version, output_weight_versions=r.output_weight_versions[since:end])

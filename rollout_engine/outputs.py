@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollout_engine.request import Request
+    from rollout_engine.scheduler.stop import StopChecker
 
 
 @dataclass
@@ -19,3 +24,29 @@ class RolloutOutput:
     # Per output token, the weight version that produced it (differs from
     # weight_version only across an update made while the request ran).
     output_weight_versions: list[int] = field(default_factory=list)
+
+
+def build_output(r: "Request", stop: "StopChecker", since: int = 0) -> RolloutOutput:
+    """The output of request `r` from its output token `since` on (0: all of
+    it, as `generate` returns; later: a stream delta)."""
+    p = r.params
+    end = r.num_output_tokens  # sampled tokens; placeholders scheduled ahead excluded
+    # Text from the request's incremental detokenizer: complete characters
+    # only, cut right before the first stop string (the token ids and
+    # logprobs keep every sampled token). since=0: all the text so far;
+    # since>0: the text released since this request's previous output.
+    # None without a tokenizer.
+    text = None
+    detok = stop.detokenizer(r)
+    if detok is not None:
+        text = detok.read(from_start=since == 0)
+        if r.finished:
+            stop.release(r)
+    return RolloutOutput(
+        request_id=r.request_id, prompt_token_ids=list(r.prompt_ids),
+        output_token_ids=r.output_ids[since:end],
+        output_logprobs=r.output_logprobs[since:end] if p.logprobs else None,
+        top_logprobs=r.top_logprobs[since:end] if p.top_logprobs else None,
+        prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
+        finish_reason=r.finish_reason, text=text, num_cached_tokens=r.num_cached_tokens,
+        weight_version=r.weight_version, output_weight_versions=r.output_weight_versions[since:end])

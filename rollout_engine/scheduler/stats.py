@@ -36,3 +36,15 @@ class StepStats:
                 "step_seconds_mean": self.step_seconds / self.timed_steps if self.timed_steps else None,
                 "ttft_seconds_mean": self.ttft_seconds / self.ttft_count if self.ttft_count else None,
                 "ttft_count": self.ttft_count}
+
+
+def counters(prefix_cache, scheduler) -> dict:
+    """Prefix-cache and scheduler counters since the engine started
+    (`engine.cache_stats()`)."""
+    st = prefix_cache.stats
+    return {"queried_tokens": st.queried_tokens, "matched_tokens": st.matched_tokens,
+            "hit_rate": st.hit_rate, "evicted_tokens": st.evicted_tokens,
+            "cached_tokens": prefix_cache.cached_tokens, "retractions": scheduler.num_retractions,
+            "steps": scheduler.num_steps, "ahead_steps": scheduler.num_ahead_steps,
+            "prompt_tokens_computed": scheduler.prompt_tokens_computed,
+            "decode_tokens": scheduler.decode_tokens}
