@@ -311,7 +311,7 @@ class RolloutEngine:
             self.scheduler.settle()
             if mode == "abort":
                 self.scheduler.abort()
-                self.scheduler.step()
+                self.scheduler.finish_aborted()
             elif mode == "retract":
                 self.scheduler.retract_all()
             self._paused = True
@@ -395,4 +395,4 @@ class RolloutEngine:
             if not self._closed and not all(r.finished for r in reqs):
                 with self._lock:
                     self.scheduler.abort_requests(reqs)
-                    self.scheduler.step()
+                    self.scheduler.finish_aborted()  # no batch runs: the engine may be paused

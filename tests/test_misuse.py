@@ -258,3 +258,19 @@ def test_metrics_snapshot_counts_what_ran(engine):
     assert after["cache"]["queried_tokens"] > before["cache"]["queried_tokens"]
     assert after["memory"] == {"weights": "resident", "kv_cache": "resident"}
     assert after["weight_version"] == engine.weight_version
+
+
+def test_closing_a_stream_while_paused_runs_no_batch(engine, baseline):
+    other = engine._make_requests(PROMPT, None, SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True),
+                                  None)
+    it = engine.stream(PROMPT, sampling_params=SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True))
+    next(it)
+    engine.pause_generation("keep")
+    held = [r.num_output_tokens for r in other]
+    it.close()
+    assert [r.num_output_tokens for r in other] == held and not any(r.finished for r in other)
+    assert engine.num_unfinished_requests() == len(other)
+    engine.abort()
+    engine.continue_generation()
+    assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
+    assert engine.num_unfinished_requests() == 0

@@ -103,6 +103,11 @@ class Scheduler:
         self._abort_marked += marked
         return marked
 
+    def finish_aborted(self) -> list[Request]:
+        """Apply marked aborts now, without running a batch (the step in
+        flight, if any, is settled first)."""
+        return self.settle() + self._apply_aborts()
+
     def _apply_aborts(self) -> list[Request]:
         if not self._abort_marked:
             return []
