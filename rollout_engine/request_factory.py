@@ -33,12 +33,17 @@ class RequestFactory:
         """One group of n requests per prompt (sample j: id `base-j` when
         n > 1, seed `seed + j`). `taken`: ids of live requests."""
         names = resolve_request_ids(request_ids, len(token_lists), taken)
-        groups = []
+        groups, seen = [], set(taken)
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             base = names[i] if names else f"req-{self._next_id}"
             self._next_id += 1
+            sample_ids = [base] if p.n == 1 else [f"{base}-{j}" for j in range(p.n)]
+            clash = next((s for s in sample_ids if s in seen), None)
+            if clash is not None:  # e.g. "a" with n=2 next to a request named "a-0"
+                raise ValueError(f"request {i}: request_ids {clash!r} is already in use")
+            seen.update(sample_ids)
             first_seed = p.seed if p.seed is not None else self._rng.getrandbits(62)
-            groups.append([Request(request_id=base if p.n == 1 else f"{base}-{j}", prompt_ids=list(ids), params=p,
-                                   seed=first_seed + j, prompt_logprobs=[None] if p.prompt_logprobs else None)
-                           for j in range(p.n)])
+            groups.append([Request(request_id=rid, prompt_ids=list(ids), params=p, seed=first_seed + j,
+                                   prompt_logprobs=[None] if p.prompt_logprobs else None)
+                           for j, rid in enumerate(sample_ids)])
         return groups

@@ -98,6 +98,8 @@ CASES = [
     ("params not SamplingParams", _gen(prompts=PROMPT, sampling_params=[{"n": 1}]), ValueError, "sampling_params",
      None),
     ("duplicate request ids", _gen(prompts=PROMPT * 2, request_ids=["a", "a"]), ValueError, "request_ids", None),
+    ("sample ids clash", _gen(prompts=PROMPT * 2, request_ids=["a", "a-1"],
+                              sampling_params=[SamplingParams(n=2), SamplingParams()]), ValueError, "'a-1'", None),
     ("request ids wrong length", _gen(prompts=PROMPT, request_ids=["a", "b"]), ValueError, "request_ids", None),
     ("beyond the context", _gen(prompts=PROMPT, sampling_params=SamplingParams(max_new_tokens=10**6)), ValueError,
      "max_new_tokens", None),
