@@ -48,7 +48,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         q_start = 0
         for i in range(fb.batch_size):
-            q_len, kv_len = int(fb.extend_lens[i]), int(fb.seq_lens[i])
+            q_len = int(fb.extend_lens[i])
             idx = fb.attn_metadata[i]
             # 4-D [1, heads, len, d] views: SDPA takes its fused (flash) CPU
             # kernel only for 4-D inputs; 3-D ones run the math path, which
