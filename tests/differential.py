@@ -115,23 +115,17 @@ def run_call(engine, call: Call, tag: str) -> list:
     ids = [f"{tag}-{i}" for i in range(len(call.prompts))]
     if call.abort_after is None:
         return engine.generate(input_ids=call.prompts, sampling_params=call.params, request_ids=ids)
-    merged: dict[str, dict] = {}
-    order: list[str] = []
-    target = None
-    for k, delta in enumerate(engine.stream(input_ids=call.prompts, sampling_params=call.params, request_ids=ids)):
-        if delta.request_id not in merged:
-            merged[delta.request_id] = dict(prompt=delta.prompt_token_ids, tokens=[], logprobs=[], reason=None)
-            order.append(delta.request_id)
-        m = merged[delta.request_id]
-        m["tokens"] += delta.output_token_ids
-        m["logprobs"] += delta.output_logprobs or []
-        m["reason"] = delta.finish_reason
-        if k == call.abort_after:
-            expanded = [rid if p.n == 1 else f"{rid}-{j}" for rid, p in zip(ids, call.params) for j in range(p.n)]
-            target = expanded[call.abort_index]
-            engine.abort([target])
+    # Sample ids as the engine names them: the call's outputs, in order.
     expanded = [rid if p.n == 1 else f"{rid}-{j}" for rid, p in zip(ids, call.params) for j in range(p.n)]
-    return [_Streamed(rid, merged[rid]) for rid in expanded]
+    merged: dict[str, _Streamed] = {}
+    for k, delta in enumerate(engine.stream(input_ids=call.prompts, sampling_params=call.params, request_ids=ids)):
+        m = merged.setdefault(delta.request_id, _Streamed(delta.request_id, delta.prompt_token_ids))
+        m.output_token_ids += delta.output_token_ids
+        m.output_logprobs += delta.output_logprobs or []
+        m.finish_reason = delta.finish_reason
+        if k == call.abort_after:
+            engine.abort([expanded[call.abort_index]])
+    return [merged[rid] for rid in expanded]
 
 
 @dataclass
@@ -139,23 +133,10 @@ class _Streamed:
     """A streamed request's deltas put together, shaped like a RolloutOutput."""
 
     request_id: str
-    parts: dict
-
-    @property
-    def prompt_token_ids(self):
-        return self.parts["prompt"]
-
-    @property
-    def output_token_ids(self):
-        return self.parts["tokens"]
-
-    @property
-    def output_logprobs(self):
-        return self.parts["logprobs"]
-
-    @property
-    def finish_reason(self):
-        return self.parts["reason"]
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
 
 
 class Reference:
