@@ -93,7 +93,7 @@ class RolloutEngine:
         attn = self.model.model.layers[0].self_attn.attn
         shape = AttentionShape(attn.num_heads, attn.num_kv_heads, mc.head_dim, cfg.page_size, self.dtype, self.device)
         backend = create_backend(cfg.attention_backend, shape)
-        self.runner = ModelRunner(self.model, self.kv_pool, backend, table, self.device)
+        self.runner = ModelRunner(self.model, self.kv_pool, backend, (table.max_rows, table.max_context), self.device)
         if cfg.cuda_graph and backend.supports_cuda_graph:
             torch.cuda.empty_cache()  # so that the difference below is the graph pool alone
             before = torch.cuda.memory_reserved(self.device)

@@ -12,7 +12,7 @@ from differential import Reference, WorkloadGenerator, stress
 from models import make_hf_model, save_model
 from rollout_engine import RolloutEngine
 from rollout_engine.cache.req_table import ReqToTokenTable
-from rollout_engine.runner.forward_batch import DeviceTable
+from rollout_engine.forward_batch import TableMirror
 
 
 @pytest.mark.parametrize("kind,page_size", [("llama", 1), ("qwen3", 16)])
@@ -51,9 +51,12 @@ def test_table_sync_sends_current_values_for_cells_written_twice():
     assert (writes[2] == table.table[writes[0], writes[1]]).all()
 
     table = ReqToTokenTable(4, 64)
-    mirror = DeviceTable(table, torch.device("cpu"))
+    table.track_writes()
+    mirror = TableMirror(4, 64, torch.device("cpu"), on_device=True, on_host=True)
     _row_written_twice(table)
-    mirror.sync()
+    writes = table.drain_writes()
+    mirror.apply(writes)
+    assert np.array_equal(mirror.host, table.table)
     assert np.array_equal(mirror.tensor.numpy(), table.table.astype(np.int32))
 
 

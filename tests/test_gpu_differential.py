@@ -19,7 +19,7 @@ from models import make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.cache.req_table import ReqToTokenTable
 from rollout_engine.model_zoo import is_ready, model_dir
-from rollout_engine.runner.forward_batch import DeviceTable
+from rollout_engine.forward_batch import TableMirror
 from rollout_engine.tokenizer import chat_token_ids, load_tokenizer
 
 pytestmark = pytest.mark.gpu
@@ -68,7 +68,8 @@ def test_device_table_sync_with_rewritten_cells():
     syncs (a freed row handed to a new request) must end with the newer value
     on the device, whatever order the scatter applies duplicates in."""
     table = ReqToTokenTable(64, 4096)
-    mirror = DeviceTable(table, torch.device("cuda"))
+    table.track_writes()
+    mirror = TableMirror(64, 4096, torch.device("cuda"), on_device=True, on_host=False)
     rng = np.random.default_rng(0)
     for _ in range(20):
         rows = [table.alloc_row() for _ in range(16)]
@@ -78,7 +79,7 @@ def test_device_table_sync_with_rewritten_cells():
         for r in [table.alloc_row() for _ in range(16)]:
             table.write(r, 0, rng.integers(1, 1 << 20, size=3000))
             table.free_row(r)
-        mirror.sync()
+        mirror.apply(table.drain_writes())
         assert np.array_equal(mirror.tensor.cpu().numpy(), table.table.astype(np.int32))
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rollout_engine import RolloutEngine, SamplingParams
+from rollout_engine.scheduler.plan_builder import sampling_plan
 from rollout_engine.runner.sampler import SamplingBatch, processed_probs, sample, seeded_uniform
 
 V = 50
@@ -20,7 +21,7 @@ def _logits(seed=0):
 
 def _draw(params: SamplingParams, logits: torch.Tensor, draws: int = DRAWS):
     """Sample `draws` times from the same logits with different seeds."""
-    sb = SamplingBatch.build([params] * draws, list(range(draws)), [17] * draws, torch.device("cpu"))
+    sb = SamplingBatch.build(sampling_plan([params] * draws, list(range(draws)), [17] * draws), torch.device("cpu"))
     return sample(logits.expand(draws, V).contiguous(), sb), sb
 
 
@@ -57,7 +58,7 @@ def test_frequencies_follow_the_processed_distribution():
     logits = _logits(1)
     params = SamplingParams(temperature=0.8, top_k=8)
     result, sb = _draw(params, logits, draws=20000)
-    probs = processed_probs(logits[None], SamplingBatch.build([params], [0], [0], torch.device("cpu")))[0]
+    probs = processed_probs(logits[None], SamplingBatch.build(sampling_plan([params], [0], [0]), torch.device("cpu")))[0]
     counts = torch.bincount(result.tokens, minlength=V).double() / 20000
     assert torch.allclose(counts, probs.double(), atol=0.015)
 

@@ -1,36 +1,50 @@
 """The scheduler with a fake runner: no model, just the step logic."""
 from __future__ import annotations
 
+import numpy as np
+
 from rollout_engine.cache.allocator import PageAllocator
 from rollout_engine.cache.prefix_cache import NoPrefixCache
 from rollout_engine.cache.req_table import ReqToTokenTable
 from rollout_engine.request import Request
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.scheduler.kv_manager import KVManager
-from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig, SeqResult
+from rollout_engine.plan import StepOutput
+from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from rollout_engine.scheduler.stop import StopChecker
 
 
 class FakeRunner:
-    """Next token = (last token + 1) % 100; records every batch."""
+    """Next token = (last input token + 1) % 100; records every plan as
+    (request id, start, extend_len) per sequence."""
 
     def __init__(self):
         self.batches = []
+        self.scheduler = None  # to name the request in each table row
 
-    def launch(self, batch, prev=None):
-        self.batches.append([(s.req.request_id, s.start, s.extend_len) for s in batch.seqs])
-        return batch
+    def launch(self, plan, prev=None):
+        names = {r.row: r.request_id for r in self.scheduler.running}
+        ends = np.cumsum(plan.extend_lens)
+        starts = ends - plan.extend_lens
+        self.batches.append([(names[row], int(plan.positions[a]), int(n))
+                             for row, a, n in zip(plan.rows, starts, plan.extend_lens)])
+        inputs = plan.input_ids.copy()
+        if plan.prev_rows is not None:  # decode inputs: the tokens the previous step sampled
+            inputs[ends - 1] = prev[plan.prev_rows]
+        tokens = (inputs[plan.logit_rows[plan.sample_rows]] + 1) % 100
+        return tokens
 
-    def collect(self, batch):  # by now every input token of the batch is known
-        return [SeqResult(token=(s.req.all_ids[s.end - 1] + 1) % 100, logprob=-1.0) if s.samples else SeqResult()
-                for s in batch.seqs]
+    def collect(self, tokens):
+        n = len(tokens)
+        return StepOutput(tokens, np.full(n, -1.0), None, None, np.zeros(0))
 
 
 def _scheduler(num_pages=64, max_prefill=32, max_running=8, eos=(99,)):
     alloc = PageAllocator(num_pages, 1)
     kv = KVManager(alloc, ReqToTokenTable(max_running, 256), NoPrefixCache(alloc))
     runner = FakeRunner()
-    return Scheduler(SchedulerConfig(max_running, max_prefill), kv, runner, StopChecker(eos, 256)), runner
+    runner.scheduler = Scheduler(SchedulerConfig(max_running, max_prefill), kv, runner, StopChecker(eos, 256))
+    return runner.scheduler, runner
 
 
 def _run(s):

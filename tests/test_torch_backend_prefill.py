@@ -14,7 +14,7 @@ from rollout_engine.attention.torch_backend import TorchAttentionBackend
 from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.cache.req_table import ReqToTokenTable
 from rollout_engine.layers.attention import PagedAttention
-from rollout_engine.runner.forward_batch import ForwardBatch
+from rollout_engine.forward_batch import ForwardBatch, TableMirror
 
 D = 16
 ATOL = 2e-6  # fp32 kernel vs the float64 reference
@@ -62,13 +62,19 @@ def run_extend(q_lens, kv_lens, heads, kv_heads, seed=0, dtype=torch.float32):
     fb = ForwardBatch(input_ids=zeros, positions=zeros, out_cache_loc=zeros,
                       extend_lens=np.array(q_lens, dtype=np.int64), seq_lens=np.array(kv_lens, dtype=np.int64),
                       rows=np.array(rows, dtype=np.int64), rows_device=torch.tensor(rows, dtype=torch.int32),
-                      table=table, device_table=None, kv_pool=pool, attn_backend=backend, is_decode=False)
+                      table=_mirror(table), kv_pool=pool, attn_backend=backend, is_decode=False)
     backend.init_forward_metadata(fb)
     layer = PagedAttention(0, heads, kv_heads, D)
     q = torch.randn(total_q, heads, D, generator=g).to(dtype)
     out = layer(q, fb).view(total_q, heads, D)
     ref = naive_extend(q, pool.k[0], pool.v[0], slots, q_lens, kv_lens, kv_heads, layer.scaling)
     return out, ref
+
+
+def _mirror(table: ReqToTokenTable) -> TableMirror:
+    mirror = TableMirror(table.max_rows, table.max_context, torch.device("cpu"), on_device=False, on_host=True)
+    mirror.host[:] = table.table
+    return mirror
 
 
 def assert_close(out, ref, atol=ATOL):
@@ -156,7 +162,7 @@ def test_extend_of_one_token_matches_decode():
     fb = ForwardBatch(input_ids=zeros, positions=zeros, out_cache_loc=zeros,
                       extend_lens=np.ones(3, dtype=np.int64), seq_lens=np.array(kv_lens, dtype=np.int64),
                       rows=np.array(rows, dtype=np.int64), rows_device=torch.tensor(rows, dtype=torch.int32),
-                      table=table, device_table=None, kv_pool=pool, attn_backend=backend, is_decode=True)
+                      table=_mirror(table), kv_pool=pool, attn_backend=backend, is_decode=True)
     backend.init_forward_metadata(fb)
     q = torch.randn(3, 9, D, generator=g)
     dec = PagedAttention(0, 9, 3, D)(q, fb).view(3, 9, D)

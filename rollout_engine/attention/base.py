@@ -6,8 +6,9 @@ runs (plan once for all layers). The layer has stored the step's new K/V in
 the pool at `fb.out_cache_loc` (fused with RoPE on the GPU); `forward` then
 attends each sequence's new queries causally over its whole context: the
 slots table[rows[i], :seq_lens[i]].
-Backends with `needs_device_table` read those from the device mirror of the
-table (synced before every step).
+Backends with `needs_device_table` read those from the device copy of the
+runner's table (`fb.table.tensor`), the others from its host copy
+(`fb.table.host`); each plan's table writes are applied before the step.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 
 if TYPE_CHECKING:
     from rollout_engine.layers.attention import PagedAttention
-    from rollout_engine.runner.forward_batch import ForwardBatch
+    from rollout_engine.forward_batch import ForwardBatch
 
 BACKENDS: dict[str, str] = {
     "torch": "rollout_engine.attention.torch_backend:TorchAttentionBackend",

@@ -15,7 +15,7 @@ from rollout_engine.kernels.kv_indices import build_page_indices
 
 if TYPE_CHECKING:
     from rollout_engine.layers.attention import PagedAttention
-    from rollout_engine.runner.forward_batch import ForwardBatch
+    from rollout_engine.forward_batch import ForwardBatch
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -56,7 +56,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     # ---- planning --------------------------------------------------------------
     def page_indices(self, fb: "ForwardBatch", pt: PageTable, out: torch.Tensor | None = None) -> torch.Tensor:
         indptr = torch.from_numpy(pt.indptr).to(self.shape.device, non_blocking=True)
-        return build_page_indices(fb.device_table.tensor, fb.rows_device, indptr, self.shape.page_size,
+        return build_page_indices(fb.table.tensor, fb.rows_device, indptr, self.shape.page_size,
                                   int(pt.indptr[-1]), out=out)
 
     def _before_plan(self) -> None:
@@ -125,7 +125,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         pt = PageTable(np.concatenate([real.indptr, total + np.arange(1, pad + 1, dtype=np.int32)]),
                        np.concatenate([real.last_page_len, np.ones(pad, dtype=np.int32)]))
         indptr = torch.from_numpy(real.indptr).to(self.shape.device, non_blocking=True)
-        build_page_indices(fb.device_table.tensor, fb.rows_device[:bs], indptr, self.shape.page_size, total,
+        build_page_indices(fb.table.tensor, fb.rows_device[:bs], indptr, self.shape.page_size, total,
                            out=self.indices_buf)
         if pad:
             self.indices_buf[total: total + pad].zero_()

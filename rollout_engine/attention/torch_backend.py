@@ -16,7 +16,7 @@ from rollout_engine.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
     from rollout_engine.layers.attention import PagedAttention
-    from rollout_engine.runner.forward_batch import ForwardBatch
+    from rollout_engine.forward_batch import ForwardBatch
 
 # Bound on the elements of one extend mask (a float tensor: 64 MiB in fp32);
 # longer contexts with a cached prefix are attended in chunks of queries.
@@ -29,7 +29,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         device = fb.input_ids.device
-        table = fb.table.table
+        table = fb.table.host
         if fb.is_decode:  # contexts padded to the longest: [B, L] slots and a validity mask
             max_len = int(fb.seq_lens.max())
             valid = np.arange(max_len)[None, :] < fb.seq_lens[:, None]

@@ -12,7 +12,7 @@ from rollout_engine.kernels.attention import decode_attention, extend_attention
 
 if TYPE_CHECKING:
     from rollout_engine.layers.attention import PagedAttention
-    from rollout_engine.runner.forward_batch import ForwardBatch
+    from rollout_engine.forward_batch import ForwardBatch
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -48,7 +48,7 @@ class TritonAttentionBackend(AttentionBackend):
         pool = fb.kv_pool
         k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
         seq_lens, qo_indptr, max_q_len = fb.attn_metadata
-        table = fb.device_table.tensor
+        table = fb.table.tensor
         if fb.is_decode:
             return decode_attention(q, k_cache, v_cache, table, fb.rows_device, seq_lens, layer.scaling)
         return extend_attention(q, k_cache, v_cache, table, fb.rows_device, seq_lens, qo_indptr, max_q_len,

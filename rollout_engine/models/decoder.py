@@ -19,7 +19,7 @@ from rollout_engine.layers.rotary import RotaryEmbedding
 from rollout_engine.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from rollout_engine.runner.forward_batch import ForwardBatch
+    from rollout_engine.forward_batch import ForwardBatch
 
 # HF checkpoint sub-name -> (our fused parameter sub-name, shard id).
 STACKED_PARAMS: tuple[tuple[str, str, object], ...] = (

@@ -22,10 +22,9 @@ import torch
 
 from rollout_engine.attention.base import AttentionBackend
 from rollout_engine.cache.kv_pool import KVPool
-from rollout_engine.cache.req_table import ReqToTokenTable
+from rollout_engine.forward_batch import ForwardBatch, TableMirror
 from rollout_engine.memory.saver import plain_graph_capture
-from rollout_engine.runner.forward_batch import DeviceTable, ForwardBatch
-from rollout_engine.scheduler.batch import Batch
+from rollout_engine.plan import StepPlan
 
 GraphContext = Callable[[torch.cuda.CUDAGraph, object], ContextManager]
 
@@ -37,10 +36,10 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_pool: KVPool,
-                 table: ReqToTokenTable, device_table: DeviceTable, max_bs: int, device: torch.device,
+                 table: TableMirror, max_bs: int, device: torch.device,
                  capture_context: GraphContext = plain_graph_capture):
         self.model, self.backend, self.kv_pool = model, backend, kv_pool
-        self.table, self.device_table, self.device = table, device_table, device
+        self.table, self.device = table, device
         self.max_bs = max_bs
         self.buckets = batch_size_buckets(max_bs)
         # Where graph memory comes from (a releasable region when the memory
@@ -66,7 +65,7 @@ class CudaGraphRunner:
         return ForwardBatch(
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
             extend_lens=ones, seq_lens=ones, rows=np.zeros(bs, dtype=np.int64), rows_device=self.rows[:bs],
-            table=self.table, device_table=self.device_table, kv_pool=self.kv_pool, attn_backend=self.backend,
+            table=self.table, kv_pool=self.kv_pool, attn_backend=self.backend,
             is_decode=True)
 
     @torch.inference_mode()
@@ -86,20 +85,17 @@ class CudaGraphRunner:
             self.graphs[bs], self.batches[bs] = graph, fb
         torch.cuda.synchronize(self.device)
 
-    def can_run(self, batch: Batch) -> bool:
-        return self.captured and batch.is_decode and len(batch) <= self.max_bs
+    def can_run(self, plan: StepPlan) -> bool:
+        return self.captured and plan.is_decode and plan.batch_size <= self.max_bs
 
-    def replay(self, batch: Batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [bs, hidden] of a decode batch; `input_ids` (on the
-        device) replaces the batch's own tokens when given."""
-        bs = len(batch)
+    def replay(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [bs, hidden] of a decode plan; `input_ids` (on the
+        device) replaces the plan's own tokens when given."""
+        bs = plan.batch_size
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
-        pad = bucket - bs
-        seq_lens = np.fromiter((s.end for s in batch.seqs), dtype=np.int64, count=bs)
-        rows = np.fromiter((s.req.row for s in batch.seqs), dtype=np.int64, count=bs)
-        zeros = np.zeros(pad, dtype=np.int64)
-        packed = np.concatenate([batch.input_ids(), zeros, batch.positions(), zeros, batch.out_cache_loc(), zeros,
-                                 rows, zeros])
+        zeros = np.zeros(bucket - bs, dtype=np.int64)
+        packed = np.concatenate([plan.input_ids, zeros, plan.positions, zeros, plan.out_cache_loc, zeros,
+                                 plan.rows, zeros])
         packed = torch.from_numpy(packed).to(self.device, non_blocking=True).view(4, bucket)
         self.input_ids[:bucket].copy_(packed[0])
         self.positions[:bucket].copy_(packed[1])
@@ -107,7 +103,7 @@ class CudaGraphRunner:
         self.rows[:bucket].copy_(packed[3])
         if input_ids is not None:
             self.input_ids[:bs].copy_(input_ids)
-        self.backend.prepare_replay(bs, bucket, seq_lens, self.batches[bucket])
+        self.backend.prepare_replay(bs, bucket, plan.seq_lens, self.batches[bucket])
         self.graphs[bucket].replay()
         return self.outputs[bucket][:bs]
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.greedy import argmax_logsumexp, argmax_logsumexp_ref
-from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.plan import SamplingPlan
 
 _MASK32 = 0xFFFFFFFF
 _HASH_MUL = 0x45D9F3B  # < 2**31, so products of 32-bit values fit in int64
@@ -51,21 +52,16 @@ class SamplingBatch:
     max_top_logprobs: int
 
     @staticmethod
-    def build(params: list[SamplingParams], seeds: list[int], positions: list[int],
-              device: torch.device) -> "SamplingBatch":
+    def build(plan: SamplingPlan, device: torch.device) -> "SamplingBatch":
         # Two host tensors, two asynchronous copies: the step never waits here.
-        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
-                               [p.min_p for p in params]], dtype=torch.float32).to(device, non_blocking=True)
-        ints = torch.tensor([[p.effective_top_k for p in params], seeds, positions,
-                             [p.logprob_mode == "raw" for p in params]], dtype=torch.int64)
+        floats = torch.from_numpy(np.stack([plan.temperatures, plan.top_ps, plan.min_ps])).to(device, non_blocking=True)
+        ints = torch.from_numpy(np.stack([plan.top_ks, plan.seeds, plan.positions, plan.raw_logprobs.astype(np.int64)]))
         ints = ints.to(device, non_blocking=True)
         return SamplingBatch(
             temperatures=floats[0], top_ps=floats[1], min_ps=floats[2],
             top_ks=ints[0], seeds=ints[1], positions=ints[2], raw_logprobs=ints[3].bool(),
-            use_sort_filters=any(p.effective_top_k > 0 or p.top_p < 1.0 for p in params),
-            use_min_p=any(p.min_p > 0 for p in params),
-            all_greedy=all(p.greedy for p in params),
-            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
+            use_sort_filters=plan.use_sort_filters, use_min_p=plan.use_min_p, all_greedy=plan.all_greedy,
+            max_top_logprobs=plan.max_top_logprobs,
         )
 
 

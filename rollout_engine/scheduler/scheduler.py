@@ -16,9 +16,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from rollout_engine.plan import StepOutput, StepPlan
 from rollout_engine.request import PLACEHOLDER, Request
 from rollout_engine.scheduler.batch import Batch, ScheduledSeq
 from rollout_engine.scheduler.kv_manager import KVManager
+from rollout_engine.scheduler.plan_builder import PlanIndex, SeqResult, build_plan, seq_results
 from rollout_engine.scheduler.stats import StepStats
 from rollout_engine.scheduler.stop import StopChecker
 
@@ -36,20 +38,12 @@ class SchedulerConfig:
     overlap: bool = True
 
 
-@dataclass
-class SeqResult:
-    token: int | None = None
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    prompt_logprobs: list[float] | None = None
-    fork_results: list["SeqResult"] | None = None  # one per fork sibling, same logits row
-
-
 class StepRunner(Protocol):
-    def launch(self, batch: Batch, prev: Any = None) -> Any:
-        """Start the step; with `prev`, input tokens come from prev's samples."""
+    def launch(self, plan: StepPlan, prev: Any = None) -> Any:
+        """Start the step; `prev` is the previous launch's handle (its sampled
+        tokens are the inputs of a plan with `prev_rows`)."""
 
-    def collect(self, handle: Any) -> list[SeqResult]:
+    def collect(self, handle: Any) -> StepOutput:
         """Wait for a launched step's results."""
 
 
@@ -69,7 +63,8 @@ class Scheduler:
         self.num_ahead_steps = 0  # decode steps scheduled while the previous one ran
         self.prompt_tokens_computed = 0  # prompt positions whose KV was computed (not cached)
         self.decode_tokens = 0
-        self._pending: tuple[Batch, Any] | None = None  # launched, not yet collected
+        self._pending: tuple[Batch, PlanIndex, Any] | None = None  # launched, not yet collected
+        kv.table.track_writes()  # each plan carries the table writes since the previous one
         self._abort_marked = 0  # requests marked by abort() since the last step applied them
         self.stats = StepStats()
 
@@ -151,23 +146,27 @@ class Scheduler:
             batch = self._schedule()
             if not batch.seqs:
                 return finished
-            self._pending = (batch, self.runner.launch(batch))
-        batch, handle = self._pending
-        ahead = self._schedule_ahead(batch)
-        ahead_handle = self.runner.launch(ahead, handle) if ahead is not None else None
+            self._pending = self._launch(batch)
+        pending = self._pending
+        ahead = self._schedule_ahead(pending[0])
+        ahead_pending = self._launch(ahead, pending) if ahead is not None else None
         finished += self._collect_pending()
         if ahead is not None:
-            self._pending = (ahead, ahead_handle)
+            self._pending = ahead_pending
         return finished
+
+    def _launch(self, batch: Batch, prev: tuple[Batch, PlanIndex, Any] | None = None) -> tuple[Batch, PlanIndex, Any]:
+        plan, index = build_plan(batch, self.kv.table, prev[1] if prev is not None else None)
+        return batch, index, self.runner.launch(plan, prev[2] if prev is not None else None)
 
     def settle(self) -> list[Request]:
         """Wait for the step in flight, if any, and apply it."""
         return self._collect_pending() if self._pending is not None else []
 
     def _collect_pending(self) -> list[Request]:
-        batch, handle = self._pending
+        batch, index, handle = self._pending
         self._pending = None
-        results = self.runner.collect(handle)
+        results = seq_results(len(batch.seqs), index, self.runner.collect(handle))
         self._count(batch)
         finished = []
         for seq, result in zip(batch.seqs, results):

@@ -1,0 +1,77 @@
+"""What the model's layers and the attention backends see of one step: the
+step's index tensors on the device, plus the runner's copy of the request
+table. Built by the runner from a StepPlan; a low-level module, so layers and
+backends depend on it and not on the runner."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from rollout_engine.cache.kv_pool import KVPool
+from rollout_engine.plan import StepPlan
+
+if TYPE_CHECKING:
+    from rollout_engine.attention.base import AttentionBackend
+
+
+class TableMirror:
+    """The runner's copy of the request table (row r, column p: KV slot of
+    token p of the request in row r), kept up to date by the writes each plan
+    carries. Backends that build attention indices on the device read
+    `tensor`; the torch backend reads `host`."""
+
+    def __init__(self, max_rows: int, max_context: int, device: torch.device, on_device: bool, on_host: bool):
+        self.max_context = max_context
+        self.host = np.zeros((max_rows, max_context), dtype=np.int64) if on_host else None
+        self.tensor = torch.zeros((max_rows, max_context), dtype=torch.int32, device=device) if on_device else None
+
+    def apply(self, writes: np.ndarray | None) -> None:
+        """Apply (row, column, slot) entries; duplicates carry equal values
+        (ReqToTokenTable.drain_writes), so one scatter in any order is exact."""
+        if writes is None:
+            return
+        if self.host is not None:
+            self.host[writes[0], writes[1]] = writes[2]
+        if self.tensor is not None:
+            w = torch.from_numpy(writes).to(self.tensor.device, non_blocking=True)
+            self.tensor[w[0], w[1]] = w[2].to(torch.int32)
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] new tokens of every sequence, concatenated
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T] KV slot of each new token
+    # Per sequence, on the host: new tokens, total length after the step, table row.
+    extend_lens: np.ndarray
+    seq_lens: np.ndarray
+    rows: np.ndarray
+    rows_device: torch.Tensor  # [B] int32
+    table: TableMirror
+    kv_pool: KVPool
+    attn_backend: "AttentionBackend"
+    is_decode: bool
+    attn_metadata: Any = field(default=None)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @staticmethod
+    def from_plan(plan: StepPlan, table: TableMirror, kv_pool: KVPool, backend: "AttentionBackend",
+                  device: torch.device) -> "ForwardBatch":
+        # One host->device copy for all per-token index data.
+        packed = torch.from_numpy(np.concatenate([plan.input_ids, plan.positions, plan.out_cache_loc, plan.rows]))
+        packed = packed.to(device, non_blocking=True)
+        t = plan.num_tokens
+        fb = ForwardBatch(
+            input_ids=packed[:t], positions=packed[t: 2 * t], out_cache_loc=packed[2 * t: 3 * t],
+            extend_lens=plan.extend_lens, seq_lens=plan.seq_lens, rows=plan.rows,
+            rows_device=packed[3 * t:].to(torch.int32), table=table, kv_pool=kv_pool, attn_backend=backend,
+            is_decode=plan.is_decode,
+        )
+        backend.init_forward_metadata(fb)
+        return fb

@@ -1,0 +1,117 @@
+"""Batch (live requests) -> StepPlan (plain data), and StepOutput -> one
+result per scheduled sequence. The only place where what the runner computes
+is read off Requests."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rollout_engine.cache.req_table import ReqToTokenTable
+from rollout_engine.plan import SamplingPlan, StepOutput, StepPlan
+from rollout_engine.request import Request
+from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.scheduler.batch import Batch
+
+
+@dataclass
+class SeqResult:
+    token: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list[float] | None = None
+    fork_results: list["SeqResult"] | None = None  # one per fork sibling, same logits row
+
+
+@dataclass
+class PlanIndex:
+    """Where a plan's rows come from, kept on the scheduler's side."""
+
+    sample_seq: list[int] = field(default_factory=list)  # batch index of each leader's sampling row
+    sample_reqs: list[Request] = field(default_factory=list)  # per sampling row: leaders, then fork siblings
+    forks: list[tuple[int, int]] = field(default_factory=list)  # (batch index of the leader, sampling row)
+    prompt: list[tuple[int, int]] = field(default_factory=list)  # (batch index, number of prompt rows)
+
+
+def build_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None = None) -> tuple[StepPlan, PlanIndex]:
+    """The plan of `batch`. With `prev` (a decode step scheduled while the
+    previous one runs), inputs are the tokens `prev` is sampling."""
+    index = PlanIndex()
+    logit_rows: list[int] = []
+    sample_rows: list[int] = []
+    prompt_rows: list[int] = []
+    targets: list[int] = []
+    offset = 0
+    for i, s in enumerate(batch.seqs):
+        num_prompt = s.prompt_logprob_end - s.start
+        if num_prompt > 0:
+            index.prompt.append((i, num_prompt))
+            prompt_rows.extend(range(len(logit_rows), len(logit_rows) + num_prompt))
+            logit_rows.extend(range(offset, offset + num_prompt))
+            targets.extend(s.req.tokens(s.start + 1, s.prompt_logprob_end + 1))
+        if s.samples:
+            index.sample_seq.append(i)
+            index.sample_reqs.append(s.req)
+            sample_rows.append(len(logit_rows))
+            logit_rows.append(offset + s.extend_len - 1)
+        offset += s.extend_len
+    # Fork siblings sample from their leader's row, with their own seeds.
+    for j, i in enumerate(list(index.sample_seq)):
+        for sib in batch.seqs[i].req.fork_siblings:
+            index.forks.append((i, len(index.sample_reqs)))
+            sample_rows.append(sample_rows[j])
+            index.sample_reqs.append(sib)
+    prev_rows = None
+    if prev is not None:
+        where = {id(r): j for j, r in enumerate(prev.sample_reqs)}
+        prev_rows = np.array([where[id(s.req)] for s in batch.seqs], dtype=np.int64)
+    n = len(batch.seqs)
+    i64 = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+    plan = StepPlan(
+        input_ids=batch.input_ids(), positions=batch.positions(), out_cache_loc=batch.out_cache_loc(),
+        extend_lens=np.fromiter((s.extend_len for s in batch.seqs), dtype=np.int64, count=n),
+        seq_lens=np.fromiter((s.end for s in batch.seqs), dtype=np.int64, count=n),
+        rows=np.fromiter((s.req.row for s in batch.seqs), dtype=np.int64, count=n),
+        prev_rows=prev_rows, table_writes=table.drain_writes(),
+        logit_rows=i64(logit_rows), sample_rows=i64(sample_rows), prompt_rows=i64(prompt_rows),
+        prompt_targets=i64(targets), sampling=_sampling(index.sample_reqs),
+        is_decode=batch.is_decode)
+    return plan, index
+
+
+def _sampling(reqs: list[Request]) -> SamplingPlan | None:
+    if not reqs:
+        return None
+    return sampling_plan([r.params for r in reqs], [r.seed for r in reqs], [r.seq_len for r in reqs])
+
+
+def sampling_plan(params: list[SamplingParams], seeds: list[int], positions: list[int]) -> SamplingPlan:
+    f32 = lambda values: np.array(values, dtype=np.float32)  # noqa: E731
+    i64 = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+    return SamplingPlan(
+        temperatures=f32([p.temperature for p in params]), top_ps=f32([p.top_p for p in params]),
+        min_ps=f32([p.min_p for p in params]), top_ks=i64([p.effective_top_k for p in params]),
+        seeds=i64(seeds), positions=i64(positions),
+        raw_logprobs=np.array([p.logprob_mode == "raw" for p in params], dtype=bool),
+        top_logprobs=i64([p.top_logprobs for p in params]))
+
+
+def seq_results(num_seqs: int, index: PlanIndex, out: StepOutput) -> list[SeqResult]:
+    """One result per scheduled sequence (fork siblings' under their leader's)."""
+    results = [SeqResult() for _ in range(num_seqs)]
+    sampled = []
+    for j, req in enumerate(index.sample_reqs):
+        res = SeqResult(token=int(out.tokens[j]), logprob=float(out.logprobs[j]))
+        want = req.params.top_logprobs
+        if want:
+            res.top_logprobs = [(int(t), float(v)) for t, v in zip(out.top_ids[j, :want], out.top_logprobs[j, :want])]
+        sampled.append(res)
+    for j, i in enumerate(index.sample_seq):
+        results[i] = sampled[j]
+    for i, j in index.forks:
+        results[i].fork_results = (results[i].fork_results or []) + [sampled[j]]
+    at = 0
+    for i, num in index.prompt:
+        results[i].prompt_logprobs = out.prompt_logprobs[at: at + num].tolist()
+        at += num
+    return results
