@@ -47,12 +47,31 @@ def smollm2_dir():
 
 
 def run_checked(engine, reqs, max_steps=100_000):
-    """Step the engine's scheduler until `reqs` finish, checking KV integrity
-    after every step. Returns the number of steps."""
+    """Step the engine (manually, on its loop thread) until `reqs` finish,
+    checking KV integrity after every step; then the loop steps on its own
+    again. Returns the number of steps."""
     steps = 0
     while not all(r.finished for r in reqs):
-        engine.scheduler.step()
-        engine.scheduler.check_integrity()
+        engine.core.step_once()
+        engine.check_integrity()
         steps += 1
         assert steps < max_steps
+    engine.core.set_manual(False)
     return steps
+
+
+def submit_manual(engine, prompts, input_ids, params, request_ids=None):
+    """Queue requests that only `step_once()` steps (manual mode ends after
+    the test)."""
+    engine.core.set_manual(True)
+    return engine.core.add_requests(prompts, input_ids, params, request_ids)
+
+
+@pytest.fixture(autouse=True)
+def _automatic_stepping_after_each_test():
+    yield
+    from rollout_engine.core.engine_core import live_cores
+
+    for core in live_cores():
+        if core.manual:
+            core.set_manual(False)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conftest import run_checked
+from conftest import run_checked, submit_manual
 from rollout_engine import RolloutEngine, SamplingParams
 
 
@@ -27,26 +27,26 @@ def test_alone_equals_in_batch_with_tight_memory(llama, page_size):
 
     # 16 requests need up to ~1700 tokens of KV: 320 forces waiting and retraction.
     tight = RolloutEngine(folder, max_total_tokens=320, page_size=page_size, max_prefill_tokens=64)
-    reqs = tight._make_requests(None, prompts, params, None)
+    reqs = submit_manual(tight, None, prompts, params, None)
     run_checked(tight, reqs)
-    assert tight.scheduler.num_retractions > 0
+    assert tight.core.scheduler.num_retractions > 0
     for a, r in zip(alone, reqs):
         assert r.output_ids == a.output_token_ids
         assert r.output_logprobs == pytest.approx(a.output_logprobs, abs=1e-4)
     tight.flush_cache()
-    assert tight.scheduler.kv.allocator.num_free_pages == tight.scheduler.kv.allocator.num_pages
+    assert tight.core.scheduler.kv.allocator.num_free_pages == tight.core.scheduler.kv.allocator.num_pages
 
 
 def test_requests_join_while_others_decode(llama):
     _, folder = llama
     engine = RolloutEngine(folder, max_total_tokens=4096)
-    first = engine._make_requests(None, [[1, 2, 3]], SamplingParams(max_new_tokens=30, temperature=0), None)
+    first = submit_manual(engine, None, [[1, 2, 3]], SamplingParams(max_new_tokens=30, temperature=0), None)
     for _ in range(5):
-        engine.scheduler.step()
+        engine.core.step_once()
     before = first[0].num_output_tokens
     assert before >= 5
-    late = engine._make_requests(None, [[4, 5, 6]], SamplingParams(max_new_tokens=10, temperature=0), None)
-    engine.scheduler.step()
+    late = submit_manual(engine, None, [[4, 5, 6]], SamplingParams(max_new_tokens=10, temperature=0), None)
+    engine.core.step_once()
     # One step prefilled the newcomer while the running request kept decoding.
     assert late[0].num_output_tokens == 1 and first[0].num_output_tokens > before
     run_checked(engine, first + late)
@@ -67,10 +67,10 @@ def test_chunked_prefill_matches_unchunked(llama):
 def test_max_running_requests_is_respected(llama):
     _, folder = llama
     engine = RolloutEngine(folder, max_total_tokens=4096, max_running_requests=3)
-    reqs = engine._make_requests(None, _prompts(8), SamplingParams(max_new_tokens=8, temperature=0), None)
+    reqs = submit_manual(engine, None, _prompts(8), SamplingParams(max_new_tokens=8, temperature=0), None)
     while not all(r.finished for r in reqs):
-        engine.scheduler.step()
-        assert len(engine.scheduler.running) <= 3
+        engine.core.step_once()
+        assert len(engine.core.scheduler.running) <= 3
 
 
 def test_n_samples_are_adjacent_and_distinct(llama):
@@ -86,21 +86,22 @@ def test_n_samples_are_adjacent_and_distinct(llama):
 def test_abort_returns_partial_output_and_memory(llama):
     _, folder = llama
     engine = RolloutEngine(folder, max_total_tokens=4096)
-    reqs = engine._make_requests(None, [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=100, temperature=0),
+    reqs = submit_manual(engine, None, [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=100, temperature=0),
                                  ["x", "y"])
     for _ in range(4):
-        engine.scheduler.step()
+        engine.core.step_once()
     produced = reqs[0].num_output_tokens
     engine.abort(["x"])
-    engine.scheduler.step()  # settles the step in flight (one more token at most), then aborts
+    engine.core.step_once()  # settles the step in flight (one more token at most), then aborts
     assert reqs[0].finish_reason == "abort" and produced <= len(reqs[0].output_ids) <= produced + 1
     engine.abort()
-    engine.scheduler.step()
+    engine.core.step_once()
     assert reqs[1].finish_reason == "abort"
     engine.check_integrity()
     engine.flush_cache()
-    alloc = engine.scheduler.kv.allocator
+    alloc = engine.core.scheduler.kv.allocator
     assert alloc.num_free_pages == alloc.num_pages
+    engine.core.set_manual(False)
     n = len(reqs[0].output_ids)
     out = engine.generate(input_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_new_tokens=n, temperature=0))
     assert out[0].output_token_ids == reqs[0].output_ids  # the partial output is a true prefix
@@ -141,10 +142,10 @@ def test_overlap_schedule_changes_nothing_but_timing(llama, page_size):
     outs = {}
     for overlap in (True, False):
         engine = RolloutEngine(folder, max_total_tokens=4096, page_size=page_size, overlap_schedule=overlap)
-        reqs = engine._make_requests(None, prompts, params, None)
+        reqs = submit_manual(engine, None, prompts, params, None)
         run_checked(engine, reqs)
-        assert (engine.scheduler.num_ahead_steps > 0) == overlap
+        assert (engine.core.scheduler.num_ahead_steps > 0) == overlap
         outs[overlap] = [(r.output_ids, r.output_logprobs, r.finish_reason) for r in reqs]
         engine.flush_cache()
-        assert engine.scheduler.kv.allocator.num_free_pages == engine.scheduler.kv.allocator.num_pages
+        assert engine.core.scheduler.kv.allocator.num_free_pages == engine.core.scheduler.kv.allocator.num_pages
     assert outs[True] == outs[False]

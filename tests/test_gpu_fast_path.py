@@ -65,7 +65,7 @@ def test_flashinfer_bf16_parity(gpu_models, kind, tie, cuda_graph):
     hf, folder = gpu_models[(kind, tie)]
     engine = RolloutEngine(folder, device="cuda", attention_backend="flashinfer", cuda_graph=cuda_graph,
                            max_total_tokens=8192, cuda_graph_max_batch_size=16)
-    assert (engine.runner.graphs is not None) == cuda_graph
+    assert (engine.core.parts.runner.graphs is not None) == cuda_graph
     gap, _ = _gap_vs_hf(engine, hf, PROMPTS)
     single, _ = _gap_vs_hf(engine, hf, PROMPTS[1:2])  # batch-1 decode: the one-row matrix-vector kernel
     assert single < 2e-2
@@ -111,8 +111,8 @@ def test_graph_replay_equals_eager(gpu_models, backend):
 def test_auto_backend_picks_flashinfer_on_gpu(gpu_models):
     _, folder = gpu_models[("llama", False)]
     engine = RolloutEngine(folder, device="cuda", max_total_tokens=4096, cuda_graph_max_batch_size=8)
-    assert type(engine.runner.backend).__name__ == "FlashInferAttentionBackend"
-    assert engine.runner.graphs is not None and engine.runner.graphs.buckets == [1, 2, 4, 8]
+    assert type(engine.core.parts.runner.backend).__name__ == "FlashInferAttentionBackend"
+    assert engine.core.parts.runner.graphs is not None and engine.core.parts.runner.graphs.buckets == [1, 2, 4, 8]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -144,7 +144,7 @@ def test_triton_backend_bf16_parity(gpu_models, kind, tie, cuda_graph):
     hf, folder = gpu_models[(kind, tie)]
     engine = RolloutEngine(folder, device="cuda", attention_backend="triton", max_total_tokens=8192, page_size=4,
                            cuda_graph=cuda_graph, cuda_graph_max_batch_size=16)
-    assert (engine.runner.graphs is not None) == cuda_graph
+    assert (engine.core.parts.runner.graphs is not None) == cuda_graph
     gap, _ = _gap_vs_hf(engine, hf, PROMPTS)
     assert gap < 2e-2
     system = list(range(300, 380))

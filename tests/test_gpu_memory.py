@@ -105,7 +105,7 @@ def test_preload_hook_pauses_the_graph_pool(tmp_path):
         engine.resume_memory(["cuda_graph"])
         engine.release_memory()
         engine.resume_memory()
-        result(mode=engine._memory.graph_mode, graph_bytes=freed["cuda_graph"], device_freed=device_freed,
+        result(mode=engine.core.parts.controller.graph_mode, graph_bytes=freed["cuda_graph"], device_freed=device_freed,
                same=tokens(engine) == before)
     """, tmp_path, preload=True)
     assert r["mode"] == "pause" and r["same"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rollout_engine.engine as engine_module
+import rollout_engine.core.build as engine_module
+from conftest import submit_manual
 from rollout_engine import RolloutEngine, SamplingParams
 
 
@@ -57,7 +58,7 @@ def make_engine(monkeypatch, llama):
         fake = FakeSaver()
         monkeypatch.setattr(engine_module, "create_saver", lambda enabled, device: fake)
         engine = RolloutEngine(folder, max_total_tokens=4096, **kw)
-        fake.manager = engine.memory
+        fake.manager = engine.core.parts.memory
         return engine, fake
 
     return make
@@ -74,8 +75,8 @@ def test_round_trip_with_cpu_backup_gives_identical_outputs(make_engine):
     for _ in range(50):
         freed = engine.release_memory()
         assert engine.memory_state() == {"weights": "released", "kv_cache": "released"}
-        assert freed["weights"] == sum(p.numel() * 4 for p in engine.model.parameters())
-        assert freed["kv_cache"] == engine.kv_pool.nbytes
+        assert freed["weights"] == sum(p.numel() * 4 for p in engine.core.parts.model.parameters())
+        assert freed["kv_cache"] == engine.core.parts.kv_pool.nbytes
         assert engine.cache_stats()["cached_tokens"] == 0  # the prefix cache went with the KV cache
         engine.resume_memory()
         assert engine.memory_state() == {"weights": "resident", "kv_cache": "resident"}
@@ -87,10 +88,10 @@ def test_round_trip_with_cpu_backup_gives_identical_outputs(make_engine):
 
 def test_buffers_that_are_not_weights_survive(make_engine):
     engine, _ = make_engine(weights_cpu_backup=False)
-    cos = engine.model.model.layers[0].self_attn.rotary.cos.clone()
+    cos = engine.core.parts.model.model.layers[0].self_attn.rotary.cos.clone()
     engine.release_memory(["weights"])
     engine.resume_memory(["weights"])
-    assert torch.equal(engine.model.model.layers[0].self_attn.rotary.cos, cos)
+    assert torch.equal(engine.core.parts.model.model.layers[0].self_attn.rotary.cos, cos)
 
 
 def test_wrong_order_calls_are_runtime_errors(make_engine):
@@ -132,8 +133,8 @@ def test_weights_without_backup_must_be_replaced_before_generating(make_engine):
 
 def test_release_refuses_while_requests_run_unless_paused(make_engine):
     engine, _ = make_engine(weights_cpu_backup=True)
-    reqs = engine._make_requests(None, PROMPTS, SamplingParams(max_new_tokens=50), None)
-    engine.scheduler.step()
+    reqs = submit_manual(engine, None, PROMPTS, SamplingParams(max_new_tokens=50), None)
+    engine.core.step_once()
     with pytest.raises(RuntimeError, match="pause_generation"):
         engine.release_memory()
     engine.pause_generation(mode="keep")
@@ -148,18 +149,19 @@ def test_release_refuses_while_requests_run_unless_paused(make_engine):
     engine.release_memory()
     engine.resume_memory()
     engine.continue_generation()
+    engine.core.set_manual(False)
     assert len(engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)) == 2
 
 
 def test_pause_keep_then_continue_finishes_the_requests(make_engine):
     engine, _ = make_engine()
-    reqs = engine._make_requests(None, PROMPTS, SamplingParams(max_new_tokens=12, temperature=0), None)
-    engine.scheduler.step()
+    reqs = submit_manual(engine, None, PROMPTS, SamplingParams(max_new_tokens=12, temperature=0), None)
+    engine.core.step_once()
     engine.pause_generation(mode="keep")
     produced = [r.num_output_tokens for r in reqs]
     engine.continue_generation()
     while not all(r.finished for r in reqs):
-        engine.scheduler.step()
+        engine.core.step_once()
     assert all(r.finish_reason == "length" and len(r.output_ids) == 12 for r in reqs)
     assert all(p >= 1 for p in produced)
 
@@ -207,11 +209,12 @@ def test_graph_modes(make_engine, mode):
 
     engine, fake = make_engine(weights_cpu_backup=True)
     graphs = FakeGraphs()
-    engine.runner.graphs = graphs
-    engine.memory.register("cuda_graph", extra_bytes=1234)
-    c = engine._memory
-    engine._memory = MemoryController(engine.memory, engine.scheduler, engine.prefix_cache, engine.runner,
-                                      engine.device, True, c.all_weights, graph_mode=mode)
+    engine.core.parts.runner.graphs = graphs
+    engine.core.parts.memory.register("cuda_graph", extra_bytes=1234)
+    parts = engine.core.parts
+    c = parts.controller
+    parts.controller = MemoryController(parts.memory, parts.scheduler, parts.prefix_cache, parts.runner,
+                                        engine.device, True, c.all_weights, graph_mode=mode)
     freed = engine.release_memory(["cuda_graph"])
     assert engine.memory_state()["cuda_graph"] == "released"
     assert freed == {"cuda_graph": 0 if mode == "keep" else 1234}
@@ -222,10 +225,10 @@ def test_graph_modes(make_engine, mode):
     assert graphs.calls == {"pause": [], "keep": [], "recapture": ["destroy", "capture"]}[mode]
     saver_calls = [c for c in fake.calls if c[1] == "cuda_graph"]
     assert saver_calls == ([("pause", "cuda_graph"), ("resume", "cuda_graph")] if mode == "pause" else [])
-    engine.runner.graphs = None
+    engine.core.parts.runner.graphs = None
     assert len(engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)) == 2
     with pytest.raises(ValueError, match="graph_mode"):
-        MemoryController(engine.memory, engine.scheduler, engine.prefix_cache, engine.runner, engine.device,
+        MemoryController(parts.memory, parts.scheduler, parts.prefix_cache, parts.runner, engine.device,
                          True, c.all_weights, graph_mode="drop")
 
 
@@ -238,22 +241,22 @@ def test_pause_retract_releases_kv_while_requests_wait(make_engine, llama):
     engine, _ = make_engine(weights_cpu_backup=True)
     params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
     alone = engine.generate(input_ids=PROMPTS, sampling_params=params)
-    reqs = engine._make_requests(None, PROMPTS, params, None)
+    reqs = submit_manual(engine, None, PROMPTS, params, None)
     for _ in range(4):
-        engine.scheduler.step()
+        engine.core.step_once()
     produced = [list(r.output_ids[: r.num_output_tokens]) for r in reqs]
     engine.pause_generation(mode="retract")
-    assert not engine.scheduler.running and len(engine.scheduler.waiting) == len(reqs)
+    assert not engine.core.scheduler.running and len(engine.core.scheduler.waiting) == len(reqs)
     engine.release_memory()
     engine.resume_memory()
     engine.continue_generation()
     while not all(r.finished for r in reqs):  # same weights: the same tokens as without the pause
-        engine.scheduler.step()
+        engine.core.step_once()
     assert [r.output_ids for r in reqs] == [o.output_token_ids for o in alone]
 
-    reqs = engine._make_requests(None, PROMPTS, params, None)
+    reqs = submit_manual(engine, None, PROMPTS, params, None)
     for _ in range(4):
-        engine.scheduler.step()
+        engine.core.step_once()
     engine.pause_generation(mode="retract")
     done = [r.num_output_tokens for r in reqs]  # a step in flight was settled by the pause
     engine.release_memory(["kv_cache"])
@@ -261,7 +264,7 @@ def test_pause_retract_releases_kv_while_requests_wait(make_engine, llama):
     engine.resume_memory(["kv_cache"])
     engine.continue_generation()
     while not all(r.finished for r in reqs):
-        engine.scheduler.step()
+        engine.core.step_once()
     for r, n in zip(reqs, done):
         assert r.output_weight_versions == [0] * n + [1] * (20 - n)
     engine.check_integrity()

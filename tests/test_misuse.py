@@ -4,6 +4,7 @@ raises the right exception naming the field, and a normal greedy generate
 right after gives the same tokens as before the misuse."""
 from __future__ import annotations
 
+import _thread
 import gc
 import math
 import weakref
@@ -170,7 +171,7 @@ def test_memory_state_lists_only_held_tags(engine):
 def test_shutdown_frees_the_engine_and_refuses_later_calls(smollm2_dir):
     engine = RolloutEngine(smollm2_dir, max_total_tokens=512)
     engine.generate(PROMPT, sampling_params=GREEDY)
-    weight = weakref.ref(next(engine.model.parameters()))
+    weight = weakref.ref(next(engine.core.parts.model.parameters()))
     engine.shutdown()
     gc.collect()
     assert weight() is None
@@ -228,17 +229,17 @@ def test_closing_a_stream_early_aborts_its_requests(engine, baseline):
 
 
 def test_ctrl_c_in_generate_aborts_its_requests(engine, baseline, monkeypatch):
-    step = engine.scheduler.step
+    step = engine.core.scheduler.step
     calls = []
 
-    def interrupted_step():
+    def interrupted_step():  # runs on the engine's loop thread: Ctrl-C reaches the waiting main thread
         calls.append(1)
         if len(calls) == 3:
-            raise KeyboardInterrupt
+            _thread.interrupt_main()
         return step()
 
     assert engine.num_unfinished_requests() == 0
-    monkeypatch.setattr(engine.scheduler, "step", interrupted_step)
+    monkeypatch.setattr(engine.core.scheduler, "step", interrupted_step)
     with pytest.raises(KeyboardInterrupt):
         engine.generate(PROMPT * 3, sampling_params=SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))
     assert engine.num_unfinished_requests() == 0
@@ -263,7 +264,7 @@ def test_metrics_snapshot_counts_what_ran(engine):
 
 
 def test_closing_a_stream_while_paused_runs_no_batch(engine, baseline):
-    other = engine._make_requests(PROMPT, None, SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True),
+    other = engine.core.add_requests(PROMPT, None, SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True),
                                   None)
     it = engine.stream(PROMPT, sampling_params=SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True))
     next(it)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from conftest import run_checked
+from conftest import run_checked, submit_manual
 from rollout_engine import RolloutEngine, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
@@ -97,7 +97,7 @@ def test_eviction_and_preemption_keep_outputs(llama):
     params = SamplingParams(n=4, max_new_tokens=40, temperature=0, ignore_eos=True)
     ref = RolloutEngine(folder, max_total_tokens=16384).generate(input_ids=prompts, sampling_params=params)
     tight = RolloutEngine(folder, max_total_tokens=400, max_prefill_tokens=128)
-    reqs = tight._make_requests(None, prompts, params, None)
+    reqs = submit_manual(tight, None, prompts, params, None)
     run_checked(tight, reqs)
     stats = tight.cache_stats()
     assert stats["retractions"] > 0 and stats["evicted_tokens"] > 0
@@ -108,13 +108,13 @@ def test_eviction_and_preemption_keep_outputs(llama):
 def test_abort_reaches_samples_not_yet_forked(llama):
     _, folder = llama
     engine = RolloutEngine(folder, max_total_tokens=4096)
-    reqs = engine._make_requests(None, [[1, 2, 3]], SamplingParams(n=4, max_new_tokens=30, temperature=0), ["a"])
+    reqs = submit_manual(engine, None, [[1, 2, 3]], SamplingParams(n=4, max_new_tokens=30, temperature=0), ["a"])
     engine.abort(["a-2"])
     run_checked(engine, reqs)
     assert reqs[2].finish_reason == "abort" and reqs[2].output_ids == []
     assert [r.finish_reason for r in reqs[:2] + reqs[3:]] == ["length"] * 3
-    reqs = engine._make_requests(None, [[4, 5]], SamplingParams(n=3, max_new_tokens=30), ["b"])
+    reqs = submit_manual(engine, None, [[4, 5]], SamplingParams(n=3, max_new_tokens=30), ["b"])
     engine.abort()
-    engine.scheduler.step()
+    engine.core.step_once()
     assert all(r.finish_reason == "abort" for r in reqs)
     engine.check_integrity()

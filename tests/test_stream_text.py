@@ -105,7 +105,7 @@ def test_stream_of_non_ascii_text(engine):
     assert all(FFFD not in d.text for d in deltas[:-1])
     assert FFFD not in deltas[-1].text or full.endswith(FFFD)  # only a cut inside a character at the end
     assert "".join(d.text for d in deltas) == gen.text == full
-    assert engine.scheduler.stop.num_detokenizers == 0
+    assert engine.core.scheduler.stop.num_detokenizers == 0
 
 
 # ---- (b) stop strings -----------------------------------------------------------
@@ -145,7 +145,7 @@ def test_stop_strings_stream_equals_generate(engine):
     mine = [d for d in deltas if d.request_id == "c"]
     held = [d for d in mine if engine.tokenizer.decode(d.output_token_ids).endswith(" is")]
     assert held and all(not d.text.endswith("is") for d in held)
-    assert engine.scheduler.stop.num_detokenizers == 0
+    assert engine.core.scheduler.stop.num_detokenizers == 0
 
 
 def test_seeded_sampling_stream_equals_generate(engine):
@@ -161,7 +161,7 @@ def test_seeded_sampling_stream_equals_generate(engine):
         assert "".join(d.text for d in mine) == gen.text
         assert all(FFFD not in d.text for d in mine[:-1])
         assert "。" not in gen.text and "\n" not in gen.text
-    assert engine.scheduler.stop.num_detokenizers == 0
+    assert engine.core.scheduler.stop.num_detokenizers == 0
 
 
 def test_aborted_stream_keeps_tokens_and_text(engine):
@@ -176,7 +176,7 @@ def test_aborted_stream_keeps_tokens_and_text(engine):
     tokens = [t for d in deltas for t in d.output_token_ids]
     assert 4 <= len(tokens) < 64
     assert "".join(d.text for d in deltas) == engine.tokenizer.decode(tokens, skip_special_tokens=True)
-    assert engine.scheduler.stop.num_detokenizers == 0
+    assert engine.core.scheduler.stop.num_detokenizers == 0
 
 
 # ---- (c) hold-back logic ----------------------------------------------------------

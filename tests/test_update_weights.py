@@ -26,11 +26,11 @@ def test_update_equals_a_fresh_engine_of_the_new_model(llama, second_llama, as_g
     (_, folder_a), (hf_b, folder_b) = llama, second_llama
     engine = RolloutEngine(folder_a, max_total_tokens=4096)
     before = _tokens(engine)
-    ptrs = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    ptrs = {n: p.data_ptr() for n, p in engine.core.parts.model.named_parameters()}
     state = {n: t.double() for n, t in hf_b.state_dict().items()}  # dtype conversion on the way in
     version = engine.update_weights(iter(state.items()) if as_generator else state)
     assert version == 1 == engine.weight_version
-    assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == ptrs  # in place
+    assert {n: p.data_ptr() for n, p in engine.core.parts.model.named_parameters()} == ptrs  # in place
     assert engine.cache_stats()["cached_tokens"] == 0  # old KV dropped
     after = _tokens(engine)
     assert after == _tokens(RolloutEngine(folder_b, max_total_tokens=4096)) != before
@@ -95,7 +95,7 @@ def test_tied_model_takes_the_embedding(tiny_models):
     emb = torch.randn_like(hf.state_dict()["model.embed_tokens.weight"])
     engine.update_weights([("model.embed_tokens.weight", emb), ("lm_head.weight", emb)])
     assert torch.equal(engine.get_weight("lm_head.weight"), emb)
-    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+    assert engine.core.parts.model.lm_head.weight is engine.core.parts.model.model.embed_tokens.weight
 
 
 def test_each_token_carries_the_weight_version_that_produced_it(llama):

@@ -32,7 +32,7 @@ GOOD = SamplingParams(max_new_tokens=8, temperature=0)
 def test_bad_generate_input(engine, kwargs, match):
     with pytest.raises(ValueError, match=match):
         engine.generate(**kwargs)
-    assert not engine.scheduler.has_work()  # nothing was queued
+    assert not engine.core.scheduler.has_work()  # nothing was queued
     out = engine.generate(input_ids=[[1, 2, 3]], sampling_params=GOOD)
     assert len(out[0].output_token_ids) == 8
 

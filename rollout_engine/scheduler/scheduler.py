@@ -49,12 +49,13 @@ class StepRunner(Protocol):
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVManager, runner: StepRunner, stop: StopChecker,
-                 weight_version: Callable[[], int] = lambda: 0):
+                 on_finish: Callable[[Request], None] | None = None):
         self.cfg = cfg
         self.kv = kv
         self.runner = runner
         self.stop = stop
-        self.weight_version = weight_version
+        self.weight_version = 0  # of the weights the next steps run with (set by whoever updates them)
+        self.on_finish = on_finish  # called with each request as it finishes, however it ends
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.new_token_ratio = cfg.init_new_token_ratio
@@ -189,7 +190,7 @@ class Scheduler:
                 and s.req.seq_len + 1 < self.stop.max_context]
         if not seqs or self.kv.allocator.num_free_pages < len(seqs):
             return None
-        ahead = Batch(weight_version=self.weight_version())
+        ahead = Batch(weight_version=self.weight_version)
         for seq in seqs:
             req = seq.req
             seq.fill_index = len(req.output_ids)
@@ -202,7 +203,7 @@ class Scheduler:
         return ahead
 
     def _schedule(self) -> Batch:
-        batch = Batch(weight_version=self.weight_version())
+        batch = Batch(weight_version=self.weight_version)
         self._schedule_decodes(batch)
         budget = self.cfg.max_prefill_tokens
         for req in [r for r in self.running if r.is_prefilling]:  # chunked prefills go on
@@ -344,6 +345,8 @@ class Scheduler:
         req.finish_reason = reason
         self.stats.on_finish(reason)
         self.kv.release(req)
+        if self.on_finish is not None:
+            self.on_finish(req)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.running)

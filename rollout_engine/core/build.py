@@ -1,0 +1,115 @@
+"""From an EngineConfig to the engine's parts: the model and tokenizer, KV
+memory sized to what is free, the attention backend and model runner (with
+its CUDA graphs), the scheduler, the memory controller and the weight state.
+Built once, on the constructing thread (memory-saver regions are entered
+here and nowhere per step)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout_engine.attention.base import AttentionShape, create_backend
+from rollout_engine.cache.allocator import PageAllocator
+from rollout_engine.cache.kv_pool import KVPool
+from rollout_engine.cache.prefix_cache import NoPrefixCache, PrefixCache
+from rollout_engine.cache.radix import RadixCache
+from rollout_engine.cache.req_table import ReqToTokenTable
+from rollout_engine.config import EngineConfig
+from rollout_engine.distributed.comm import TPComm
+from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens
+from rollout_engine.memory.controller import MemoryController
+from rollout_engine.memory.manager import MemoryManager
+from rollout_engine.memory.saver import create_saver
+from rollout_engine.model_zoo import resolve_model_path
+from rollout_engine.models.decoder import DecoderForCausalLM
+from rollout_engine.runner.model_loader import load_model, resolve_device, resolve_dtype
+from rollout_engine.runner.model_runner import ModelRunner
+from rollout_engine.scheduler.kv_manager import KVManager
+from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from rollout_engine.scheduler.stop import StopChecker
+from rollout_engine.tokenizer import load_tokenizer, tokenizer_eos_ids
+from rollout_engine.validation import Limits
+from rollout_engine.weights.loader import WeightLoader
+from rollout_engine.weights.receiver import WeightReceiver
+from rollout_engine.weights.updater import WeightUpdater
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    model: DecoderForCausalLM
+    tokenizer: Any
+    memory: MemoryManager
+    kv_pool: KVPool
+    limits: Limits
+    prefix_cache: PrefixCache
+    runner: ModelRunner
+    scheduler: Scheduler
+    controller: MemoryController
+    updater: WeightUpdater
+
+
+def build_parts(cfg: EngineConfig) -> EngineParts:
+    device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+    free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    memory = MemoryManager(create_saver(cfg.enable_memory_saver, device))
+    path = resolve_model_path(cfg.model, cfg.load_format)
+    model = load_model(path, cfg.load_format, TPComm(), device, dtype, cfg.seed,
+                       weights_region=memory.region("weights", cfg.weights_cpu_backup))
+    memory.register("weights", model.parameters())
+    tokenizer = load_tokenizer(path, cfg.tokenizer)
+    kv_pool, allocator, table, limits = _kv_memory(cfg, model, memory, device, dtype, free_before)
+    prefix_cache = RadixCache(allocator) if cfg.enable_prefix_cache else NoPrefixCache(allocator)
+    runner = _runner(cfg, model, kv_pool, table, memory, device, dtype)
+    mc = model.config
+    stop = StopChecker(mc.eos_token_ids or tokenizer_eos_ids(tokenizer), mc.max_position, tokenizer)
+    scheduler = Scheduler(SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens,
+                                          overlap=cfg.overlap_schedule),
+                          KVManager(allocator, table, prefix_cache), runner, stop)
+    loader = WeightLoader(model)
+    controller = MemoryController(memory, scheduler, prefix_cache, runner, device, cfg.weights_cpu_backup,
+                                  loader.required())
+    updater = WeightUpdater(loader, WeightReceiver(), controller, prefix_cache, device)
+    return EngineParts(cfg, device, dtype, model, tokenizer, memory, kv_pool, limits, prefix_cache, runner,
+                       scheduler, controller, updater)
+
+
+def _kv_memory(cfg: EngineConfig, model: DecoderForCausalLM, memory: MemoryManager, device: torch.device,
+               dtype: torch.dtype, free_before: int) -> tuple[KVPool, PageAllocator, ReqToTokenTable, Limits]:
+    """KV pool (in its memory region), slot allocator and request table,
+    sized from max_total_tokens or the free GPU memory."""
+    mc = model.config
+    attn = model.model.layers[0].self_attn.attn
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    capacity = kv_capacity_tokens(cfg, mc, kv_bytes_per_token(mc, attn.num_kv_heads, dtype), device,
+                                  free_before, weight_bytes, dtype.itemsize)
+    num_pages = -(-capacity // cfg.page_size)
+    allocator = PageAllocator(num_pages, cfg.page_size)
+    with memory.region("kv_cache"):
+        kv_pool = KVPool(mc.num_layers, allocator.num_slots, attn.num_kv_heads, mc.head_dim, dtype, device)
+    memory.register("kv_cache", kv_pool.k + kv_pool.v)
+    limits = Limits(mc.vocab_size, mc.max_position, num_pages * cfg.page_size)
+    table = ReqToTokenTable(cfg.max_running_requests, min(mc.max_position, limits.kv_capacity) + 1)
+    return kv_pool, allocator, table, limits
+
+
+def _runner(cfg: EngineConfig, model: DecoderForCausalLM, kv_pool: KVPool, table: ReqToTokenTable,
+            memory: MemoryManager, device: torch.device, dtype: torch.dtype) -> ModelRunner:
+    """Attention backend and model runner, with its CUDA graphs captured."""
+    mc = model.config
+    attn = model.model.layers[0].self_attn.attn
+    shape = AttentionShape(attn.num_heads, attn.num_kv_heads, mc.head_dim, cfg.page_size, dtype, device)
+    backend = create_backend(cfg.attention_backend, shape)
+    runner = ModelRunner(model, kv_pool, backend, (table.max_rows, table.max_context), device)
+    if cfg.cuda_graph and backend.supports_cuda_graph:
+        torch.cuda.empty_cache()  # so that the difference below is the graph pool alone
+        before = torch.cuda.memory_reserved(device)
+        runner.capture_cuda_graphs(min(cfg.cuda_graph_max_batch_size, cfg.max_running_requests),
+                                   memory.saver.graph_capture)
+        torch.cuda.empty_cache()
+        memory.register("cuda_graph", extra_bytes=torch.cuda.memory_reserved(device) - before)
+    return runner

@@ -1,0 +1,91 @@
+"""RL controls, run by the step loop between two steps (EngineCore.call).
+
+Each method here runs on the loop thread, so it sees the scheduler settled
+or with at most one step in flight, and settles that step itself before it
+touches weights or memory."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from rollout_engine.core.build import EngineParts
+from rollout_engine.core.engine_core import EngineCore
+from rollout_engine.scheduler.stats import counters
+
+PAUSE_MODES = ("abort", "keep", "retract")
+
+
+class Controls:
+    def __init__(self, core: EngineCore, parts: EngineParts):
+        self.core = core
+        self.parts = parts
+        self.scheduler = parts.scheduler
+
+    # ---- generation state -------------------------------------------------------
+    def pause(self, mode: str) -> None:
+        self.scheduler.settle()
+        if mode == "abort":
+            self.scheduler.abort()
+            self.scheduler.finish_aborted()
+        elif mode == "retract":
+            self.scheduler.retract_all()
+        self.core.paused = True
+        self.core.dispatch()
+
+    def resume_generation(self) -> None:
+        self.core.paused = False
+
+    def abort(self, request_ids: list[str] | None) -> int:
+        return self.scheduler.abort(request_ids)
+
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.live_requests())
+
+    # ---- weights ----------------------------------------------------------------
+    def _updated(self, version: int) -> int:
+        self.scheduler.weight_version = version  # tokens sampled from here on carry it
+        return version
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None,
+                       flush_cache: bool) -> int:
+        self.scheduler.settle()  # the step in flight reads the weights
+        return self._updated(self.parts.updater.update(named_tensors, version, flush_cache))
+
+    def update_from_disk(self, path: str, version: int | None) -> int:
+        self.scheduler.settle()
+        return self._updated(self.parts.updater.update_from_disk(path, version))
+
+    def update_from_distributed(self, *args) -> int:
+        self.scheduler.settle()
+        return self._updated(self.parts.updater.update_from_distributed(*args))
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        return self.parts.updater.loader.read(name)
+
+    # ---- memory -----------------------------------------------------------------
+    def release_memory(self, tags: Sequence[str]) -> dict[str, int]:
+        return self.parts.controller.release(tags, self.core.paused)
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        self.parts.controller.resume(tags)
+
+    def memory_state(self) -> dict[str, str]:
+        return self.parts.controller.state()
+
+    def flush_cache(self) -> None:
+        self.parts.prefix_cache.flush()
+
+    # ---- observation ------------------------------------------------------------
+    def cache_stats(self) -> dict[str, float]:
+        return counters(self.parts.prefix_cache, self.scheduler)
+
+    def metrics(self) -> dict:
+        sched = self.scheduler
+        return {"running_requests": len(sched.running), "waiting_requests": len(sched.waiting),
+                **sched.stats.snapshot(), "cache": self.cache_stats(), "weight_version": self.parts.updater.version,
+                "kv_capacity_tokens": self.parts.limits.kv_capacity, "memory": self.memory_state(),
+                "paused": self.core.paused}
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

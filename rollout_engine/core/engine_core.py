@@ -1,0 +1,232 @@
+"""EngineCore: the one owner of the step loop.
+
+One thread per engine steps the scheduler. Front ends on any thread only
+post commands (submit requests, abort, a control) into its inbox and wait on
+their own Subscription or on the command's future. Commands run between two
+steps, in the order posted, so controls never race a step and nobody takes a
+lock around the scheduler. The loop blocks on its inbox while there is
+nothing to step (idle or paused): an idle engine uses no CPU.
+
+Failures: an exception from a command goes to its poster. An exception from
+a step goes to every call with requests in flight; those requests are
+aborted and the loop goes on. If the loop itself dies, every waiter gets the
+error and later posts raise it.
+"""
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import weakref
+from concurrent.futures import Future
+from typing import Any, Callable, Sequence
+
+from rollout_engine.core.build import EngineParts
+from rollout_engine.core.request_factory import RequestFactory
+from rollout_engine.core.subscription import Subscription
+from rollout_engine.request import Request
+from rollout_engine.sampling_params import SamplingParams
+
+_LIVE: "weakref.WeakSet[EngineCore]" = weakref.WeakSet()
+
+
+def live_cores() -> list["EngineCore"]:
+    """Every EngineCore whose loop has not been stopped."""
+    return list(_LIVE)
+
+
+@atexit.register
+def _stop_live_loops() -> None:
+    """At interpreter exit, stop loop threads that are still stepping (the
+    device must not be torn down under a running step)."""
+    for core in list(_LIVE):
+        core.stop(timeout=2.0)
+
+
+class EngineCore:
+    def __init__(self, parts: EngineParts, factory: RequestFactory):
+        self.parts = parts
+        self.scheduler = parts.scheduler
+        self.factory = factory
+        self.paused = False
+        # Tests and tools that drive the engine step by step set this: the
+        # loop then steps only on `step_once()` (still on the loop thread).
+        self.manual = False
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._subs: dict[int, Subscription] = {}  # id(request) -> its call's subscription
+        self._streams: list[Subscription] = []
+        self._finished: list[Request] = []
+        self.scheduler.on_finish = self._finished.append
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rollout-engine-loop", daemon=True)
+        self._thread.start()
+        _LIVE.add(self)
+
+    # ---- posting (any thread) -------------------------------------------------
+    def post(self, fn: Callable[[], Any], fut: Future | None = None) -> None:
+        """Run fn() on the loop thread between two steps; with `fut`, its
+        result or exception goes there (else an exception is fn's to handle)."""
+        if self._dead is not None:
+            raise RuntimeError("the engine's step loop has stopped") from self._dead
+        self._inbox.put((fn, fut))
+        if self._dead is not None:  # died meanwhile: nobody will run it
+            self._fail_commands(self._dead)
+
+    def call(self, fn: Callable[..., Any], *args) -> Any:
+        """Run fn(*args) on the loop thread between two steps and return its
+        result (or raise its exception) here."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        fut: Future = Future()
+        self.post(lambda: fn(*args), fut)
+        return fut.result()
+
+    def submit(self, token_lists: list[list[int]], params: list[SamplingParams],
+               request_ids: Sequence[str] | None, sub: Subscription) -> None:
+        """Queue requests (inputs already validated); results go to `sub`.
+        A refusal (paused, weights missing, an id in use) is delivered to
+        `sub` as an error."""
+        self.post(lambda: self._submit(token_lists, params, request_ids, sub))
+
+    def abort_call(self, sub: Subscription) -> None:
+        """Abort what is left of a call whose caller stopped waiting; its KV
+        goes back at once (no batch runs, so a paused engine stays paused)."""
+        def run() -> None:
+            sub.done = True  # the caller is gone: nothing more to deliver
+            self.scheduler.abort_requests(sub.reqs)
+            self.scheduler.finish_aborted()
+            self.dispatch()
+
+        if self._dead is None and not self._stopping:
+            self.post(run)
+
+    def set_manual(self, manual: bool) -> None:
+        """Manual stepping (tests and tools that drive the engine step by
+        step): the loop steps only on `step_once()`, still on its thread."""
+        self.manual = manual
+        self.post(lambda: None)  # wake the loop to look again
+
+    def add_requests(self, prompts, input_ids, sampling_params, request_ids=None) -> list[Request]:
+        """Validate and queue requests whose results nobody waits for; returns
+        the live Requests, for tests and tools that watch them."""
+        token_lists, params = self.factory.validate(prompts, input_ids, sampling_params)
+        errors: list[BaseException] = []
+        sub = Subscription(lambda item: errors.append(item[1]) if item[0] == "error" else None)
+        self.submit(token_lists, params, request_ids, sub)
+        self.call(lambda: None)  # the submission has been applied
+        if errors:
+            raise errors[0]
+        return sub.reqs
+
+    def step_once(self) -> list[Request]:
+        """One scheduler step on the loop thread (with `manual` set)."""
+        def run() -> list[Request]:
+            finished = self.scheduler.step()
+            self.dispatch()
+            return finished
+
+        return self.call(run)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort every request, let the loop finish and join it."""
+        if self._dead is None and self._thread.is_alive() and not self._stopping:
+            def run() -> None:
+                self.scheduler.abort()
+                self.scheduler.finish_aborted()
+                self.dispatch()
+                self._stopping = True
+
+            self.post(run)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        _LIVE.discard(self)
+
+    # ---- on the loop thread ---------------------------------------------------
+    def _submit(self, token_lists, params, request_ids, sub: Subscription) -> None:
+        try:
+            if self.paused:
+                raise RuntimeError("generation is paused: call continue_generation() first")
+            self.parts.controller.check_can_generate()
+            taken = {r.request_id for r in self.scheduler.live_requests()}
+            groups = self.factory.create(token_lists, params, request_ids, taken)
+        except Exception as e:  # noqa: BLE001 - the caller's error
+            sub.fail(e)
+            return
+        sub.attach([r for group in groups for r in group])
+        for r in sub.reqs:
+            self._subs[id(r)] = sub
+        if sub.stream:
+            self._streams.append(sub)
+        for group in groups:
+            if self.parts.prefix_cache.enabled:
+                # The prompt is prefilled once; samples 1..n-1 fork from it.
+                group[0].fork_siblings = group[1:]
+                self.scheduler.add(group[0])
+            else:
+                for r in group:
+                    self.scheduler.add(r)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                idle = self.paused or self.manual or not self.scheduler.has_work()
+                cmd = self._inbox.get() if idle else self._next_command()
+                while cmd is not None:
+                    self._execute(*cmd)
+                    if self._stopping:
+                        return
+                    cmd = self._next_command()
+                if not (self.paused or self.manual) and self.scheduler.has_work():
+                    self._step()
+        except BaseException as e:  # noqa: BLE001 - reported to every waiter
+            self._dead = e
+            for sub in set(self._subs.values()):
+                sub.fail(e)
+            self._fail_commands(e)
+
+    @staticmethod
+    def _execute(fn: Callable[[], Any], fut: Future | None) -> None:
+        if fut is None:
+            fn()
+            return
+        try:
+            fut.set_result(fn())
+        except Exception as e:  # noqa: BLE001 - the poster's error
+            fut.set_exception(e)
+
+    def _next_command(self) -> tuple[Callable[[], Any], Future | None] | None:
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _fail_commands(self, error: BaseException) -> None:
+        """Commands left when the loop died: their posters get the error."""
+        while (cmd := self._next_command()) is not None:
+            if cmd[1] is not None and not cmd[1].done():
+                cmd[1].set_exception(RuntimeError(f"the engine's step loop has stopped: {error!r}"))
+
+    def _step(self) -> None:
+        try:
+            self.scheduler.step()
+        except Exception as e:  # noqa: BLE001 - goes to the calls it hit
+            for sub in set(self._subs.values()):
+                sub.fail(e)
+            self.scheduler.abort()
+            self.scheduler.finish_aborted()
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Hand finished requests and stream deltas to their calls."""
+        stop = self.scheduler.stop
+        finished, self._finished[:] = list(self._finished), []
+        for r in finished:
+            sub = self._subs.pop(id(r), None)
+            if sub is not None:
+                sub.on_finish(r, stop)
+        if self._streams:
+            for sub in self._streams:
+                if not sub.done:
+                    sub.poll(stop)
+            self._streams = [s for s in self._streams if not s.done]
