@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rollout_engine.bench import workloads
-from rollout_engine.bench.run import _engine, _free_device_memory, timed
+from rollout_engine.bench.common import free_device_memory, make_engine, timed
 from rollout_engine.memory.manager import TAGS
 
 
@@ -41,17 +41,17 @@ def _median_cycles(engine, tags, cycles: int) -> dict[str, float]:
 
 def bench_memory(args) -> dict[str, Any]:
     torch.zeros(1, device="cuda")  # the CUDA context is not the engine's
-    _free_device_memory()
+    free_device_memory()
     used_before = used_device_bytes()
-    engine = _engine(args, enable_memory_saver=True, weights_cpu_backup=True)
+    engine = make_engine(args, enable_memory_saver=True, weights_cpu_backup=True)
     mc = engine.model_config
     wl = workloads.grpo(mc.vocab_size, 8, 4, 256, 512, 64, seed=1)
     reference = _rollout(engine, wl)
     held = used_device_bytes() - used_before
     report: dict[str, Any] = {
-        "hook_mode": getattr(engine.memory.saver, "hook_mode", None), "graph_mode": engine._memory.graph_mode,
+        "hook_mode": getattr(engine.core.parts.memory.saver, "hook_mode", None), "graph_mode": engine.core.parts.controller.graph_mode,
         "engine_held_GiB": round(held / 2**30, 3),
-        "tag_GiB": {t: round(engine.memory.nbytes(t) / 2**30, 3) for t in TAGS},
+        "tag_GiB": {t: round(engine.core.parts.memory.nbytes(t) / 2**30, 3) for t in TAGS},
     }
     # Everything at once, as a training loop does.
     release_s = timed(lambda: engine.release_memory())
@@ -62,14 +62,13 @@ def bench_memory(args) -> dict[str, Any]:
                           "outputs_identical": _rollout(engine, wl) == reference}
     report["per_tag"] = {tag: _median_cycles(engine, [tag], args.cycles) for tag in TAGS}
     # CUDA graphs when the hook cannot unmap their pool: destroy + recapture.
-    if engine.runner.graphs is not None and engine._memory.graph_mode != "pause":
-        kept = engine._memory.graph_mode
-        engine._memory.graph_mode = "recapture"
+    if engine.core.parts.runner.graphs is not None and engine.core.parts.controller.graph_mode != "pause":
+        kept = engine.core.parts.controller.graph_mode
+        engine.core.parts.controller.graph_mode = "recapture"
         report["graphs_recapture"] = _median_cycles(engine, ["cuda_graph"], args.cycles)
-        engine._memory.graph_mode = kept
+        engine.core.parts.controller.graph_mode = kept
         report["graphs_recapture"]["outputs_identical"] = _rollout(engine, wl) == reference
     report["outputs_identical_at_end"] = _rollout(engine, wl) == reference
-    engine.shutdown()
+    free_device_memory(engine)
     del engine
-    _free_device_memory()
     return report

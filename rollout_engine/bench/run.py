@@ -1,7 +1,6 @@
 """`rollout-engine bench`: run a workload (BENCH.md), print and write JSON."""
 from __future__ import annotations
 
-import gc
 import json
 import platform
 import random
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 
 from rollout_engine.bench import workloads
+from rollout_engine.bench.common import free_device_memory, make_engine, sync
 from rollout_engine.bench.roofline import (ModelCosts, decode_step_floor, measure_device, prefill_ceiling,
                                            workload_roofline)
 
@@ -19,44 +19,12 @@ def _device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _engine(args, **overrides):
-    from rollout_engine import RolloutEngine
-
-    kw = dict(load_format=args.load_format, attention_backend=args.attention_backend,
-              max_total_tokens=args.max_total_tokens, seed=args.seed, cuda_graph=not args.no_cuda_graph)
-    kw.update(overrides)
-    return RolloutEngine(args.model, **kw)
-
-
-def timed(fn) -> float:
-    """Seconds `fn()` takes, the device synchronised on both sides."""
-    _sync()
-    start = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - start
-
-
-def _free_device_memory() -> None:
-    """After the caller dropped its last engine reference: collect it (the
-    engine holds reference cycles) and return its memory to the device, so the
-    next engine sizes its KV cache from the whole GPU."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run_workload(engine, wl: workloads.Workload) -> dict[str, Any]:
     before = engine.cache_stats()
-    _sync()
+    sync()
     start = time.perf_counter()
     outs = engine.generate(input_ids=wl.input_ids, sampling_params=wl.params)
-    _sync()
+    sync()
     elapsed = time.perf_counter() - start
     after = engine.cache_stats()
     out_tokens = sum(len(o.output_token_ids) for o in outs)
@@ -83,21 +51,20 @@ def _warm(engine) -> None:
 def bench_grpo(args) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for cache_on in (False, True):  # cache-off first: the first engine pays allocator warm-up
-        engine = _engine(args, enable_prefix_cache=cache_on)
+        engine = make_engine(args, enable_prefix_cache=cache_on)
         wl = workloads.grpo(engine.model_config.vocab_size, args.num_prompts, args.n, args.prompt_min,
                             args.prompt_max, args.output_len)
         _warm(engine)
         results["cache_on" if cache_on else "cache_off"] = run_workload(engine, wl)
-        engine.shutdown()
+        free_device_memory(engine)
         del engine
-        _free_device_memory()
     results["speedup_cache_on"] = round(results["cache_off"]["seconds"] / results["cache_on"]["seconds"], 3)
     return results
 
 
 def bench_offline(args) -> dict[str, Any]:
     limits = measure_device()
-    engine = _engine(args)
+    engine = make_engine(args)
     costs = ModelCosts.of(engine.model_config)
     wl = workloads.offline(engine.model_config.vocab_size, args.num_prompts)
     _warm(engine)
@@ -107,9 +74,8 @@ def bench_offline(args) -> dict[str, Any]:
                              engine.config.max_running_requests)
     res.update(roofline_tok_per_s=round(roof, 1), pct_of_roofline=round(100 * res["output_tok_per_s"] / roof, 1),
                bandwidth_TBps=round(limits.bandwidth / 1e12, 3), bf16_TFLOPs=round(limits.flops / 1e12, 1))
-    engine.shutdown()
+    free_device_memory(engine)
     del engine
-    _free_device_memory()
     if args.baseline == "hf":
         from rollout_engine.bench.hf_baseline import hf_model, run_hf
 
@@ -129,33 +95,42 @@ def _decode_step_times(engine, batch: int, context: int, steps: int) -> list[flo
     rng = random.Random(batch)
     vocab = engine.model_config.vocab_size
     ids = [[rng.randrange(1000, vocab - 1000) for _ in range(context)] for _ in range(batch)]
-    reqs = engine._make_requests(None, ids, SamplingParams(max_new_tokens=steps + 1, temperature=0,
-                                                           ignore_eos=True), None)
-    sched = engine.scheduler
-    while not all(r.row is not None and not r.is_prefilling and r.num_output_tokens >= 2 for r in reqs):
-        sched.step()  # admission and prefill
-    _sync()
-    start, first = time.perf_counter(), sched.num_steps
-    while not all(r.finished for r in reqs):
-        sched.step()
-    _sync()
-    taken = sched.num_steps - first
-    return [(time.perf_counter() - start) / taken] if taken else []
+    engine.core.set_manual(True)
+    reqs = engine.core.add_requests(None, ids, SamplingParams(max_new_tokens=steps + 1, temperature=0,
+                                                             ignore_eos=True))
+    sched = engine.core.scheduler
+
+    def run() -> list[float]:  # on the engine's loop thread, as its own steps run
+        while not all(r.row is not None and not r.is_prefilling and r.num_output_tokens >= 2 for r in reqs):
+            sched.step()  # admission and prefill
+        sync()
+        start, first = time.perf_counter(), sched.num_steps
+        while not all(r.finished for r in reqs):
+            sched.step()
+        sync()
+        taken = sched.num_steps - first
+        return [(time.perf_counter() - start) / taken] if taken else []
+
+    try:
+        return engine.core.call(run)
+    finally:
+        engine.core.set_manual(False)
+
 
 def bench_decode(args) -> dict[str, Any]:
     limits = measure_device()
     rows: dict[str, Any] = {}
     for graphs in (True, False):
-        engine = _engine(args, cuda_graph=graphs, enable_prefix_cache=False)
+        engine = make_engine(args, cuda_graph=graphs, enable_prefix_cache=False)
         costs = ModelCosts.of(engine.model_config)
         _decode_step_times(engine, 2, 64, 4)  # warm-up
         for batch in args.batch_sizes:
-            steps_before = engine.scheduler.num_steps
+            steps_before = engine.cache_stats()["steps"]
             times = _decode_step_times(engine, batch, args.context, args.steps)
             if not times:
                 rows[f"bs{batch}_graphs_{'on' if graphs else 'off'}"] = {
                     "error": "no pure decode step observed",
-                    "steps": engine.scheduler.num_steps - steps_before}
+                    "steps": engine.cache_stats()["steps"] - steps_before}
                 print(rows, flush=True)
                 continue
             med = times[0]
@@ -165,9 +140,8 @@ def bench_decode(args) -> dict[str, Any]:
                 "floor_ms": round(floor * 1e3, 3), "x_floor": round(med / floor, 2),
                 "tok_per_s": round(batch / med, 1)}
             print(f"decode bs={batch} graphs={graphs}: {med * 1e3:.3f} ms/step ({med / floor:.2f}x floor)", flush=True)
-        engine.shutdown()
+        free_device_memory(engine)
         del engine
-        _free_device_memory()
     rows["bandwidth_TBps"] = round(limits.bandwidth / 1e12, 3)
     return rows
 
@@ -176,7 +150,7 @@ def bench_prefill(args) -> dict[str, Any]:
     from rollout_engine import SamplingParams
 
     limits = measure_device()
-    engine = _engine(args, enable_prefix_cache=False, max_prefill_tokens=args.num_prompts * args.prompt_max)
+    engine = make_engine(args, enable_prefix_cache=False, max_prefill_tokens=args.num_prompts * args.prompt_max)
     costs = ModelCosts.of(engine.model_config)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_new_tokens=1, temperature=0)
@@ -184,17 +158,16 @@ def bench_prefill(args) -> dict[str, Any]:
     for seed in range(3):  # the first run compiles and warms up
         rng = random.Random(seed)
         ids = [[rng.randrange(1000, vocab - 1000) for _ in range(args.prompt_max)] for _ in range(args.num_prompts)]
-        _sync()
+        sync()
         t = time.perf_counter()
         engine.generate(input_ids=ids, sampling_params=params)
-        _sync()
+        sync()
         results.append(time.perf_counter() - t)
     seconds = min(results[1:])
     tokens = args.num_prompts * args.prompt_max
     ceiling = prefill_ceiling(costs, limits)
-    engine.shutdown()
+    free_device_memory(engine)
     del engine
-    _free_device_memory()
     return {"tokens": tokens, "seconds": round(seconds, 4), "tok_per_s": round(tokens / seconds, 1),
             "ceiling_tok_per_s": round(ceiling, 1), "pct_of_ceiling": round(100 * tokens / seconds / ceiling, 1),
             "bf16_TFLOPs": round(limits.flops / 1e12, 1)}

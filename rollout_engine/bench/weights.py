@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rollout_engine.bench.run import _engine, _free_device_memory, timed
+from rollout_engine.bench.common import free_device_memory, make_engine, timed
 
 ROUNDS = 3
 
@@ -20,7 +20,7 @@ def bench_weights(args) -> dict[str, Any]:
         return bench_nccl(args)
     from safetensors.torch import save_file
 
-    engine = _engine(args, enable_prefix_cache=False)
+    engine = make_engine(args, enable_prefix_cache=False)
     tensors = [(n, engine.get_weight(n).to(engine.device)) for n in engine.weight_names()]
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     engine.update_weights(tensors)  # warm-up
@@ -33,9 +33,8 @@ def bench_weights(args) -> dict[str, Any]:
         save_file({n: t.cpu().contiguous() for n, t in tensors}, f"{folder}/model.safetensors")
         del tensors
         from_disk = timed(lambda: engine.update_weights_from_disk(folder))
-    engine.shutdown()
+    free_device_memory(engine)
     del engine
-    _free_device_memory()
     return {"weight_bytes": nbytes, "in_process_s": round(in_process, 4),
             "in_process_GBps": round(nbytes / in_process / 1e9, 1),
             "separate_finite_pass_s": round(check_pass, 4), "from_disk_s": round(from_disk, 3),
@@ -52,10 +51,10 @@ def _trainer(args, port: int, meta_queue, out_queue) -> None:
     from rollout_engine.integrations.weight_sender import WeightSender
 
     torch.cuda.set_device(0)
-    source = _engine(args, enable_prefix_cache=False, cuda_graph=False, max_total_tokens=4096, device="cuda:0")
+    source = make_engine(args, enable_prefix_cache=False, cuda_graph=False, max_total_tokens=4096, device="cuda:0")
     tensors = [(n, source.get_weight(n).to("cuda:0")) for n in source.weight_names()]
+    free_device_memory(source)
     del source
-    _free_device_memory()
     sender = WeightSender("127.0.0.1", port, world_size=2, bucket_bytes=args.bucket_mb << 20, device="cuda:0")
     meta_queue.put(WeightSender.metadata(tensors))
     times = []
@@ -67,7 +66,7 @@ def _trainer(args, port: int, meta_queue, out_queue) -> None:
 
 def _receiver(args, port: int, meta_queue, out_queue) -> None:
     torch.cuda.set_device(1)
-    engine = _engine(args, enable_prefix_cache=False, max_total_tokens=65536, device="cuda:1")
+    engine = make_engine(args, enable_prefix_cache=False, max_total_tokens=65536, device="cuda:1")
     engine.init_weight_sync_group("127.0.0.1", port, rank_offset=1, world_size=2)
     names, dtypes, shapes = meta_queue.get(timeout=600)
     times = []

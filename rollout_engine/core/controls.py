@@ -84,7 +84,8 @@ class Controls:
         sched = self.scheduler
         return {"running_requests": len(sched.running), "waiting_requests": len(sched.waiting),
                 **sched.stats.snapshot(), "cache": self.cache_stats(), "weight_version": self.parts.updater.version,
-                "kv_capacity_tokens": self.parts.limits.kv_capacity, "memory": self.memory_state(),
+                "kv_capacity_tokens": self.parts.limits.kv_capacity,
+                "kv_free_tokens": sched.kv.allocator.num_free_pages * sched.kv.page_size, "memory": self.memory_state(),
                 "paused": self.core.paused}
 
     def check_integrity(self) -> None:

@@ -1,0 +1,42 @@
+"""Helpers every benchmark uses: building the engine from the CLI arguments,
+device-synchronised timing, and handing device memory back between engines."""
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def make_engine(args, **overrides):
+    from rollout_engine import RolloutEngine
+
+    kw = dict(load_format=args.load_format, attention_backend=args.attention_backend,
+              max_total_tokens=args.max_total_tokens, seed=args.seed, cuda_graph=not args.no_cuda_graph)
+    kw.update(overrides)
+    return RolloutEngine(args.model, **kw)
+
+
+def timed(fn) -> float:
+    """Seconds `fn()` takes, the device synchronised on both sides."""
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def free_device_memory(engine=None) -> None:
+    """Shut `engine` down (if given), collect what is left of it and return
+    its memory to the device, so the next engine sizes its KV cache from the
+    whole GPU."""
+    if engine is not None:
+        engine.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
