@@ -113,3 +113,16 @@ def _runner(cfg: EngineConfig, model: DecoderForCausalLM, kv_pool: KVPool, table
         torch.cuda.empty_cache()
         memory.register("cuda_graph", extra_bytes=torch.cuda.memory_reserved(device) - before)
     return runner
+
+
+def replica_runner(parts: EngineParts) -> ModelRunner:
+    """Another runner on the engine's model (same weights) with a KV pool and
+    request table of its own, without CUDA graphs: given the engine's plans
+    in order, it computes the same tokens."""
+    cfg, model = parts.config, parts.model
+    mc, attn = model.config, model.model.layers[0].self_attn.attn
+    kv_pool = KVPool(mc.num_layers, parts.kv_pool.num_slots, attn.num_kv_heads, mc.head_dim, parts.dtype,
+                     parts.device)
+    shape = AttentionShape(attn.num_heads, attn.num_kv_heads, mc.head_dim, cfg.page_size, parts.dtype, parts.device)
+    backend = create_backend(cfg.attention_backend, shape)
+    return ModelRunner(model, kv_pool, backend, parts.runner.table_shape, parts.device)

@@ -60,8 +60,8 @@ class EngineCore:
         self._stopping = False
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="rollout-engine-loop", daemon=True)
-        self._thread.start()
         _LIVE.add(self)
+        self._thread.start()
 
     # ---- posting (any thread) -------------------------------------------------
     def post(self, fn: Callable[[], Any], fut: Future | None = None) -> None:
@@ -140,7 +140,6 @@ class EngineCore:
             self.post(run)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-        _LIVE.discard(self)
 
     # ---- on the loop thread ---------------------------------------------------
     def _submit(self, token_lists, params, request_ids, sub: Subscription) -> None:
@@ -184,6 +183,11 @@ class EngineCore:
             for sub in set(self._subs.values()):
                 sub.fail(e)
             self._fail_commands(e)
+        finally:
+            if self._dead is None:  # stopped: later posts are refused, and any left get an error
+                self._dead = RuntimeError("the engine's step loop was stopped")
+                self._fail_commands(self._dead)
+            _LIVE.discard(self)
 
     @staticmethod
     def _execute(fn: Callable[[], Any], fut: Future | None) -> None:

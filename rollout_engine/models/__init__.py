@@ -1,4 +1,2 @@
-from rollout_engine.models.config import ARCHITECTURES, ModelConfig
-from rollout_engine.models.decoder import DecoderForCausalLM
-
-__all__ = ["ARCHITECTURES", "ModelConfig", "DecoderForCausalLM"]
+"""Model definitions: configs read from HF config.json (config.py), presets
+(presets.py) and the decoder built from TP-aware layers (decoder.py)."""

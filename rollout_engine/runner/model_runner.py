@@ -38,6 +38,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.backend = backend
         self.device = device
+        self.table_shape = table_shape
         self.table = TableMirror(*table_shape, device, on_device=backend.needs_device_table,
                                  on_host=not backend.needs_device_table)
         self.graphs = None  # a CudaGraphRunner once captured

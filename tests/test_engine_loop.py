@@ -1,0 +1,188 @@
+"""The engine's one step loop: many front ends at once, an idle loop that
+uses no CPU, and callers that leave early (a timeout, a closed stream, a
+SIGINT) taking their requests with them."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from models import make_hf_model, save_model
+from rollout_engine import RolloutEngine, SamplingParams
+
+JOIN_S = 120
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory):
+    """A tiny model with peaked logits (large weights): greedy tokens do not
+    flip on the rounding differences between batch shapes."""
+    return save_model(make_hf_model("llama", seed=3, initializer_range=0.2, max_position_embeddings=8192), tmp_path_factory.mktemp("peaked"))
+
+
+@pytest.fixture(scope="module")
+def engine(peaked):
+    e = RolloutEngine(peaked, device="cpu", max_total_tokens=16384)
+    yield e
+    e.shutdown()
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _kv_all_back(engine) -> bool:
+    m = engine.metrics()
+    return m["kv_free_tokens"] + m["cache"]["cached_tokens"] == m["kv_capacity_tokens"]
+
+
+def _wait_until(cond, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_threads_tasks_and_streams_at_once_equal_each_request_alone(engine):
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(3 + i % 9)] for i in range(40)]
+    lengths = [4 + (i * 7) % 37 for i in range(40)]
+    alone = [engine.generate(input_ids=[p], sampling_params=_greedy(n))[0].output_token_ids
+             for p, n in zip(prompts, lengths)]
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def guarded(fn):
+        def run(*args):
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        return run
+
+    @guarded
+    def blocking(i: int) -> None:
+        got[i] = engine.generate(input_ids=[prompts[i]], sampling_params=_greedy(lengths[i]))[0].output_token_ids
+
+    @guarded
+    def streaming(i: int) -> None:
+        tokens = []
+        for delta in engine.stream(input_ids=[prompts[i]], sampling_params=_greedy(lengths[i])):
+            tokens += delta.output_token_ids
+        got[i] = tokens
+
+    @guarded
+    def tasks() -> None:
+        async def one(i: int) -> None:
+            outs = await engine.generate_async(input_ids=[prompts[i]], sampling_params=_greedy(lengths[i]))
+            got[i] = outs[0].output_token_ids
+
+        async def all_tasks() -> None:
+            await asyncio.gather(*(one(i) for i in range(16, 32)))
+
+        asyncio.run(all_tasks())
+
+    threads = [threading.Thread(target=blocking, args=(i,)) for i in range(16)]
+    threads += [threading.Thread(target=tasks)]
+    threads += [threading.Thread(target=streaming, args=(i,)) for i in range(32, 40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=JOIN_S)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert [got[i] for i in range(40)] == alone
+    engine.check_integrity()
+    assert engine.num_unfinished_requests() == 0
+
+
+def test_an_idle_engine_uses_no_cpu(engine):
+    engine.generate(input_ids=[[1, 2, 3]], sampling_params=_greedy(4))  # the loop has run
+    cpu = time.process_time()
+    time.sleep(5)
+    assert time.process_time() - cpu < 0.05  # < 1% of a core over 5 s
+
+
+def test_a_timed_out_generate_async_aborts_its_requests(engine):
+    async def main() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.generate_async(input_ids=[[1, 2, 3], [4, 5]],
+                                                         sampling_params=_greedy(5000)), 0.5)
+
+    asyncio.run(main())
+    assert _wait_until(lambda: engine.num_unfinished_requests() == 0, 1.0)
+    assert _wait_until(lambda: _kv_all_back(engine), 1.0)
+    engine.check_integrity()
+
+
+def test_a_stream_closed_after_three_deltas_aborts_its_requests(engine):
+    it = engine.stream(input_ids=[[9, 8, 7]], sampling_params=SamplingParams(max_new_tokens=5000, temperature=0,
+                                                                             ignore_eos=True, n=2))
+    for _ in range(3):
+        next(it)
+    assert engine.num_unfinished_requests() == 2
+    it.close()
+    assert _wait_until(lambda: engine.num_unfinished_requests() == 0, 1.0)
+    assert _wait_until(lambda: _kv_all_back(engine), 1.0)
+    engine.check_integrity()
+
+
+def test_leaving_stream_async_aborts_its_requests(engine):
+    async def main() -> int:
+        seen = 0
+        stream = engine.stream_async(input_ids=[[5, 6]], sampling_params=_greedy(5000))
+        async for delta in stream:
+            seen += len(delta.output_token_ids)
+            if seen >= 3:
+                break
+        await stream.aclose()
+        return seen
+
+    assert asyncio.run(main()) >= 3
+    assert _wait_until(lambda: engine.num_unfinished_requests() == 0, 1.0)
+    engine.check_integrity()
+
+
+def test_sigint_ends_a_program_awaiting_generate_async(peaked):
+    script = textwrap.dedent(f"""
+        import asyncio, sys
+        from rollout_engine import RolloutEngine, SamplingParams
+
+        async def main():
+            engine = RolloutEngine({str(peaked)!r}, device="cpu", max_total_tokens=16384)
+            task = asyncio.ensure_future(engine.generate_async(
+                input_ids=[[1, 2, 3]] * 4, sampling_params=SamplingParams(max_new_tokens=5000, ignore_eos=True)))
+            while engine.metrics()["output_tokens"] < 8:
+                await asyncio.sleep(0.01)
+            print("generating", flush=True)
+            await task
+
+        try:
+            asyncio.run(main())
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            sys.exit(130)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "generating", proc.stderr.read()
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=2)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read()
+    assert took < 2
+    assert proc.returncode in (130, 1), stderr
+    assert len(stderr.strip().splitlines()) < 5, stderr
