@@ -21,6 +21,8 @@ import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
+import torch
+
 from rollout_engine.core.build import EngineParts
 from rollout_engine.core.request_factory import RequestFactory
 from rollout_engine.core.subscription import Subscription
@@ -168,6 +170,8 @@ class EngineCore:
 
     def _run(self) -> None:
         try:
+            if self.parts.device.type == "cuda":  # streams, events and graphs of the engine's device
+                torch.cuda.set_device(self.parts.device)
             while not self._stopping:
                 idle = self.paused or self.manual or not self.scheduler.has_work()
                 cmd = self._inbox.get() if idle else self._next_command()
