@@ -61,6 +61,9 @@ class EngineCore:
         self.scheduler.on_finish = self._finished.append
         self._stopping = False
         self._dead: BaseException | None = None
+        device = parts.device
+        self._cuda_index = None if device.type != "cuda" else (
+            device.index if device.index is not None else torch.cuda.current_device())
         self._thread = threading.Thread(target=self._run, name="rollout-engine-loop", daemon=True)
         _LIVE.add(self)
         self._thread.start()
@@ -170,8 +173,8 @@ class EngineCore:
 
     def _run(self) -> None:
         try:
-            if self.parts.device.type == "cuda":  # streams, events and graphs of the engine's device
-                torch.cuda.set_device(self.parts.device)
+            if self._cuda_index is not None:  # streams, events and graphs of the engine's device
+                torch.cuda.set_device(self._cuda_index)
             while not self._stopping:
                 idle = self.paused or self.manual or not self.scheduler.has_work()
                 cmd = self._inbox.get() if idle else self._next_command()
