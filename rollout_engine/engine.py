@@ -13,10 +13,8 @@ import torch
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.core import calls
-from rollout_engine.core.build import build_parts
 from rollout_engine.core.controls import PAUSE_MODES, Controls
 from rollout_engine.core.engine_core import EngineCore
-from rollout_engine.core.request_factory import RequestFactory
 from rollout_engine.distributed.weight_sync import DEFAULT_BUCKET_BYTES
 from rollout_engine.memory.manager import TAGS
 from rollout_engine.outputs import RolloutOutput
@@ -33,11 +31,10 @@ class RolloutEngine:
         self.config = cfg = EngineConfig(model=model, **kwargs)
         if cfg.tp_size != 1:
             raise ValueError("tp_size > 1 is not supported yet")
-        parts = build_parts(cfg)
+        self.core = EngineCore(cfg)  # its loop thread builds the parts
+        parts = self.core.parts
         self.device, self.dtype, self.tokenizer = parts.device, parts.dtype, parts.tokenizer
         self.model_config, self.limits = parts.model.config, parts.limits
-        self._requests = RequestFactory(parts.tokenizer, parts.limits, cfg.seed)
-        self.core = EngineCore(parts, self._requests)
         self._controls = Controls(self.core, parts)
         # An engine dropped without shutdown() stops its loop (which would
         # otherwise keep the model alive).
@@ -196,4 +193,4 @@ class RolloutEngine:
 
     def _inputs(self, prompts, input_ids, sampling_params) -> tuple[list[list[int]], list[SamplingParams]]:
         self._require_open()
-        return self._requests.validate(prompts, input_ids, sampling_params)
+        return self.core.factory.validate(prompts, input_ids, sampling_params)

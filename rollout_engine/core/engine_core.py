@@ -23,11 +23,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rollout_engine.core.build import EngineParts
+from rollout_engine.config import EngineConfig
+from rollout_engine.core.build import EngineParts, build_parts
 from rollout_engine.core.request_factory import RequestFactory
 from rollout_engine.core.subscription import Subscription
 from rollout_engine.request import Request
+from rollout_engine.runner.model_loader import resolve_device
 from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.scheduler.scheduler import Scheduler
 
 _LIVE: "weakref.WeakSet[EngineCore]" = weakref.WeakSet()
 
@@ -46,10 +49,11 @@ def _stop_live_loops() -> None:
 
 
 class EngineCore:
-    def __init__(self, parts: EngineParts, factory: RequestFactory):
-        self.parts = parts
-        self.scheduler = parts.scheduler
-        self.factory = factory
+    def __init__(self, cfg: EngineConfig):
+        """Start the loop thread; it builds the engine's parts first (so the
+        thread that computes is the one that built: on the CPU, torch's
+        OpenMP pool then belongs to one thread) and then serves commands.
+        Raises what building raised."""
         self.paused = False
         # Tests and tools that drive the engine step by step set this: the
         # loop then steps only on `step_once()` (still on the loop thread).
@@ -58,15 +62,24 @@ class EngineCore:
         self._subs: dict[int, Subscription] = {}  # id(request) -> its call's subscription
         self._streams: list[Subscription] = []
         self._finished: list[Request] = []
-        self.scheduler.on_finish = self._finished.append
         self._stopping = False
+        self._abandoned = False
         self._dead: BaseException | None = None
-        device = parts.device
+        device = resolve_device(cfg.device)
         self._cuda_index = None if device.type != "cuda" else (
             device.index if device.index is not None else torch.cuda.current_device())
-        self._thread = threading.Thread(target=self._run, name="rollout-engine-loop", daemon=True)
+        built: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(cfg, built), name="rollout-engine-loop", daemon=True)
         _LIVE.add(self)
         self._thread.start()
+        self.parts: EngineParts
+        self.scheduler: Scheduler
+        self.factory: RequestFactory
+        try:
+            built.result()  # the loop thread has set the three above
+        except BaseException:
+            self._abandoned = True  # interrupted while building: the loop ends once built
+            raise
 
     # ---- posting (any thread) -------------------------------------------------
     def post(self, fn: Callable[[], Any], fut: Future | None = None) -> None:
@@ -171,10 +184,21 @@ class EngineCore:
                 for r in group:
                     self.scheduler.add(r)
 
-    def _run(self) -> None:
+    def _run(self, cfg: EngineConfig, built: Future) -> None:
         try:
             if self._cuda_index is not None:  # streams, events and graphs of the engine's device
                 torch.cuda.set_device(self._cuda_index)
+            try:
+                parts = build_parts(cfg)
+            except BaseException as e:  # noqa: BLE001 - raised in the constructor
+                built.set_exception(e)
+                return
+            self.parts, self.scheduler = parts, parts.scheduler
+            self.factory = RequestFactory(parts.tokenizer, parts.limits, cfg.seed)
+            self.scheduler.on_finish = self._finished.append
+            built.set_result(parts)
+            if self._abandoned:
+                return
             while not self._stopping:
                 idle = self.paused or self.manual or not self.scheduler.has_work()
                 cmd = self._inbox.get() if idle else self._next_command()
