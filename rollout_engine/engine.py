@@ -46,14 +46,14 @@ class RolloutEngine:
     def generate(self, prompts: Prompts = None, input_ids: InputIds = None, sampling_params: Params = None,
                  request_ids: Sequence[str] | None = None, progress: bool = False) -> list[RolloutOutput]:
         """Blocking; one output per (prompt, sample), samples of a prompt adjacent."""
-        return calls.generate(self.core, *self._inputs(prompts, input_ids, sampling_params), request_ids, progress)
+        return calls.generate(self.core, (*self._inputs(prompts, input_ids, sampling_params), request_ids), progress)
 
     async def generate_async(self, prompts: Prompts = None, input_ids: InputIds = None,
                              sampling_params: Params = None,
                              request_ids: Sequence[str] | None = None) -> list[RolloutOutput]:
         """Awaitable `generate`; cancelling the awaiting task aborts its requests."""
         inputs = self._inputs(prompts, input_ids, sampling_params)
-        return await calls.generate_async(self.core, *inputs, request_ids)
+        return await calls.generate_async(self.core, (*inputs, request_ids))
 
     def stream(self, prompts: Prompts = None, input_ids: InputIds = None, sampling_params: Params = None,
                request_ids: Sequence[str] | None = None) -> Iterator[RolloutOutput]:
@@ -61,12 +61,12 @@ class RolloutEngine:
         logprobs, and text of complete characters, never a stop string) since
         its previous delta; `finish_reason` is None until its last one.
         Closing the iterator early aborts its requests."""
-        return calls.stream(self.core, *self._inputs(prompts, input_ids, sampling_params), request_ids)
+        return calls.stream(self.core, (*self._inputs(prompts, input_ids, sampling_params), request_ids))
 
     def stream_async(self, prompts: Prompts = None, input_ids: InputIds = None, sampling_params: Params = None,
                      request_ids: Sequence[str] | None = None) -> AsyncIterator[RolloutOutput]:
         """`stream` for `async for`; closing it (aclose, cancellation) aborts its requests."""
-        return calls.stream_async(self.core, *self._inputs(prompts, input_ids, sampling_params), request_ids)
+        return calls.stream_async(self.core, (*self._inputs(prompts, input_ids, sampling_params), request_ids))
 
     def abort(self, request_ids: Sequence[str] | None = None) -> int:
         """Stop the named (or all) requests that exist now; they finish with

@@ -11,7 +11,7 @@ import asyncio
 import queue
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 from rollout_engine.core.engine_core import EngineCore
 from rollout_engine.core.subscription import Subscription
@@ -21,11 +21,7 @@ from rollout_engine.sampling_params import SamplingParams
 ABORT_WAIT_SECONDS = 10.0
 
 
-def _item(kind: str, value):
-    """An item's payload; an error item raises its exception."""
-    if kind == "error":
-        raise value
-    return value
+Inputs = tuple[list[list[int]], list[SamplingParams], Sequence[str] | None]  # token lists, params, request ids
 
 
 def _abort_and_wait(core: EngineCore, sub: Subscription) -> None:
@@ -38,50 +34,26 @@ def _abort_and_wait(core: EngineCore, sub: Subscription) -> None:
         pass
 
 
-def generate(core: EngineCore, token_lists: list[list[int]], params: list[SamplingParams],
-             request_ids: Sequence[str] | None, progress: bool) -> list[RolloutOutput]:
-    from tqdm import tqdm
-
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    sub = Subscription(q.put, progress=progress)
-    bar = tqdm(total=sum(p.n for p in params), disable=not progress, desc="rollout", unit="req")
+def _items(core: EngineCore, inputs: Inputs, sub: Subscription, get) -> Iterator[tuple[str, Any]]:
+    """Submit, then yield the call's items up to "end" (an error item
+    raises); leaving before "end" aborts the call."""
     ended = False
     try:
-        core.submit(token_lists, params, request_ids, sub)
+        core.submit(*inputs, sub)
         while True:
-            kind, value = q.get()
-            value = _item(kind, value)
-            if kind == "progress":
-                bar.update(value)
-            elif kind == "end":
-                ended = True
-                return value
-    finally:
-        bar.close()
-        if not ended:
-            _abort_and_wait(core, sub)
-
-
-def stream(core: EngineCore, token_lists: list[list[int]], params: list[SamplingParams],
-           request_ids: Sequence[str] | None) -> Iterator[RolloutOutput]:
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    sub = Subscription(q.put, stream=True)
-    ended = False
-    try:
-        core.submit(token_lists, params, request_ids, sub)
-        while True:
-            kind, value = q.get()
-            value = _item(kind, value)
-            if kind == "end":
-                ended = True
-                return
-            yield value
+            kind, value = get()
+            if kind == "error":
+                raise value
+            ended = kind == "end"
+            yield kind, value
     finally:
         if not ended:  # closed early, interrupted or failed
             _abort_and_wait(core, sub)
 
 
-def _async_subscription(stream: bool) -> tuple[Subscription, asyncio.Queue]:
+async def _async_items(core: EngineCore, inputs: Inputs, stream: bool) -> AsyncIterator[tuple[str, Any]]:
+    """`_items` for a coroutine: results arrive through its event loop; a
+    cancelled wait aborts the call without blocking the loop."""
     loop = asyncio.get_running_loop()
     aq: asyncio.Queue = asyncio.Queue()
 
@@ -91,37 +63,61 @@ def _async_subscription(stream: bool) -> tuple[Subscription, asyncio.Queue]:
         except RuntimeError:  # the event loop is closed: nobody is waiting
             pass
 
-    return Subscription(deliver, stream=stream), aq
-
-
-async def generate_async(core: EngineCore, token_lists: list[list[int]], params: list[SamplingParams],
-                         request_ids: Sequence[str] | None) -> list[RolloutOutput]:
-    sub, aq = _async_subscription(stream=False)
+    sub = Subscription(deliver, stream=stream)
     ended = False
     try:
-        core.submit(token_lists, params, request_ids, sub)
-        kind, value = await aq.get()
-        value = _item(kind, value)
-        ended = True
-        return value
+        core.submit(*inputs, sub)
+        while True:
+            kind, value = await aq.get()
+            if kind == "error":
+                raise value
+            ended = kind == "end"
+            yield kind, value
     finally:
-        if not ended:  # cancelled (a timeout, Ctrl-C) or failed
+        if not ended:  # cancelled (a timeout, Ctrl-C), closed early or failed
             core.abort_call(sub)
 
 
-async def stream_async(core: EngineCore, token_lists: list[list[int]], params: list[SamplingParams],
-                       request_ids: Sequence[str] | None) -> AsyncIterator[RolloutOutput]:
-    sub, aq = _async_subscription(stream=True)
-    ended = False
+def generate(core: EngineCore, inputs: Inputs, progress: bool) -> list[RolloutOutput]:
+    from tqdm import tqdm
+
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    sub = Subscription(q.put, progress=progress)
+    with tqdm(total=sum(p.n for p in inputs[1]), disable=not progress, desc="rollout", unit="req") as bar:
+        for kind, value in _items(core, inputs, sub, q.get):
+            if kind == "progress":
+                bar.update(value)
+            elif kind == "end":
+                return value
+
+
+def stream(core: EngineCore, inputs: Inputs) -> Iterator[RolloutOutput]:
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    items = _items(core, inputs, Subscription(q.put, stream=True), q.get)
     try:
-        core.submit(token_lists, params, request_ids, sub)
-        while True:
-            kind, value = await aq.get()
-            value = _item(kind, value)
+        for kind, value in items:
             if kind == "end":
-                ended = True
                 return
             yield value
     finally:
-        if not ended:
-            core.abort_call(sub)
+        items.close()  # a stream closed early closes (and aborts) its call now
+
+
+async def generate_async(core: EngineCore, inputs: Inputs) -> list[RolloutOutput]:
+    items = _async_items(core, inputs, stream=False)
+    try:
+        async for kind, value in items:
+            return value  # the only item: "end"
+    finally:
+        await items.aclose()
+
+
+async def stream_async(core: EngineCore, inputs: Inputs) -> AsyncIterator[RolloutOutput]:
+    items = _async_items(core, inputs, stream=True)
+    try:
+        async for kind, value in items:
+            if kind == "end":
+                return
+            yield value
+    finally:
+        await items.aclose()
