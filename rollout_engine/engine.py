@@ -29,8 +29,6 @@ Params = SamplingParams | Sequence[SamplingParams] | None
 class RolloutEngine:
     def __init__(self, model: str, **kwargs):
         self.config = cfg = EngineConfig(model=model, **kwargs)
-        if cfg.tp_size != 1:
-            raise ValueError("tp_size > 1 is not supported yet")
         self.core = EngineCore(cfg)  # its loop thread builds the parts
         parts = self.core.parts
         self.device, self.dtype, self.tokenizer = parts.device, parts.dtype, parts.tokenizer
@@ -102,8 +100,8 @@ class RolloutEngine:
 
     def init_weight_sync_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                group_name: str = "weight_sync", backend: str = "nccl") -> None:
-        self._require_open()
-        self._updater.receiver.init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+        return self._call("init_weight_sync_group", master_address, master_port, rank_offset, world_size,
+                          group_name, backend)
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[torch.dtype],
                                         shapes: Sequence[Sequence[int]], src_rank: int = 0,
@@ -115,8 +113,7 @@ class RolloutEngine:
                           group_name, bucket_bytes)
 
     def destroy_weight_sync_group(self, group_name: str = "weight_sync") -> None:
-        self._require_open()
-        self._updater.receiver.destroy(group_name)
+        return self._call("destroy_weight_sync_group", group_name)
 
     def get_weight(self, name: str) -> torch.Tensor:
         """A copy of the weight `name` (HF name), unfused."""

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 
-def trainer(port: int, folder: str, meta_queue, bucket_bytes: int) -> None:
+def trainer(port: int, folder: str, meta_queue, bucket_bytes: int, world_size: int = 2) -> None:
     from rollout_engine.integrations.weight_sender import WeightSender
     from rollout_engine.weights.loader import iter_safetensors
 
     tensors = list(iter_safetensors(folder))
-    sender = WeightSender("127.0.0.1", port, world_size=2, backend="gloo", bucket_bytes=bucket_bytes)
+    sender = WeightSender("127.0.0.1", port, world_size=world_size, backend="gloo", bucket_bytes=bucket_bytes)
     meta_queue.put(WeightSender.metadata(tensors))
     sender.send(tensors)
     # A second round, with a bad name on the engine side: the sender must not hang.
@@ -15,11 +15,11 @@ def trainer(port: int, folder: str, meta_queue, bucket_bytes: int) -> None:
     sender.close()
 
 
-def engine(port: int, folder: str, meta_queue, out_queue, prompts, bucket_bytes: int) -> None:
+def engine(port: int, folder: str, meta_queue, out_queue, prompts, bucket_bytes: int, tp_size: int = 1) -> None:
     from rollout_engine import RolloutEngine, SamplingParams
 
-    eng = RolloutEngine(folder, max_total_tokens=2048)
-    eng.init_weight_sync_group("127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo")
+    eng = RolloutEngine(folder, max_total_tokens=2048, tp_size=tp_size)
+    eng.init_weight_sync_group("127.0.0.1", port, rank_offset=1, world_size=1 + tp_size, backend="gloo")
     names, dtypes, shapes = meta_queue.get(timeout=120)
     version = eng.update_weights_from_distributed(names, dtypes, shapes, bucket_bytes=bucket_bytes)
     outs = eng.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
@@ -31,6 +31,7 @@ def engine(port: int, folder: str, meta_queue, out_queue, prompts, bucket_bytes:
         error = str(e)
     eng.destroy_weight_sync_group()
     out_queue.put((version, [o.output_token_ids for o in outs], error, eng.weight_version))
+    eng.shutdown()
 
 
 def fsdp_rank(rank: int, port: int, folder_a: str, folder_b: str, kind: int, out_queue, prompts) -> None:

@@ -18,13 +18,15 @@ from rollout_engine.cache.radix import RadixCache
 from rollout_engine.cache.req_table import ReqToTokenTable
 from rollout_engine.config import EngineConfig
 from rollout_engine.distributed.comm import TPComm
+from rollout_engine.distributed.tp_group import TPChannel, TPStepRunner
 from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens
 from rollout_engine.memory.controller import MemoryController
 from rollout_engine.memory.manager import MemoryManager
 from rollout_engine.memory.saver import create_saver
 from rollout_engine.model_zoo import resolve_model_path
 from rollout_engine.models.decoder import DecoderForCausalLM
-from rollout_engine.runner.model_loader import load_model, resolve_device, resolve_dtype
+from rollout_engine.models.config import ModelConfig
+from rollout_engine.runner.model_loader import load_model, read_hf_config, resolve_device, resolve_dtype
 from rollout_engine.runner.model_runner import ModelRunner
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -51,42 +53,65 @@ class EngineParts:
     scheduler: Scheduler
     controller: MemoryController
     updater: WeightUpdater
+    comm: TPComm
+    channel: TPChannel | None = None  # rank 0 of a tensor-parallel engine: the other ranks
 
 
-def build_parts(cfg: EngineConfig) -> EngineParts:
+def check_tp_size(cfg: EngineConfig) -> None:
+    """Refuse a tp_size that does not split the model (before any process starts)."""
+    k = cfg.tp_size
+    if k == 1:
+        return
+    hf, eos = read_hf_config(resolve_model_path(cfg.model, cfg.load_format))
+    mc = ModelConfig.from_hf(hf, eos)
+    if mc.num_heads % k:
+        raise ValueError(f"tp_size {k} must divide the model's attention heads ({mc.num_heads})")
+    if mc.num_kv_heads % k and k % mc.num_kv_heads:
+        raise ValueError(f"tp_size {k} and the model's KV heads ({mc.num_kv_heads}) must divide one another")
+    if mc.intermediate_size % k:
+        raise ValueError(f"tp_size {k} must divide the model's intermediate size ({mc.intermediate_size})")
+
+
+def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChannel | None = None) -> EngineParts:
+    """This rank's parts (`comm`: its place in a tensor-parallel group;
+    `channel`: on rank 0, the way to the other ranks)."""
+    comm = comm or TPComm()
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype, resolve_device(cfg.device))
     free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     memory = MemoryManager(create_saver(cfg.enable_memory_saver, device))
     path = resolve_model_path(cfg.model, cfg.load_format)
-    model = load_model(path, cfg.load_format, TPComm(), device, dtype, cfg.seed,
+    model = load_model(path, cfg.load_format, comm, device, dtype, cfg.seed,
                        weights_region=memory.region("weights", cfg.weights_cpu_backup))
     memory.register("weights", model.parameters())
     tokenizer = load_tokenizer(path, cfg.tokenizer)
-    kv_pool, allocator, table, limits = _kv_memory(cfg, model, memory, device, dtype, free_before)
+    kv_pool, allocator, table, limits = _kv_memory(cfg, model, memory, device, dtype, free_before, comm)
     prefix_cache = RadixCache(allocator) if cfg.enable_prefix_cache else NoPrefixCache(allocator)
     runner = _runner(cfg, model, kv_pool, table, memory, device, dtype)
     mc = model.config
     stop = StopChecker(mc.eos_token_ids or tokenizer_eos_ids(tokenizer), mc.max_position, tokenizer)
     scheduler = Scheduler(SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens,
                                           overlap=cfg.overlap_schedule),
-                          KVManager(allocator, table, prefix_cache), runner, stop)
+                          KVManager(allocator, table, prefix_cache),
+                          runner if channel is None else TPStepRunner(runner, channel), stop)
     loader = WeightLoader(model)
     controller = MemoryController(memory, scheduler, prefix_cache, runner, device, cfg.weights_cpu_backup,
                                   loader.required())
     updater = WeightUpdater(loader, WeightReceiver(), controller, prefix_cache, device)
     return EngineParts(cfg, device, dtype, model, tokenizer, memory, kv_pool, limits, prefix_cache, runner,
-                       scheduler, controller, updater)
+                       scheduler, controller, updater, comm, channel)
 
 
 def _kv_memory(cfg: EngineConfig, model: DecoderForCausalLM, memory: MemoryManager, device: torch.device,
-               dtype: torch.dtype, free_before: int) -> tuple[KVPool, PageAllocator, ReqToTokenTable, Limits]:
+               dtype: torch.dtype, free_before: int, comm: TPComm) -> tuple[KVPool, PageAllocator, ReqToTokenTable,
+                                                                            Limits]:
     """KV pool (in its memory region), slot allocator and request table,
-    sized from max_total_tokens or the free GPU memory."""
+    sized from max_total_tokens or the free GPU memory (the smallest over
+    the tensor-parallel ranks: their pools hold the same slots)."""
     mc = model.config
     attn = model.model.layers[0].self_attn.attn
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    capacity = kv_capacity_tokens(cfg, mc, kv_bytes_per_token(mc, attn.num_kv_heads, dtype), device,
-                                  free_before, weight_bytes, dtype.itemsize)
+    capacity = comm.agree_min(kv_capacity_tokens(cfg, mc, kv_bytes_per_token(mc, attn.num_kv_heads, dtype), device,
+                                                 free_before, weight_bytes, dtype.itemsize), device)
     num_pages = -(-capacity // cfg.page_size)
     allocator = PageAllocator(num_pages, cfg.page_size)
     with memory.region("kv_cache"):

@@ -11,6 +11,7 @@ import torch
 
 from rollout_engine.core.build import EngineParts
 from rollout_engine.core.engine_core import EngineCore
+from rollout_engine.core.rank_ops import RankOps
 from rollout_engine.scheduler.stats import counters
 
 PAUSE_MODES = ("abort", "keep", "retract")
@@ -21,6 +22,7 @@ class Controls:
         self.core = core
         self.parts = parts
         self.scheduler = parts.scheduler
+        self.ops = RankOps(parts)
 
     # ---- generation state -------------------------------------------------------
     def pause(self, mode: str) -> None:
@@ -42,33 +44,47 @@ class Controls:
     def num_unfinished(self) -> int:
         return len(self.scheduler.live_requests())
 
-    # ---- weights ----------------------------------------------------------------
-    def _updated(self, version: int) -> int:
+    # ---- weights (on every rank) ----------------------------------------------------
+    def _on_every_rank(self, op: str, *args):
+        """Rank operation `op` here and, with tensor parallelism, on every
+        other rank between the same two steps."""
+        local = lambda: getattr(self.ops, op)(*args)  # noqa: E731
+        channel = self.parts.channel
+        return local() if channel is None else channel.call(op, args, local)
+
+    def _update(self, op: str, *args) -> int:
+        self.scheduler.settle()  # the step in flight reads the weights
+        version = self._on_every_rank(op, *args)
         self.scheduler.weight_version = version  # tokens sampled from here on carry it
         return version
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None,
                        flush_cache: bool) -> int:
-        self.scheduler.settle()  # the step in flight reads the weights
-        return self._updated(self.parts.updater.update(named_tensors, version, flush_cache))
+        if self.parts.channel is not None:  # every rank gets the full tensors (on the host) and keeps its shard
+            named_tensors = [(name, t.detach().cpu()) for name, t in named_tensors]
+        return self._update("update_weights", named_tensors, version, flush_cache)
 
     def update_from_disk(self, path: str, version: int | None) -> int:
-        self.scheduler.settle()
-        return self._updated(self.parts.updater.update_from_disk(path, version))
+        return self._update("update_from_disk", path, version)
 
     def update_from_distributed(self, *args) -> int:
-        self.scheduler.settle()
-        return self._updated(self.parts.updater.update_from_distributed(*args))
+        return self._update("update_from_distributed", *args)
+
+    def init_weight_sync_group(self, *args) -> None:
+        self._on_every_rank("init_weight_sync_group", *args)
+
+    def destroy_weight_sync_group(self, group_name: str) -> None:
+        self._on_every_rank("destroy_weight_sync_group", group_name)
 
     def get_weight(self, name: str) -> torch.Tensor:
         return self.parts.updater.loader.read(name)
 
     # ---- memory -----------------------------------------------------------------
     def release_memory(self, tags: Sequence[str]) -> dict[str, int]:
-        return self.parts.controller.release(tags, self.core.paused)
+        return self._on_every_rank("release_memory", tags, self.core.paused)
 
     def resume_memory(self, tags: Sequence[str]) -> None:
-        self.parts.controller.resume(tags)
+        self._on_every_rank("resume_memory", tags)
 
     def memory_state(self) -> dict[str, str]:
         return self.parts.controller.state()

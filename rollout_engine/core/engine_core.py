@@ -24,7 +24,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rollout_engine.config import EngineConfig
-from rollout_engine.core.build import EngineParts, build_parts
+from rollout_engine.core.build import EngineParts, build_parts, check_tp_size
+from rollout_engine.core.worker import worker_main
+from rollout_engine.distributed import tp_group
 from rollout_engine.core.request_factory import RequestFactory
 from rollout_engine.core.subscription import Subscription
 from rollout_engine.request import Request
@@ -154,6 +156,8 @@ class EngineCore:
                 self.scheduler.finish_aborted()
                 self.dispatch()
                 self._stopping = True
+                if self.parts.channel is not None:  # the other ranks exit
+                    self.parts.channel.close()
 
             self.post(run)
         if threading.current_thread() is not self._thread:
@@ -189,7 +193,7 @@ class EngineCore:
             if self._cuda_index is not None:  # streams, events and graphs of the engine's device
                 torch.cuda.set_device(self._cuda_index)
             try:
-                parts = build_parts(cfg)
+                parts = self._build(cfg)
             except BaseException as e:  # noqa: BLE001 - raised in the constructor
                 built.set_exception(e)
                 return
@@ -229,6 +233,21 @@ class EngineCore:
             fut.set_result(fn())
         except Exception as e:  # noqa: BLE001 - the poster's error
             fut.set_exception(e)
+
+    def _build(self, cfg: EngineConfig) -> EngineParts:
+        """This rank's parts; with tp_size > 1, after starting the other ranks."""
+        if cfg.tp_size == 1:
+            return build_parts(cfg)
+        check_tp_size(cfg)
+        device = resolve_device(cfg.device)
+        if self._cuda_index is not None:
+            device = torch.device("cuda", self._cuda_index)
+        channel = tp_group.spawn_workers(cfg, device, worker_main)
+        try:
+            return build_parts(cfg, channel.comm, channel)
+        except BaseException:
+            channel.close(timeout=5)
+            raise
 
     def _next_command(self) -> tuple[Callable[[], Any], Future | None] | None:
         try:

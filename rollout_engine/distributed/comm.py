@@ -37,3 +37,14 @@ class TPComm:
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def agree_min(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (e.g. KV capacity: all ranks
+        must size their pools alike)."""
+        if self.tp_size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())

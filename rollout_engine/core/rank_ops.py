@@ -1,0 +1,39 @@
+"""What every rank of an engine applies to its own parts: weight updates
+(each rank keeps its shard of full tensors) and memory release/resume. Rank 0
+runs these from its controls and tells the other ranks to run the same, with
+the same arguments, between the same two steps."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from rollout_engine.core.build import EngineParts
+
+
+class RankOps:
+    def __init__(self, parts: EngineParts, tp_rank: int = 0):
+        self.parts = parts
+        self.tp_rank = tp_rank
+
+    def update_weights(self, named_tensors, version, flush_cache: bool) -> int:
+        return self.parts.updater.update(named_tensors, version, flush_cache)
+
+    def update_from_disk(self, path: str, version) -> int:
+        return self.parts.updater.update_from_disk(path, version)
+
+    def update_from_distributed(self, *args) -> int:
+        return self.parts.updater.update_from_distributed(*args)
+
+    def init_weight_sync_group(self, address: str, port: int, rank_offset: int, world_size: int, group_name: str,
+                               backend: str) -> None:
+        # Engine rank r joins the sync group as rank_offset + r.
+        self.parts.updater.receiver.init_group(address, port, rank_offset + self.tp_rank, world_size, group_name,
+                                               backend)
+
+    def destroy_weight_sync_group(self, group_name: str) -> None:
+        self.parts.updater.receiver.destroy(group_name)
+
+    def release_memory(self, tags: Sequence[str], paused: bool) -> dict[str, int]:
+        return self.parts.controller.release(tags, paused)
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        self.parts.controller.resume(tags)

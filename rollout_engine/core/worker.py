@@ -1,0 +1,39 @@
+"""A tensor-parallel worker process (ranks 1..k-1 of a standalone engine):
+builds its shard of the engine, then runs what rank 0 sends, in order: step
+plans (the same tokens come out on every rank), rank operations (weights,
+memory), stop."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rollout_engine.config import EngineConfig
+from rollout_engine.core.build import build_parts
+from rollout_engine.core.rank_ops import RankOps
+from rollout_engine.distributed import tp_group
+
+
+def worker_main(cfg: EngineConfig, rank: int, size: int, port: int, device: str) -> None:
+    tp_group.die_with_parent()
+    comm, control = tp_group.join_group(rank, size, port, torch.device(device))
+    parts = build_parts(dataclasses.replace(cfg, device=device), comm)
+    ops = RankOps(parts, rank)
+    prev = None
+    while True:
+        try:
+            message = tp_group.receive(control)
+        except Exception:  # the engine is gone
+            return
+        kind = message[0]
+        if kind == "plan":
+            _, prev = parts.runner.run(message[1], prev)
+        elif kind == "call":
+            try:
+                result = ("ok", getattr(ops, message[1])(*message[2]))
+            except Exception as e:  # noqa: BLE001 - reported to rank 0
+                result = ("error", e)
+            tp_group.gather_to_rank0(result, control)
+        elif kind == "stop":
+            tp_group.leave()
+            return

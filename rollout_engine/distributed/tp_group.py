@@ -1,0 +1,151 @@
+"""A tensor-parallel group for one engine, standalone: the engine's process
+is rank 0 and spawns `tp_size - 1` worker processes; together they form
+their own process group (NCCL on the GPU, gloo on the CPU) plus a gloo group
+for control messages (step plans, RL controls) from rank 0.
+
+Rank 0 plans; every rank runs each StepPlan on its shard of the model and
+samples the same tokens (the logits are gathered, so every rank samples
+from identical inputs). Workers die with the engine: they exit on a
+"stop" message, when the control channel breaks, and, on Linux, when their
+parent process dies (PR_SET_PDEATHSIG).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rollout_engine.distributed.comm import TPComm
+
+TIMEOUT = timedelta(minutes=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class TPChannel:
+    """Rank 0's side of the control group."""
+
+    comm: TPComm
+    control: Any  # the gloo group for messages
+    processes: list
+
+    def send(self, message: tuple) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def call(self, op: str, args: tuple, local) -> Any:
+        """Run rank operation `op(*args)` on every rank (here: `local()`);
+        returns rank 0's result, or raises the first rank's error."""
+        self.send(("call", op, args))
+        try:
+            mine = ("ok", local())
+        except Exception as e:  # noqa: BLE001 - the other ranks still answer first
+            mine = ("error", e)
+        results = self.gather(mine)
+        for status, value in results:
+            if status == "error":
+                raise value
+        return results[0][1]
+
+    def gather(self, result: Any) -> list:
+        """Every rank's result of the last call (rank 0's first)."""
+        out = [None] * self.comm.tp_size
+        dist.gather_object(result, out, dst=0, group=self.control)
+        return out
+
+    def close(self, timeout: float = 30.0) -> None:
+        try:
+            self.send(("stop",))
+        finally:
+            for p in self.processes:
+                p.join(timeout)
+                if p.is_alive():
+                    p.kill()
+            dist.destroy_process_group()
+
+
+def gather_to_rank0(result: Any, control) -> None:
+    dist.gather_object(result, None, dst=0, group=control)
+
+
+def leave() -> None:
+    dist.destroy_process_group()
+
+
+class TPStepRunner:
+    """Rank 0's step runner: each plan goes to every other rank, then runs
+    here; this rank's results are the engine's."""
+
+    def __init__(self, local, channel: TPChannel):
+        self.local = local
+        self.channel = channel
+
+    def launch(self, plan, prev=None):
+        self.channel.send(("plan", plan))
+        return self.local.launch(plan, prev)
+
+    def collect(self, handle):
+        return self.local.collect(handle)
+
+
+def receive(control) -> tuple:
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join_group(rank: int, size: int, port: int, device: torch.device) -> tuple[TPComm, Any]:
+    """Join the engine's process group; returns the TP comm and the control group."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else dist.group.WORLD
+    return TPComm(rank, size, dist.group.WORLD), control
+
+
+def spawn_workers(cfg, device: torch.device, worker_main) -> TPChannel:
+    """Start ranks 1..k-1 (running `worker_main(cfg, rank, k, port, device)`)
+    and join the group as rank 0."""
+    import multiprocessing as mp
+
+    if dist.is_initialized():
+        raise ValueError("tp_size > 1 inside an initialised torch.distributed job is not supported yet; "
+                         "create the engine in a process without a default process group")
+    k, port = cfg.tp_size, free_port()
+    ctx = mp.get_context("spawn")
+    base = device.index or 0
+    procs = []
+    for rank in range(1, k):
+        worker_device = torch.device("cuda", base + rank) if device.type == "cuda" else device
+        p = ctx.Process(target=worker_main, args=(cfg, rank, k, port, str(worker_device)), daemon=True,
+                        name=f"rollout-engine-tp{rank}")
+        p.start()
+        procs.append(p)
+    comm, control = join_group(0, k, port, device)
+    return TPChannel(comm, control, procs)
+
+
+def die_with_parent() -> None:
+    """Linux: get SIGTERM when the parent process dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1:  # the parent died before we got here
+        os._exit(1)

@@ -1,0 +1,124 @@
+"""Tensor parallelism on the CPU over gloo (standalone: the engine spawns its
+other ranks). Greedy tokens equal tp_size=1 in fp32 on models with peaked
+logits, raw logprobs within 1e-4; the prefix cache, n > 1, chunked prefill
+and retraction under a tight pool run through the same plans on every rank;
+weight updates (in-process and over a weight-sync group) reach every rank."""
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+from models import make_hf_model, save_model
+from rollout_engine import RolloutEngine, SamplingParams
+
+SYSTEM = list(range(20, 52))
+PROMPTS = [SYSTEM + [1, 2, 3], SYSTEM + [4, 5], [6, 7, 8, 9, 10], list(range(100, 170))]
+
+
+def _folder(tmp_path_factory, kind: str, **overrides) -> str:
+    model = make_hf_model(kind, seed=3, initializer_range=0.2, **overrides)
+    return save_model(model, tmp_path_factory.mktemp(f"tp-{kind}"))
+
+
+def _run(folder: str, tp: int, new_tokens: int = 12, **kw) -> list:
+    engine = RolloutEngine(folder, device="cpu", tp_size=tp, **{"max_total_tokens": 4096, **kw})
+    try:
+        greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True, logprobs=True,
+                                logprob_mode="raw")
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=greedy)
+        outs += engine.generate(input_ids=PROMPTS[:2], sampling_params=SamplingParams(
+            n=3, max_new_tokens=10, temperature=0.8, seed=7, ignore_eos=True, logprobs=True, logprob_mode="raw"))
+        engine.check_integrity()
+        stats = engine.cache_stats()
+        return outs, stats
+    finally:
+        engine.shutdown()
+
+
+def _same(a: list, b: list) -> None:
+    assert [o.output_token_ids for o in a] == [o.output_token_ids for o in b]
+    worst = max(abs(x - y) for oa, ob in zip(a, b) for x, y in zip(oa.output_logprobs, ob.output_logprobs))
+    assert worst < 1e-4
+
+
+MATRIX = [
+    ("llama", {}),
+    ("qwen2", {}),  # qkv biases
+    ("qwen3", {"vocab_size": 509}),  # q/k norms; a vocabulary not divisible by the ranks
+    ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: replicated
+]
+
+
+@pytest.mark.parametrize("kind,overrides", MATRIX, ids=["llama", "qwen2", "qwen3-odd-vocab", "llama-1kv"])
+def test_tp2_equals_tp1(tmp_path_factory, kind, overrides):
+    folder = _folder(tmp_path_factory, kind, **overrides)
+    one, _ = _run(folder, 1, max_prefill_tokens=40)
+    two, stats = _run(folder, 2, max_prefill_tokens=40)  # chunked prefill of the long prompt
+    _same(one, two)
+    assert stats["matched_tokens"] > 0  # the shared system prompt came from the prefix cache
+
+
+def test_tp4_equals_tp1_with_retraction_under_a_tight_pool(tmp_path_factory):
+    folder = _folder(tmp_path_factory, "llama", num_key_value_heads=2, vocab_size=510)
+    one, _ = _run(folder, 1, 60, max_total_tokens=200, max_prefill_tokens=64)
+    four, stats = _run(folder, 4, 60, max_total_tokens=200, max_prefill_tokens=64)
+    _same(one, four)
+    assert stats["retractions"] > 0
+
+
+def test_update_weights_reaches_every_rank(tmp_path_factory):
+    first = _folder(tmp_path_factory, "qwen2")
+    second = make_hf_model("qwen2", seed=9, initializer_range=0.2)
+    second_folder = save_model(second, tmp_path_factory.mktemp("tp-second"))
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    expected = RolloutEngine(second_folder, device="cpu", max_total_tokens=4096).generate(
+        input_ids=PROMPTS, sampling_params=params)
+    engine = RolloutEngine(first, device="cpu", max_total_tokens=4096, tp_size=2)
+    try:
+        before = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        assert engine.update_weights(second.state_dict()) == 1
+        after = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        assert [o.output_token_ids for o in after] == [o.output_token_ids for o in expected]
+        assert [o.output_token_ids for o in before] != [o.output_token_ids for o in after]
+        engine.update_weights_from_disk(first)
+        again = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        assert [o.output_token_ids for o in again] == [o.output_token_ids for o in before]
+        with pytest.raises(ValueError, match="unknown weight name"):
+            engine.update_weights({"bogus.weight": second.state_dict()["lm_head.weight"]})
+        assert engine.generate(input_ids=PROMPTS[:1], sampling_params=params)[0].output_token_ids == \
+            before[0].output_token_ids
+    finally:
+        engine.shutdown()
+
+
+def test_weight_sync_broadcast_reaches_every_rank(tmp_path_factory):
+    import sync_workers
+    from test_weight_sync import _free_port, _gather
+
+    folder_a = _folder(tmp_path_factory, "llama")
+    folder_b = save_model(make_hf_model("llama", seed=11), tmp_path_factory.mktemp("tp-sync-b"))
+    ctx = mp.get_context("spawn")
+    meta, out = ctx.Queue(), ctx.Queue()
+    port, bucket_bytes, prompts = _free_port(), 64 * 1024, [[1, 2, 3], list(range(60, 90))]
+    procs = [ctx.Process(target=sync_workers.trainer, args=(port, folder_b, meta, bucket_bytes, 3)),
+             ctx.Process(target=sync_workers.engine, args=(port, folder_a, meta, out, prompts, bucket_bytes, 2))]
+    for p in procs:
+        p.start()
+    [(version, tokens, error, final_version)] = _gather(procs, out, 1)
+    fresh = RolloutEngine(folder_b, max_total_tokens=2048).generate(
+        input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
+    assert version == 1 and tokens == [o.output_token_ids for o in fresh]
+    assert "unknown weight name 'bogus.weight'" in error and final_version == 1
+
+
+@pytest.mark.parametrize("tp,overrides,match", [
+    (3, {}, "attention heads"),
+    (4, {"num_key_value_heads": 3, "num_attention_heads": 6, "hidden_size": 96}, "attention heads"),
+    (2, {"intermediate_size": 129}, "intermediate size"),
+])
+def test_a_tp_size_that_does_not_split_the_model_is_refused(tmp_path_factory, tp, overrides, match):
+    folder = _folder(tmp_path_factory, "llama", **overrides)
+    with pytest.raises(ValueError, match=match):
+        RolloutEngine(folder, device="cpu", max_total_tokens=1024, tp_size=tp)
+    assert not [p for p in mp.active_children() if p.name.startswith("rollout-engine-tp")]
