@@ -13,8 +13,8 @@ import torch
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.core import calls
-from rollout_engine.core.controls import PAUSE_MODES, Controls
-from rollout_engine.core.engine_core import EngineCore
+from rollout_engine.core.controls import PAUSE_MODES
+from rollout_engine.core.engine_core import start_core
 from rollout_engine.distributed.weight_sync import DEFAULT_BUCKET_BYTES
 from rollout_engine.memory.manager import TAGS
 from rollout_engine.outputs import RolloutOutput
@@ -29,11 +29,11 @@ Params = SamplingParams | Sequence[SamplingParams] | None
 class RolloutEngine:
     def __init__(self, model: str, **kwargs):
         self.config = cfg = EngineConfig(model=model, **kwargs)
-        self.core = EngineCore(cfg)  # its loop thread builds the parts
+        self.core = start_core(cfg)  # its loop thread builds the parts
         parts = self.core.parts
         self.device, self.dtype, self.tokenizer = parts.device, parts.dtype, parts.tokenizer
         self.model_config, self.limits = parts.model.config, parts.limits
-        self._controls = Controls(self.core, parts)
+        self._controls = self.core.controls
         # An engine dropped without shutdown() stops its loop (which would
         # otherwise keep the model alive).
         self._finalizer = weakref.finalize(self, self.core.stop, 0)

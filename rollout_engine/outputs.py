@@ -50,3 +50,21 @@ def build_output(r: "Request", stop: "StopChecker", since: int = 0) -> RolloutOu
         prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
         finish_reason=r.finish_reason, text=text, num_cached_tokens=r.num_cached_tokens,
         weight_version=r.weight_version, output_weight_versions=r.output_weight_versions[since:end])
+
+
+def merge_deltas(deltas: list[RolloutOutput]) -> RolloutOutput:
+    """One request's stream deltas, in order, as the output `generate` gives."""
+    last = deltas[-1]
+
+    def joined(field: str):
+        parts = [getattr(d, field) for d in deltas]
+        return None if parts[0] is None else [x for p in parts for x in p]
+
+    texts = [d.text for d in deltas]
+    return RolloutOutput(
+        request_id=last.request_id, prompt_token_ids=last.prompt_token_ids,
+        output_token_ids=joined("output_token_ids"), output_logprobs=joined("output_logprobs"),
+        top_logprobs=joined("top_logprobs"), prompt_logprobs=last.prompt_logprobs,
+        finish_reason=last.finish_reason, text=None if texts[0] is None else "".join(texts),
+        num_cached_tokens=last.num_cached_tokens, weight_version=last.weight_version,
+        output_weight_versions=joined("output_weight_versions"))

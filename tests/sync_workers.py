@@ -66,3 +66,33 @@ def fsdp_rank(rank: int, port: int, folder_a: str, folder_b: str, kind: int, out
     outs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
     out_queue.put((rank, version, [o.output_token_ids for o in outs]))
     dist.destroy_process_group()
+
+
+def embedded_rank(rank: int, world: int, port: int, folder: str, second_folder: str, tp: int, prompts,
+                  out_queue) -> None:
+    """One rank of a torch.distributed job in which every rank constructs a
+    tensor-parallel engine and makes the same calls."""
+    import torch.distributed as dist
+
+    from rollout_engine import RolloutEngine, SamplingParams
+    from rollout_engine.weights.loader import iter_safetensors
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        try:
+            engine = RolloutEngine(folder, device="cpu", max_total_tokens=4096, tp_size=tp)
+        except ValueError as e:
+            out_queue.put((rank, "ValueError", str(e)))
+            return
+        params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+        first = [o.output_token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        streamed = {}
+        for delta in engine.stream(input_ids=prompts[:2], sampling_params=params):
+            streamed.setdefault(delta.request_id, []).extend(delta.output_token_ids)
+        version = engine.update_weights(list(iter_safetensors(second_folder)))  # each rank its own full tensors
+        second = [o.output_token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        engine.shutdown()
+        out_queue.put((rank, first, list(streamed.values()), version, second))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()

@@ -122,3 +122,44 @@ def test_a_tp_size_that_does_not_split_the_model_is_refused(tmp_path_factory, tp
     with pytest.raises(ValueError, match=match):
         RolloutEngine(folder, device="cpu", max_total_tokens=1024, tp_size=tp)
     assert not [p for p in mp.active_children() if p.name.startswith("rollout-engine-tp")]
+
+
+def _embedded(world: int, tp: int, folder: str, second_folder: str) -> list:
+    import sync_workers
+    from test_weight_sync import _free_port, _gather
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=sync_workers.embedded_rank,
+                         args=(r, world, port, folder, second_folder, tp, PROMPTS, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    return sorted(_gather(procs, out, world), key=lambda r: r[0])
+
+
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (4, 4)])
+def test_embedded_ranks_form_engines_and_agree(tmp_path_factory, world, tp):
+    """Every rank of a gloo job constructs RolloutEngine(tp_size=tp); each
+    consecutive block of tp ranks is one engine, and every rank returns the
+    outputs tp_size=1 gives, before and after an update from its own tensors."""
+    folder = _folder(tmp_path_factory, "llama")
+    second = make_hf_model("llama", seed=9, initializer_range=0.2)
+    second_folder = save_model(second, tmp_path_factory.mktemp("emb-second"))
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    want_first = [o.output_token_ids for o in RolloutEngine(folder, device="cpu", max_total_tokens=4096).generate(
+        input_ids=PROMPTS, sampling_params=params)]
+    want_second = [o.output_token_ids for o in RolloutEngine(second_folder, device="cpu",
+                                                             max_total_tokens=4096).generate(
+        input_ids=PROMPTS, sampling_params=params)]
+    for rank, first, streamed, version, after in _embedded(world, tp, folder, second_folder):
+        assert first == want_first, rank
+        assert streamed == want_first[:2], rank
+        assert version == 1 and after == want_second, rank
+
+
+def test_embedded_world_not_a_multiple_of_tp_size_is_refused_on_every_rank(tmp_path_factory):
+    folder = _folder(tmp_path_factory, "llama")
+    results = _embedded(3, 2, folder, folder)
+    assert [r[1] for r in results] == ["ValueError"] * 3
+    assert all("must divide the world size 3" in r[2] for r in results)

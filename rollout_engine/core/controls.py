@@ -5,20 +5,22 @@ or with at most one step in flight, and settles that step itself before it
 touches weights or memory."""
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
 from rollout_engine.core.build import EngineParts
-from rollout_engine.core.engine_core import EngineCore
 from rollout_engine.core.rank_ops import RankOps
 from rollout_engine.scheduler.stats import counters
+
+if TYPE_CHECKING:
+    from rollout_engine.core.engine_core import EngineCore
 
 PAUSE_MODES = ("abort", "keep", "retract")
 
 
 class Controls:
-    def __init__(self, core: EngineCore, parts: EngineParts):
+    def __init__(self, core: "EngineCore", parts: EngineParts):
         self.core = core
         self.parts = parts
         self.scheduler = parts.scheduler
@@ -50,7 +52,10 @@ class Controls:
         other rank between the same two steps."""
         local = lambda: getattr(self.ops, op)(*args)  # noqa: E731
         channel = self.parts.channel
-        return local() if channel is None else channel.call(op, args, local)
+        if channel is None:
+            return local()
+        # Embedded ranks bring their own arguments (every rank made the call).
+        return channel.call(op, None if channel.embedded else args, local)
 
     def _update(self, op: str, *args) -> int:
         self.scheduler.settle()  # the step in flight reads the weights
@@ -60,7 +65,8 @@ class Controls:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None,
                        flush_cache: bool) -> int:
-        if self.parts.channel is not None:  # every rank gets the full tensors (on the host) and keeps its shard
+        channel = self.parts.channel
+        if channel is not None and not channel.embedded:  # every rank gets the full tensors (on the host)
             named_tensors = [(name, t.detach().cpu()) for name, t in named_tensors]
         return self._update("update_weights", named_tensors, version, flush_cache)
 

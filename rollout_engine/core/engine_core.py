@@ -25,7 +25,9 @@ import torch
 
 from rollout_engine.config import EngineConfig
 from rollout_engine.core.build import EngineParts, build_parts, check_tp_size
+from rollout_engine.core.controls import Controls
 from rollout_engine.core.worker import worker_main
+from rollout_engine.outputs import merge_deltas
 from rollout_engine.distributed import tp_group
 from rollout_engine.core.request_factory import RequestFactory
 from rollout_engine.core.subscription import Subscription
@@ -50,8 +52,42 @@ def _stop_live_loops() -> None:
         core.stop(timeout=2.0)
 
 
+def _sharing_results(sub: Subscription, channel: tp_group.TPChannel):
+    """Embedded rank 0: every call's result also goes to the other ranks, who
+    return it from their matching call (streams: merged from the deltas)."""
+    deliver, deltas = sub.deliver, {}
+
+    def share(item) -> None:
+        kind, value = item
+        if kind == "delta":
+            deltas.setdefault(value.request_id, []).append(value)
+        elif kind == "end":
+            outputs = value if value is not None else [merge_deltas(deltas[r.request_id]) for r in sub.reqs]
+            channel.send(("result", "end", outputs))
+        elif kind == "error":
+            channel.send(("result", "error", value))
+        deliver(item)
+
+    return share
+
+
+def start_core(cfg: EngineConfig):
+    """The core for this process: an EngineCore, or, on ranks 1..k-1 of a
+    tensor-parallel engine embedded in a torch.distributed job, a follower."""
+    if cfg.tp_size == 1 or not tp_group.in_distributed_job():
+        return EngineCore(cfg)
+    check_tp_size(cfg)
+    comm, control = tp_group.embedded_group(cfg.tp_size, resolve_device(cfg.device))
+    channel = tp_group.TPChannel(comm, control, [], embedded=True)
+    if comm.tp_rank == 0:
+        return EngineCore(cfg, channel)
+    from rollout_engine.core.follower import FollowerCore
+
+    return FollowerCore(cfg, comm, control)
+
+
 class EngineCore:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, channel: tp_group.TPChannel | None = None):
         """Start the loop thread; it builds the engine's parts first (so the
         thread that computes is the one that built: on the CPU, torch's
         OpenMP pool then belongs to one thread) and then serves commands.
@@ -70,6 +106,7 @@ class EngineCore:
         device = resolve_device(cfg.device)
         self._cuda_index = None if device.type != "cuda" else (
             device.index if device.index is not None else torch.cuda.current_device())
+        self._channel = channel  # rank 0 of a tensor-parallel engine embedded in a torch.distributed job
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(cfg, built), name="rollout-engine-loop", daemon=True)
         _LIVE.add(self)
@@ -82,6 +119,7 @@ class EngineCore:
         except BaseException:
             self._abandoned = True  # interrupted while building: the loop ends once built
             raise
+        self.controls = Controls(self, self.parts)
 
     # ---- posting (any thread) -------------------------------------------------
     def post(self, fn: Callable[[], Any], fut: Future | None = None) -> None:
@@ -107,6 +145,8 @@ class EngineCore:
         """Queue requests (inputs already validated); results go to `sub`.
         A refusal (paused, weights missing, an id in use) is delivered to
         `sub` as an error."""
+        if self._channel is not None:
+            sub.deliver = _sharing_results(sub, self._channel)
         self.post(lambda: self._submit(token_lists, params, request_ids, sub))
 
     def abort_call(self, sub: Subscription) -> None:
@@ -238,6 +278,8 @@ class EngineCore:
         """This rank's parts; with tp_size > 1, after starting the other ranks."""
         if cfg.tp_size == 1:
             return build_parts(cfg)
+        if self._channel is not None:
+            return build_parts(cfg, self._channel.comm, self._channel)
         check_tp_size(cfg)
         device = resolve_device(cfg.device)
         if self._cuda_index is not None:

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from rollout_engine.config import EngineConfig
-from rollout_engine.core.build import build_parts
+from rollout_engine.core.build import EngineParts, build_parts
 from rollout_engine.core.rank_ops import RankOps
 from rollout_engine.distributed import tp_group
 
@@ -18,7 +18,15 @@ def worker_main(cfg: EngineConfig, rank: int, size: int, port: int, device: str)
     tp_group.die_with_parent()
     comm, control = tp_group.join_group(rank, size, port, torch.device(device))
     parts = build_parts(dataclasses.replace(cfg, device=device), comm)
-    ops = RankOps(parts, rank)
+    serve(parts, control, embedded=False)
+
+
+def serve(parts: EngineParts, control, embedded: bool, local_call=None, on_result=None) -> None:
+    """Run what rank 0 sends until it says stop. Embedded ranks take a rank
+    operation's arguments from their own caller (`local_call(op)` returns a
+    function to run, the caller's own call), and get each front-end call's
+    result (`on_result(kind, value)`)."""
+    ops = RankOps(parts, parts.comm.tp_rank)
     prev = None
     while True:
         try:
@@ -29,11 +37,15 @@ def worker_main(cfg: EngineConfig, rank: int, size: int, port: int, device: str)
         if kind == "plan":
             _, prev = parts.runner.run(message[1], prev)
         elif kind == "call":
+            op, args = message[1], message[2]
             try:
-                result = ("ok", getattr(ops, message[1])(*message[2]))
+                run = local_call(op) if embedded else (lambda: getattr(ops, op)(*args))
+                result = ("ok", run())
             except Exception as e:  # noqa: BLE001 - reported to rank 0
                 result = ("error", e)
             tp_group.gather_to_rank0(result, control)
+        elif kind == "result":
+            on_result(message[1], message[2])
         elif kind == "stop":
-            tp_group.leave()
+            tp_group.leave(parts.comm, control, embedded)
             return

@@ -39,10 +39,11 @@ class TPChannel:
 
     comm: TPComm
     control: Any  # the gloo group for messages
-    processes: list
+    processes: list  # standalone: the spawned ranks
+    embedded: bool = False  # the ranks are a torch.distributed job's: leave its default group alone
 
     def send(self, message: tuple) -> None:
-        dist.broadcast_object_list([message], src=0, group=self.control)
+        dist.broadcast_object_list([message], group=self.control, group_src=0)
 
     def call(self, op: str, args: tuple, local) -> Any:
         """Run rank operation `op(*args)` on every rank (here: `local()`);
@@ -61,7 +62,7 @@ class TPChannel:
     def gather(self, result: Any) -> list:
         """Every rank's result of the last call (rank 0's first)."""
         out = [None] * self.comm.tp_size
-        dist.gather_object(result, out, dst=0, group=self.control)
+        dist.gather_object(result, out, group=self.control, group_dst=0)
         return out
 
     def close(self, timeout: float = 30.0) -> None:
@@ -72,15 +73,42 @@ class TPChannel:
                 p.join(timeout)
                 if p.is_alive():
                     p.kill()
-            dist.destroy_process_group()
+            leave(self.comm, self.control, self.embedded)
 
 
 def gather_to_rank0(result: Any, control) -> None:
-    dist.gather_object(result, None, dst=0, group=control)
+    dist.gather_object(result, None, group=control, group_dst=0)
 
 
-def leave() -> None:
-    dist.destroy_process_group()
+def leave(comm: TPComm, control, embedded: bool) -> None:
+    """Drop the engine's groups (standalone: its whole process group)."""
+    if not embedded:
+        dist.destroy_process_group()
+        return
+    for group in {id(g): g for g in (comm.group, control)}.values():
+        dist.destroy_process_group(group)
+
+
+def embedded_group(k: int, device: torch.device) -> tuple[TPComm, Any]:
+    """Inside an initialised torch.distributed job: consecutive blocks of k
+    ranks form one engine each, with groups of their own (every rank creates
+    every block's groups, in the same order, as new_group requires)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % k:
+        raise ValueError(f"tp_size {k} must divide the world size {world} (consecutive groups of tp_size ranks "
+                         "form one engine each)")
+    mine = None
+    for block in range(world // k):
+        ranks = list(range(block * k, (block + 1) * k))
+        group = dist.new_group(ranks, timeout=TIMEOUT)
+        control = dist.new_group(ranks, backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else group
+        if rank in ranks:
+            mine = (group, control)
+    return TPComm(rank % k, k, mine[0]), mine[1]
+
+
+def in_distributed_job() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 class TPStepRunner:
@@ -101,7 +129,7 @@ class TPStepRunner:
 
 def receive(control) -> tuple:
     box = [None]
-    dist.broadcast_object_list(box, src=0, group=control)
+    dist.broadcast_object_list(box, group=control, group_src=0)
     return box[0]
 
 
@@ -124,9 +152,6 @@ def spawn_workers(cfg, device: torch.device, worker_main) -> TPChannel:
     and join the group as rank 0."""
     import multiprocessing as mp
 
-    if dist.is_initialized():
-        raise ValueError("tp_size > 1 inside an initialised torch.distributed job is not supported yet; "
-                         "create the engine in a process without a default process group")
     k, port = cfg.tp_size, free_port()
     ctx = mp.get_context("spawn")
     base = device.index or 0
