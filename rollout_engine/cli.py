@@ -31,7 +31,8 @@ BENCH_WORKLOADS = ["grpo", "offline", "decode", "prefill", "weights", "memory"]
 CPU_WORKLOADS = ("grpo", "weights")  # the others measure the device with torch.cuda
 # Engine fields that bench/run.py's engine factory passes on; other engine
 # flags would be accepted and silently ignored, so bench does not offer them.
-BENCH_ENGINE_FIELDS = ("model", "load_format", "attention_backend", "max_total_tokens", "seed", "cuda_graph")
+BENCH_ENGINE_FIELDS = ("model", "load_format", "attention_backend", "max_total_tokens", "seed", "cuda_graph",
+                       "tp_size")
 
 
 class Parser(argparse.ArgumentParser):

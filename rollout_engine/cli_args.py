@@ -88,7 +88,8 @@ def add_engine_args(parser: argparse.ArgumentParser, fields: Iterable[str] | Non
         else:
             kw.update(type=kind, choices=FIELD_CHOICES.get(f.name), metavar=None if f.name in FIELD_CHOICES
                       else f.name.split("_")[-1].upper())
-        group.add_argument(flag_of(f.name), **kw)
+        flags = [flag_of(f.name)] + (["--tp"] if f.name == "tp_size" else [])
+        group.add_argument(*flags, **kw)
 
 
 def _help(field: str) -> str:

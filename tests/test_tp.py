@@ -163,3 +163,40 @@ def test_embedded_world_not_a_multiple_of_tp_size_is_refused_on_every_rank(tmp_p
     results = _embedded(3, 2, folder, folder)
     assert [r[1] for r in results] == ["ValueError"] * 3
     assert all("must divide the world size 3" in r[2] for r in results)
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tmp_path_factory):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    folder = _folder(tmp_path_factory, "llama")
+    script = (f"from rollout_engine import RolloutEngine\n"
+              f"e = RolloutEngine({str(folder)!r}, device='cpu', max_total_tokens=1024, tp_size=2)\n"
+              f"import multiprocessing as mp, sys\n"
+              f"print(*[p.pid for p in mp.active_children()], flush=True)\n"
+              f"sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(pid) for pid in proc.stdout.readline().split()]
+        assert workers
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        alive = workers
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [pid for pid in workers if _running(pid)]
+        assert not alive, "orphaned tensor-parallel workers"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False

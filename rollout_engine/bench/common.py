@@ -17,7 +17,8 @@ def make_engine(args, **overrides):
     from rollout_engine import RolloutEngine
 
     kw = dict(load_format=args.load_format, attention_backend=args.attention_backend,
-              max_total_tokens=args.max_total_tokens, seed=args.seed, cuda_graph=not args.no_cuda_graph)
+              max_total_tokens=args.max_total_tokens, seed=args.seed, cuda_graph=not args.no_cuda_graph,
+              tp_size=getattr(args, "tp_size", 1))
     kw.update(overrides)
     return RolloutEngine(args.model, **kw)
 

@@ -5,6 +5,7 @@ memory), stop."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -16,6 +17,8 @@ from rollout_engine.distributed import tp_group
 
 def worker_main(cfg: EngineConfig, rank: int, size: int, port: int, device: str) -> None:
     tp_group.die_with_parent()
+    if torch.device(device).type == "cpu":  # the ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     comm, control = tp_group.join_group(rank, size, port, torch.device(device))
     parts = build_parts(dataclasses.replace(cfg, device=device), comm)
     serve(parts, control, embedded=False)
