@@ -17,9 +17,9 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      initializer_range=0.02, rope_theta=100000.0)
 
 
-def _teacher_forced_gap(hf, folder, backend, new_tokens=64):
+def _teacher_forced_gap(hf, folder, backend, new_tokens=64, **engine_kw):
     engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", attention_backend=backend,
-                           max_total_tokens=8192)
+                           max_total_tokens=8192, **engine_kw)
     hf = hf.to("cuda", torch.bfloat16)
     gaps = []
     for prompt in PROMPTS:
@@ -34,6 +34,7 @@ def _teacher_forced_gap(hf, folder, backend, new_tokens=64):
         ours = torch.tensor(out.prompt_logprobs[1:])
         gaps.append((ours - ref)[len(prompt) - 1:].abs().mean().item())
     engine.check_integrity()
+    engine.shutdown()
     return max(gaps)
 
 
@@ -69,3 +70,19 @@ def test_dummy_preset_sizes_kv_from_mem_fraction():
     assert engine.limits.kv_capacity > 100_000
     outs = engine.generate(input_ids=[[1, 2, 3]] * 4, sampling_params=SamplingParams(max_new_tokens=16))
     assert all(len(o.output_token_ids) == 16 for o in outs)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_tp2_bf16_teacher_forced_logprobs(tmp_path, cuda_graph):
+    """Two GPUs, the engine spawning its second rank: the same tolerance as
+    one GPU, on a model FlashInfer serves (head_dim 64), graphs on and off."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    hf = make_hf_model("qwen2", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                       num_key_value_heads=2, initializer_range=0.05)
+    folder = save_model(hf, tmp_path)
+    one = _teacher_forced_gap(hf, folder, "auto", cuda_graph=cuda_graph)
+    two = _teacher_forced_gap(hf, folder, "auto", cuda_graph=cuda_graph, tp_size=2)
+    print(f"teacher-forced gap: tp=1 {one:.4f}, tp=2 {two:.4f}")
+    assert two < 2e-2
