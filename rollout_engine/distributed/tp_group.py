@@ -66,14 +66,17 @@ class TPChannel:
         return out
 
     def close(self, timeout: float = 30.0) -> None:
+        """Every rank leaves at the same time (NCCL's teardown is collective:
+        a rank destroying its communicator alone waits for the others), then
+        the spawned ranks are joined."""
         try:
             self.send(("stop",))
+            leave(self.comm, self.control, self.embedded)
         finally:
             for p in self.processes:
                 p.join(timeout)
                 if p.is_alive():
                     p.kill()
-            leave(self.comm, self.control, self.embedded)
 
 
 def gather_to_rank0(result: Any, control) -> None:
