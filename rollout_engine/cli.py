@@ -59,15 +59,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_engine_args(config)
     prompts, ids = _prompts(args, config)
     engine = _make_engine(config)
-    if args.chat:
-        ids = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    kwargs = {"input_ids": ids} if ids is not None else {"prompts": prompts}
-    start = time.perf_counter()
-    outs = engine.generate(sampling_params=params, progress=True, **kwargs)
-    _print_outputs(outs, prompts or ids, params.n, time.perf_counter() - start)
-    template = getattr(engine.tokenizer, "chat_template", None)
-    if not args.chat and template and any(o.finish_reason == "stop" and len(o.output_token_ids) <= 1 for o in outs):
-        print("hint: the model stopped at once; chat models usually want --chat", file=sys.stderr)
+    try:
+        if args.chat:
+            ids = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        kwargs = {"input_ids": ids} if ids is not None else {"prompts": prompts}
+        start = time.perf_counter()
+        outs = engine.generate(sampling_params=params, progress=True, **kwargs)
+        _print_outputs(outs, prompts or ids, params.n, time.perf_counter() - start)
+        template = getattr(engine.tokenizer, "chat_template", None)
+        if not args.chat and template and any(o.finish_reason == "stop" and len(o.output_token_ids) <= 1
+                                              for o in outs):
+            print("hint: the model stopped at once; chat models usually want --chat", file=sys.stderr)
+    finally:
+        engine.shutdown()  # the step loop (and any tensor-parallel ranks) end before the interpreter does
     return 0
 
 

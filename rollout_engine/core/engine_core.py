@@ -49,7 +49,7 @@ def _stop_live_loops() -> None:
     """At interpreter exit, stop loop threads that are still stepping (the
     device must not be torn down under a running step)."""
     for core in list(_LIVE):
-        core.stop(timeout=2.0)
+        core.stop(timeout=10.0)
 
 
 def _sharing_results(sub: Subscription, channel: tp_group.TPChannel):
