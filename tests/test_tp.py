@@ -93,23 +93,10 @@ def test_update_weights_reaches_every_rank(tmp_path_factory):
 
 
 def test_weight_sync_broadcast_reaches_every_rank(tmp_path_factory):
-    import sync_workers
-    from test_weight_sync import _free_port, _gather
+    from test_weight_sync import check_trainer_broadcast
 
-    folder_a = _folder(tmp_path_factory, "llama")
     folder_b = save_model(make_hf_model("llama", seed=11), tmp_path_factory.mktemp("tp-sync-b"))
-    ctx = mp.get_context("spawn")
-    meta, out = ctx.Queue(), ctx.Queue()
-    port, bucket_bytes, prompts = _free_port(), 64 * 1024, [[1, 2, 3], list(range(60, 90))]
-    procs = [ctx.Process(target=sync_workers.trainer, args=(port, folder_b, meta, bucket_bytes, 3)),
-             ctx.Process(target=sync_workers.engine, args=(port, folder_a, meta, out, prompts, bucket_bytes, 2))]
-    for p in procs:
-        p.start()
-    [(version, tokens, error, final_version)] = _gather(procs, out, 1)
-    fresh = RolloutEngine(folder_b, max_total_tokens=2048).generate(
-        input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
-    assert version == 1 and tokens == [o.output_token_ids for o in fresh]
-    assert "unknown weight name 'bogus.weight'" in error and final_version == 1
+    check_trainer_broadcast(_folder(tmp_path_factory, "llama"), folder_b, tp_size=2)
 
 
 @pytest.mark.parametrize("tp,overrides,match", [

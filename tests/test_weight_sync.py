@@ -47,16 +47,19 @@ def test_buckets_pack_in_order_and_split_large_tensors():
     assert all(off % 256 == 0 for b in buckets for _, off in b.entries)
 
 
-def test_trainer_process_broadcasts_to_engine_process(llama, tmp_path):
-    _, folder_a = llama
-    folder_b = save_model(make_hf_model("llama", seed=11), tmp_path / "b")
+def check_trainer_broadcast(folder_a: str, folder_b: str, tp_size: int = 1) -> None:
+    """A trainer process sends folder_b's weights to an engine process (on
+    folder_a, tp_size ranks) over a gloo weight-sync group; the engine then
+    generates what a fresh engine on folder_b does, and a bad name raises
+    there without hanging the sender."""
+    import sync_workers
+
     ctx = mp.get_context("spawn")
     meta, out = ctx.Queue(), ctx.Queue()
     port, bucket_bytes = _free_port(), 64 * 1024  # small buckets: several broadcasts
-    import sync_workers
-
-    procs = [ctx.Process(target=sync_workers.trainer, args=(port, folder_b, meta, bucket_bytes)),
-             ctx.Process(target=sync_workers.engine, args=(port, folder_a, meta, out, PROMPTS, bucket_bytes))]
+    procs = [ctx.Process(target=sync_workers.trainer, args=(port, folder_b, meta, bucket_bytes, 1 + tp_size)),
+             ctx.Process(target=sync_workers.engine,
+                         args=(port, folder_a, meta, out, PROMPTS, bucket_bytes, tp_size))]
     for p in procs:
         p.start()
     [(version, tokens, error, final_version)] = _gather(procs, out, 1)
@@ -64,6 +67,11 @@ def test_trainer_process_broadcasts_to_engine_process(llama, tmp_path):
         input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
     assert version == 1 and tokens == [o.output_token_ids for o in fresh]
     assert "unknown weight name 'bogus.weight'" in error and final_version == 1
+
+
+def test_trainer_process_broadcasts_to_engine_process(llama, tmp_path):
+    _, folder_a = llama
+    check_trainer_broadcast(folder_a, save_model(make_hf_model("llama", seed=11), tmp_path / "b"))
 
 
 import pytest  # noqa: E402
