@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 
 import pytest
+import torch
 
 from models import make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams
@@ -187,3 +188,19 @@ def _running(pid: int) -> bool:
             return f.read().split()[2] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+def test_get_weight_joins_every_rank_part(tmp_path_factory):
+    """Column, row, fused q/k/v (with KV heads replicated over ranks), gate/up,
+    the padded vocabulary and replicated norms: the whole HF tensor back."""
+    hf = make_hf_model("qwen2", seed=5, num_key_value_heads=1, vocab_size=509)
+    folder = save_model(hf, tmp_path_factory.mktemp("tp-read"))
+    engine = RolloutEngine(folder, device="cpu", max_total_tokens=1024, tp_size=4)
+    try:
+        state = hf.state_dict()
+        for name in engine.weight_names():
+            assert torch.equal(engine.get_weight(name), state[name]), name
+        with pytest.raises(ValueError, match="unknown weight name"):
+            engine.get_weight("bogus.weight")
+    finally:
+        engine.shutdown()

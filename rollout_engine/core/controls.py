@@ -83,7 +83,16 @@ class Controls:
         self._on_every_rank("destroy_weight_sync_group", group_name)
 
     def get_weight(self, name: str) -> torch.Tensor:
-        return self.parts.updater.loader.read(name)
+        loader, channel = self.parts.updater.loader, self.parts.channel
+        if channel is None:
+            return loader.read(name)
+        dim, replicas, trim = loader.shard_layout(name)  # checks the name before any rank is asked
+        args = None if channel.embedded else (name,)
+        parts = channel.call_all("read_weight", args, lambda: self.ops.read_weight(name))
+        if dim is None:
+            return parts[0]
+        full = torch.cat(parts[::replicas], dim=dim)
+        return full if trim is None else full.narrow(dim, 0, trim)
 
     # ---- memory -----------------------------------------------------------------
     def release_memory(self, tags: Sequence[str]) -> dict[str, int]:

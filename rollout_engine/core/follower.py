@@ -144,7 +144,8 @@ class FollowerControls:
         return self._rank_op("resume_memory", tags)
 
     def get_weight(self, name: str):
-        return self.ops.parts.updater.loader.read(name)
+        """This rank's part (rank 0 returns the whole tensor, joined)."""
+        return self._rank_op("read_weight", name)
 
     def memory_state(self) -> dict[str, str]:
         return self.ops.parts.controller.state()

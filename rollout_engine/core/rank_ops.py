@@ -37,3 +37,7 @@ class RankOps:
 
     def resume_memory(self, tags: Sequence[str]) -> None:
         self.parts.controller.resume(tags)
+
+    def read_weight(self, name: str):
+        """This rank's part of weight `name`, on the host."""
+        return self.parts.updater.loader.read(name).cpu()

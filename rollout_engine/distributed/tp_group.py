@@ -48,6 +48,10 @@ class TPChannel:
     def call(self, op: str, args: tuple, local) -> Any:
         """Run rank operation `op(*args)` on every rank (here: `local()`);
         returns rank 0's result, or raises the first rank's error."""
+        return self.call_all(op, args, local)[0]
+
+    def call_all(self, op: str, args: tuple, local) -> list:
+        """`call`, returning every rank's result (rank 0's first)."""
         self.send(("call", op, args))
         try:
             mine = ("ok", local())
@@ -57,7 +61,7 @@ class TPChannel:
         for status, value in results:
             if status == "error":
                 raise value
-        return results[0][1]
+        return [value for _, value in results]
 
     def gather(self, result: Any) -> list:
         """Every rank's result of the last call (rank 0's first)."""

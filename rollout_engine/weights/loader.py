@@ -15,7 +15,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from rollout_engine.layers.linear import QKVParallelLinear, MergedColumnParallelLinear
+from rollout_engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                          RowParallelLinear)
 from rollout_engine.layers.weight_copy import FINITE_CHECK, VALIDATE_ONLY, FiniteCheck, copy_into
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -117,6 +118,28 @@ class WeightLoader:
             FINITE_CHECK.reset(token)
         check.raise_if_bad()
         return touched
+
+    def shard_layout(self, hf_name: str) -> tuple[int | None, int, int | None]:
+        """How tensor-parallel ranks hold `hf_name`: (the dimension it is split
+        along, or None when every rank holds all of it; the number of
+        consecutive ranks holding the same slice; the full size to trim the
+        joined dimension to, or None)."""
+        if self.tied and hf_name == "lm_head.weight":
+            hf_name = "model.embed_tokens.weight"
+        target = self.resolve(hf_name)
+        if target is None:
+            raise ValueError(f"{hf_name!r} is not a weight the engine keeps")
+        owner = self.model.get_submodule(target.param_name.rsplit(".", 1)[0])
+        leaf = target.param_name.rsplit(".", 1)[1]
+        if isinstance(owner, QKVParallelLinear):
+            return 0, (owner.kv_replicas if target.shard_id in ("k", "v") else 1), None
+        if isinstance(owner, ColumnParallelLinear):
+            return 0, 1, None
+        if isinstance(owner, RowParallelLinear):
+            return (1, 1, None) if leaf == "weight" else (None, 1, None)
+        if hasattr(owner, "vocab_size"):
+            return 0, 1, owner.vocab_size
+        return None, 1, None
 
     def read(self, hf_name: str) -> torch.Tensor:
         """A copy of the tensor `hf_name` as this rank holds it (the full
