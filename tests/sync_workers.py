@@ -34,7 +34,10 @@ def engine(port: int, folder: str, meta_queue, out_queue, prompts, bucket_bytes:
     eng.shutdown()
 
 
-def fsdp_rank(rank: int, port: int, folder_a: str, folder_b: str, kind: int, out_queue, prompts) -> None:
+def fsdp_rank(rank: int, port: int, folder_a: str, folder_b: str, kind: int, out_queue, prompts,
+              tp_size: int = 1) -> None:
+    """An FSDP trainer rank with an engine in the same process: one engine per
+    rank (tp_size=1), or one engine over both ranks (tp_size=2, embedded)."""
     import os
 
     import torch
@@ -61,10 +64,12 @@ def fsdp_rank(rank: int, port: int, folder_a: str, folder_b: str, kind: int, out
 
         trainer = FullyShardedDataParallel(trainer, use_orig_params=True, device_id=rank)
     device = f"cuda:{rank}" if on_gpu else "cpu"
-    engine = RolloutEngine(folder_a, max_total_tokens=2048, device=device, dtype="float32")
+    engine = RolloutEngine(folder_a, max_total_tokens=2048, device=device, dtype="float32", tp_size=tp_size)
     version = sync_to_engine(trainer, engine)
     outs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
     out_queue.put((rank, version, [o.output_token_ids for o in outs]))
+    engine.shutdown()
+    dist.barrier()
     dist.destroy_process_group()
 
 
