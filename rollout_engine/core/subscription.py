@@ -77,7 +77,3 @@ class Subscription:
     def _end(self, outputs) -> None:
         self.done = True
         self.deliver(("end", outputs))
-
-    @property
-    def finished(self) -> bool:
-        return all(r.finished for r in self.reqs)
