@@ -64,10 +64,19 @@ def _sharing_results(sub: Subscription, channel: tp_group.TPChannel):
         elif kind == "end":
             outputs = value if value is not None else [merge_deltas(deltas[r.request_id]) for r in sub.reqs]
             channel.send(("result", "end", outputs))
+            share.sent = True
         elif kind == "error":
             channel.send(("result", "error", value))
+            share.sent = True
         deliver(item)
 
+    def left() -> None:
+        """Rank 0's caller left the call: the other ranks' matching calls end too."""
+        if not share.sent:
+            channel.send(("result", "error", RuntimeError("the call was abandoned on rank 0")))
+            share.sent = True
+
+    share.sent, share.left = False, left
     return share
 
 
@@ -153,6 +162,8 @@ class EngineCore:
         """Abort what is left of a call whose caller stopped waiting; its KV
         goes back at once (no batch runs, so a paused engine stays paused)."""
         def run() -> None:
+            if hasattr(sub.deliver, "left"):  # embedded rank 0: every call gets a result on every rank
+                sub.deliver.left()
             sub.done = True  # the caller is gone: nothing more to deliver
             self.scheduler.abort_requests(sub.reqs)
             self.scheduler.finish_aborted()
