@@ -77,6 +77,8 @@ def embedded_rank(rank: int, world: int, port: int, folder: str, second_folder: 
                   out_queue) -> None:
     """One rank of a torch.distributed job in which every rank constructs a
     tensor-parallel engine and makes the same calls."""
+    import time
+
     import torch.distributed as dist
 
     from rollout_engine import RolloutEngine, SamplingParams
@@ -90,6 +92,8 @@ def embedded_rank(rank: int, world: int, port: int, folder: str, second_folder: 
             out_queue.put((rank, "ValueError", str(e)))
             return
         params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+        if rank % tp:  # a later caller than rank 0: its result may already be there
+            time.sleep(1.0)
         first = [o.output_token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
         streamed = {}
         for delta in engine.stream(input_ids=prompts[:2], sampling_params=params):

@@ -31,7 +31,8 @@ class FollowerCore:
     def __init__(self, cfg: EngineConfig, comm: TPComm, control):
         self.paused = False
         self.manual = False
-        self._calls: deque[Subscription] = deque()
+        self._calls: deque[Subscription] = deque()  # calls made here, waiting for rank 0's result
+        self._results: deque[tuple[str, Any]] = deque()  # rank 0's results that came before the call here
         self._lock = threading.Lock()
         self._ops: queue.SimpleQueue = queue.SimpleQueue()  # (op, run) posted by this rank's caller
         built: Future = Future()
@@ -54,7 +55,11 @@ class FollowerCore:
     # ---- the front ends' side --------------------------------------------------------
     def submit(self, token_lists, params, request_ids, sub: Subscription) -> None:
         with self._lock:
-            self._calls.append(sub)
+            result = self._results.popleft() if self._results else None
+            if result is None:
+                self._calls.append(sub)
+        if result is not None:
+            self._deliver(sub, *result)
 
     def abort_call(self, sub: Subscription) -> None:
         sub.done = True  # rank 0 decides what runs; its result for this call is dropped here
@@ -97,7 +102,14 @@ class FollowerCore:
     def _on_result(self, kind: str, value) -> None:
         with self._lock:
             sub = self._calls.popleft() if self._calls else None
-        if sub is None or sub.done:
+            if sub is None:  # rank 0 finished before this rank made the call
+                self._results.append((kind, value))
+                return
+        self._deliver(sub, kind, value)
+
+    @staticmethod
+    def _deliver(sub: Subscription, kind: str, value) -> None:
+        if sub.done:
             return
         if kind == "error":
             sub.fail(value)
