@@ -30,8 +30,7 @@ class Controls:
     def pause(self, mode: str) -> None:
         self.scheduler.settle()
         if mode == "abort":
-            self.scheduler.abort()
-            self.scheduler.finish_aborted()
+            self.core.abort_now()
         elif mode == "retract":
             self.scheduler.retract_all()
         self.core.paused = True

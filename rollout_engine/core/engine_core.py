@@ -52,32 +52,35 @@ def _stop_live_loops() -> None:
         core.stop(timeout=10.0)
 
 
-def _sharing_results(sub: Subscription, channel: tp_group.TPChannel):
-    """Embedded rank 0: every call's result also goes to the other ranks, who
-    return it from their matching call (streams: merged from the deltas)."""
-    deliver, deltas = sub.deliver, {}
+class _SharedResults:
+    """Embedded rank 0: a call's deliver, extended so that its result (end or
+    error) also goes to the other ranks, who return it from their matching
+    call (streams: merged from the deltas). Every call sends exactly one."""
 
-    def share(item) -> None:
+    def __init__(self, sub: Subscription, channel: tp_group.TPChannel):
+        self.sub, self.channel, self.inner = sub, channel, sub.deliver
+        self.deltas: dict[str, list] = {}
+        self.sent = False
+
+    def __call__(self, item) -> None:
         kind, value = item
         if kind == "delta":
-            deltas.setdefault(value.request_id, []).append(value)
+            self.deltas.setdefault(value.request_id, []).append(value)
         elif kind == "end":
-            outputs = value if value is not None else [merge_deltas(deltas[r.request_id]) for r in sub.reqs]
-            channel.send(("result", "end", outputs))
-            share.sent = True
+            outputs = value if value is not None else [merge_deltas(self.deltas[r.request_id]) for r in self.sub.reqs]
+            self._send("end", outputs)
         elif kind == "error":
-            channel.send(("result", "error", value))
-            share.sent = True
-        deliver(item)
+            self._send("error", value)
+        self.inner(item)
 
-    def left() -> None:
+    def left(self) -> None:
         """Rank 0's caller left the call: the other ranks' matching calls end too."""
-        if not share.sent:
-            channel.send(("result", "error", RuntimeError("the call was abandoned on rank 0")))
-            share.sent = True
+        self._send("error", RuntimeError("the call was abandoned on rank 0"))
 
-    share.sent, share.left = False, left
-    return share
+    def _send(self, kind: str, value) -> None:
+        if not self.sent:
+            self.sent = True
+            self.channel.send(("result", kind, value))
 
 
 def start_core(cfg: EngineConfig):
@@ -155,19 +158,17 @@ class EngineCore:
         A refusal (paused, weights missing, an id in use) is delivered to
         `sub` as an error."""
         if self._channel is not None:
-            sub.deliver = _sharing_results(sub, self._channel)
+            sub.deliver = _SharedResults(sub, self._channel)
         self.post(lambda: self._submit(token_lists, params, request_ids, sub))
 
     def abort_call(self, sub: Subscription) -> None:
         """Abort what is left of a call whose caller stopped waiting; its KV
         goes back at once (no batch runs, so a paused engine stays paused)."""
         def run() -> None:
-            if hasattr(sub.deliver, "left"):  # embedded rank 0: every call gets a result on every rank
+            if isinstance(sub.deliver, _SharedResults):  # embedded rank 0: every call gets a result on every rank
                 sub.deliver.left()
             sub.done = True  # the caller is gone: nothing more to deliver
-            self.scheduler.abort_requests(sub.reqs)
-            self.scheduler.finish_aborted()
-            self.dispatch()
+            self.abort_now(sub.reqs)
 
         if self._dead is None and not self._stopping:
             self.post(run)
@@ -203,9 +204,7 @@ class EngineCore:
         """Abort every request, let the loop finish and join it."""
         if self._dead is None and self._thread.is_alive() and not self._stopping:
             def run() -> None:
-                self.scheduler.abort()
-                self.scheduler.finish_aborted()
-                self.dispatch()
+                self.abort_now()
                 self._stopping = True
                 if self.parts.channel is not None:  # the other ranks exit
                     self.parts.channel.close()
@@ -320,8 +319,18 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - goes to the calls it hit
             for sub in set(self._subs.values()):
                 sub.fail(e)
+            self.abort_now()
+            return
+        self.dispatch()
+
+    def abort_now(self, reqs: list[Request] | None = None) -> None:
+        """Finish `reqs` (default: every live request) with "abort" now,
+        without running a batch, and hand the results out. Loop thread."""
+        if reqs is None:
             self.scheduler.abort()
-            self.scheduler.finish_aborted()
+        else:
+            self.scheduler.abort_requests(reqs)
+        self.scheduler.finish_aborted()
         self.dispatch()
 
     def dispatch(self) -> None:
