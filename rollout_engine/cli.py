@@ -243,6 +243,7 @@ def _add_bench(sub: Any) -> None:
                    help="decode: batch sizes measured")
     g.add_argument("--context", type=positive_int, default=1024, help="decode: context length")
     g.add_argument("--steps", type=positive_int, default=128, help="decode: steps measured")
+    g.add_argument("--graphs-only", action="store_true", help="decode: skip the rows without CUDA graphs")
     g.add_argument("--nccl", action="store_true", help="weights: broadcast GPU 0 -> GPU 1 (two processes)")
     g.add_argument("--bucket-mb", type=positive_int, default=512, help="weights --nccl: bucket size in MiB")
     g.add_argument("--cycles", type=positive_int, default=5, help="memory: release/resume cycles timed")

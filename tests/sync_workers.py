@@ -35,9 +35,10 @@ def engine(port: int, folder: str, meta_queue, out_queue, prompts, bucket_bytes:
 
 
 def fsdp_rank(rank: int, port: int, folder_a: str, folder_b: str, kind: int, out_queue, prompts,
-              tp_size: int = 1) -> None:
+              tp_size: int = 1, on_gpu: bool | None = None) -> None:
     """An FSDP trainer rank with an engine in the same process: one engine per
-    rank (tp_size=1), or one engine over both ranks (tp_size=2, embedded)."""
+    rank (tp_size=1), or one engine over both ranks (tp_size=2, embedded).
+    FSDP1 (kind 1) always runs on the GPU; FSDP2 (kind 2) where asked."""
     import os
 
     import torch
@@ -48,7 +49,7 @@ def fsdp_rank(rank: int, port: int, folder_a: str, folder_b: str, kind: int, out
     from rollout_engine.integrations.fsdp import sync_to_engine
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    on_gpu = kind == 1  # FSDP1 needs an accelerator: one GPU per rank, NCCL
+    on_gpu = kind == 1 or bool(on_gpu)  # FSDP1 needs an accelerator: one GPU per rank, NCCL
     if on_gpu:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=2)
@@ -56,6 +57,8 @@ def fsdp_rank(rank: int, port: int, folder_a: str, folder_b: str, kind: int, out
     if kind == 2:
         from torch.distributed.fsdp import fully_shard
 
+        if on_gpu:
+            trainer = trainer.to(f"cuda:{rank}")
         for layer in trainer.model.layers:
             fully_shard(layer)
         fully_shard(trainer)

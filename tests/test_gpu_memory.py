@@ -94,6 +94,45 @@ def test_fifty_cycles_do_not_grow_memory_and_keep_outputs(tmp_path):
     assert rss_b - rss_a <= 256 << 20
 
 
+@pytest.mark.multigpu
+def test_tp2_fifty_cycles_release_both_gpus_without_growth(tmp_path):
+    """A standalone TP=2 engine (rank 1 in its own process on GPU 1): each
+    release frees most of what the engine holds on both GPUs, and fifty
+    cycles neither grow memory on either GPU nor change the outputs."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    r = _job("""
+        def used_on(d):
+            free, total = torch.cuda.mem_get_info(d)
+            return total - free
+        torch.zeros(1, device="cuda:1")  # this process's context on GPU 1 is not the engine's either
+        base = [used_on(0), used_on(1)]
+        engine = RolloutEngine("qwen3-0.6b", load_format="dummy", enable_memory_saver=True, tp_size=2,
+                               weights_cpu_backup=True, max_total_tokens=131072, cuda_graph_max_batch_size=16)
+        reference = tokens(engine)
+        held = [used_on(0) - base[0], used_on(1) - base[1]]
+        engine.release_memory()
+        freed = [held[0] + base[0] - used_on(0), held[1] + base[1] - used_on(1)]
+        engine.resume_memory()
+        marks, same = [], tokens(engine) == reference
+        for cycle in range(50):
+            engine.release_memory()
+            engine.resume_memory()
+            same &= tokens(engine) == reference
+            if cycle in (2, 49):
+                gc.collect()
+                marks.append([used_on(0), used_on(1)])
+        engine.shutdown()
+        result(held=held, freed=freed, marks=marks, same=same)
+    """, tmp_path)
+    assert r["same"]
+    for gpu in (0, 1):
+        assert r["freed"][gpu] >= 0.85 * r["held"][gpu], gpu  # GPU 1 also holds rank 1's CUDA context
+        assert r["marks"][1][gpu] - r["marks"][0][gpu] <= 64 << 20, gpu
+
+
 def test_preload_hook_pauses_the_graph_pool(tmp_path):
     r = _job("""
         engine = RolloutEngine("qwen3-0.6b", load_format="dummy", enable_memory_saver=True,

@@ -206,24 +206,29 @@ def test_get_weight_joins_every_rank_part(tmp_path_factory):
         engine.shutdown()
 
 
-def test_fsdp_over_two_ranks_syncs_into_one_tp2_engine(tmp_path_factory):
-    """FSDP2 over two gloo ranks, and one TP=2 engine over the same two
-    processes: `sync_to_engine` on both ranks, then both return the outputs
-    of a fresh engine on the trainer's weights."""
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
+def test_fsdp_over_two_ranks_syncs_into_one_tp2_engine(tmp_path_factory, on_gpu):
+    """FSDP2 over two ranks (gloo on the CPU; NCCL, one GPU each), and one
+    TP=2 engine over the same two processes: `sync_to_engine` on both ranks,
+    then both return the outputs of a fresh engine on the trainer's weights."""
     import sync_workers
     from test_weight_sync import _free_port, _gather
+
+    if on_gpu and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
 
     folder_a = _folder(tmp_path_factory, "llama")
     folder_b = save_model(make_hf_model("llama", seed=13), tmp_path_factory.mktemp("fsdp-b"))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=sync_workers.fsdp_rank, args=(r, port, folder_a, folder_b, 2, out, PROMPTS, 2))
-             for r in (0, 1)]
+    procs = [ctx.Process(target=sync_workers.fsdp_rank,
+                         args=(r, port, folder_a, folder_b, 2, out, PROMPTS, 2, on_gpu)) for r in (0, 1)]
     for p in procs:
         p.start()
     results = sorted(_gather(procs, out, 2))
-    fresh = RolloutEngine(folder_b, device="cpu", max_total_tokens=2048).generate(
+    where = dict(device="cuda", dtype="float32") if on_gpu else dict(device="cpu")  # as the ranks' engine
+    fresh = RolloutEngine(folder_b, max_total_tokens=2048, **where).generate(
         input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
     for rank, version, tokens in results:
         assert version == 1 and tokens == [o.output_token_ids for o in fresh], rank

@@ -120,7 +120,8 @@ def _decode_step_times(engine, batch: int, context: int, steps: int) -> list[flo
 def bench_decode(args) -> dict[str, Any]:
     limits = measure_device()
     rows: dict[str, Any] = {}
-    for graphs in (True, False):
+    modes = (False,) if args.no_cuda_graph else (True,) if getattr(args, "graphs_only", False) else (True, False)
+    for graphs in modes:
         engine = make_engine(args, cuda_graph=graphs, enable_prefix_cache=False)
         costs = ModelCosts.of(engine.model_config)
         _decode_step_times(engine, 2, 64, 4)  # warm-up
@@ -134,7 +135,8 @@ def bench_decode(args) -> dict[str, Any]:
                 print(rows, flush=True)
                 continue
             med = times[0]
-            floor = decode_step_floor(costs, limits, batch, args.context + args.steps / 2)
+            # TP=k: each GPU reads 1/k of the weights and of the KV (heads split k ways)
+            floor = decode_step_floor(costs, limits, batch, args.context + args.steps / 2) / getattr(args, "tp_size", 1)
             rows[f"bs{batch}_graphs_{'on' if graphs else 'off'}"] = {
                 "batch": batch, "cuda_graph": graphs, "mean_step_ms": round(med * 1e3, 3),
                 "floor_ms": round(floor * 1e3, 3), "x_floor": round(med / floor, 2),

@@ -1,7 +1,9 @@
 """`weights` workload: a full-model update in place, from in-process tensors
 (already on the device: the colocated case), from a safetensors folder, and
 (`--nccl`, two GPUs) broadcast from a trainer process on GPU 0 to an engine
-process on GPU 1 through the weight-sync group."""
+process on GPU 1 through the weight-sync group. With `--tp k` (k GPUs): an
+FSDP2 trainer over k ranks and one TP=k engine in the same processes,
+synced with `sync_to_engine` (the colocated RL layout)."""
 from __future__ import annotations
 
 import socket
@@ -18,6 +20,8 @@ ROUNDS = 3
 def bench_weights(args) -> dict[str, Any]:
     if args.nccl:
         return bench_nccl(args)
+    if getattr(args, "tp_size", 1) > 1:
+        return bench_fsdp_tp(args)
     from safetensors.torch import save_file
 
     engine = make_engine(args, enable_prefix_cache=False)
@@ -99,3 +103,53 @@ def bench_nccl(args) -> dict[str, Any]:
             "trainer_send_s": [round(t, 4) for t in send_times[1:]], "best_s": round(best, 4),
             "GBps": round(nbytes / best / 1e9, 1)}
 
+
+
+def _fsdp_tp_rank(args, rank: int, port: int, out_queue) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollout_engine.integrations.fsdp import sync_to_engine
+    from rollout_engine.models.presets import PRESETS
+
+    k = args.tp_size
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=k,
+                            device_id=torch.device("cuda", rank))
+    shape = {key: v for key, v in PRESETS[args.model].items() if key != "architectures"}
+    config = AutoConfig.for_model(**shape)
+    with torch.device("cuda", rank):
+        trainer = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    for layer in trainer.model.layers:
+        fully_shard(layer)
+    fully_shard(trainer)
+    torch.cuda.empty_cache()
+    engine = make_engine(args, enable_prefix_cache=False, max_total_tokens=65536, device=f"cuda:{rank}")
+    nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
+    times = [timed(lambda: sync_to_engine(trainer, engine)) for _ in range(ROUNDS + 1)]  # the first warms up
+    if rank == 0:
+        out_queue.put((times, nbytes))
+    engine.shutdown()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_fsdp_tp(args) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    k = args.tp_size
+    if torch.cuda.device_count() < k or args.load_format != "dummy":
+        raise SystemExit(f"--tp {k} for the weights workload needs {k} GPUs and a preset model (dummy weights)")
+    ctx = mp.get_context("spawn")
+    port, out = _free_port(), ctx.Queue()
+    procs = [ctx.Process(target=_fsdp_tp_rank, args=(args, r, port, out)) for r in range(k)]
+    for p in procs:
+        p.start()
+    times, nbytes = out.get(timeout=900)
+    for p in procs:
+        p.join(timeout=120)
+    best = min(times[1:])
+    return {"layout": f"FSDP2 over {k} GPUs -> one TP={k} engine, same processes", "weight_bytes": nbytes,
+            "rounds_s": [round(t, 4) for t in times[1:]], "best_s": round(best, 4),
+            "GBps": round(nbytes / best / 1e9, 1)}

@@ -75,8 +75,8 @@ def check_tp_size(cfg: EngineConfig) -> None:
 def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChannel | None = None) -> EngineParts:
     """This rank's parts (`comm`: its place in a tensor-parallel group;
     `channel`: on rank 0, the way to the other ranks)."""
-    comm = comm or TPComm()
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+    comm = (comm or TPComm()).with_fast_all_reduce(dtype, device)
     free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     memory = MemoryManager(create_saver(cfg.enable_memory_saver, device))
     path = resolve_model_path(cfg.model, cfg.load_format)

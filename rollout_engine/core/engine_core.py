@@ -90,12 +90,12 @@ def start_core(cfg: EngineConfig):
         return EngineCore(cfg)
     check_tp_size(cfg)
     comm, control = tp_group.embedded_group(cfg.tp_size, resolve_device(cfg.device))
-    channel = tp_group.TPChannel(comm, control, [], embedded=True)
+    channel = tp_group.channel_of(comm, control, [], embedded=True)
     if comm.tp_rank == 0:
         return EngineCore(cfg, channel)
     from rollout_engine.core.follower import FollowerCore
 
-    return FollowerCore(cfg, comm, control)
+    return FollowerCore(cfg, channel)
 
 
 class EngineCore:

@@ -24,11 +24,11 @@ from rollout_engine.core.rank_ops import RankOps
 from rollout_engine.core.request_factory import RequestFactory
 from rollout_engine.core.subscription import Subscription
 from rollout_engine.core.worker import serve
-from rollout_engine.distributed.comm import TPComm
+from rollout_engine.distributed.tp_group import RankLink
 
 
 class FollowerCore:
-    def __init__(self, cfg: EngineConfig, comm: TPComm, control):
+    def __init__(self, cfg: EngineConfig, link: RankLink):
         self.paused = False
         self.manual = False
         self._calls: deque[Subscription] = deque()  # calls made here, waiting for rank 0's result
@@ -36,21 +36,21 @@ class FollowerCore:
         self._lock = threading.Lock()
         self._ops: queue.SimpleQueue = queue.SimpleQueue()  # (op, run) posted by this rank's caller
         built: Future = Future()
-        self._thread = threading.Thread(target=self._run, args=(cfg, comm, control, built), daemon=True,
-                                        name=f"rollout-engine-tp{comm.tp_rank}")
+        self._thread = threading.Thread(target=self._run, args=(cfg, link, built), daemon=True,
+                                        name=f"rollout-engine-tp{link.comm.tp_rank}")
         self._thread.start()
         self.parts: EngineParts = built.result()
         self.factory = RequestFactory(self.parts.tokenizer, self.parts.limits, cfg.seed)
-        self.controls = FollowerControls(self, RankOps(self.parts, comm.tp_rank))
+        self.controls = FollowerControls(self, RankOps(self.parts, link.comm.tp_rank))
 
-    def _run(self, cfg, comm, control, built: Future) -> None:
+    def _run(self, cfg, link: RankLink, built: Future) -> None:
         try:
-            parts = build_parts(cfg, comm)
+            parts = build_parts(cfg, link.comm)
         except BaseException as e:  # noqa: BLE001 - raised in the constructor
             built.set_exception(e)
             return
         built.set_result(parts)
-        serve(parts, control, embedded=True, local_call=self._local_call, on_result=self._on_result)
+        serve(parts, link, local_call=self._local_call, on_result=self._on_result)
 
     # ---- the front ends' side --------------------------------------------------------
     def submit(self, token_lists, params, request_ids, sub: Subscription) -> None:

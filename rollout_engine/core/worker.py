@@ -20,35 +20,43 @@ def worker_main(cfg: EngineConfig, rank: int, size: int, port: int, device: str)
     if torch.device(device).type == "cpu":  # the ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     comm, control = tp_group.join_group(rank, size, port, torch.device(device))
+    link = tp_group.channel_of(comm, control, [], embedded=False)
     parts = build_parts(dataclasses.replace(cfg, device=device), comm)
-    serve(parts, control, embedded=False)
+    serve(parts, link, local_call=None)
 
 
-def serve(parts: EngineParts, control, embedded: bool, local_call=None, on_result=None) -> None:
+def serve(parts: EngineParts, link: tp_group.RankLink, local_call=None, on_result=None) -> None:
     """Run what rank 0 sends until it says stop. Embedded ranks take a rank
     operation's arguments from their own caller (`local_call(op)` returns a
     function to run, the caller's own call), and get each front-end call's
     result (`on_result(kind, value)`)."""
     ops = RankOps(parts, parts.comm.tp_rank)
-    prev = None
+    prev = None  # the last step launched here
     while True:
         try:
-            message = tp_group.receive(control)
+            message = link.receive()
         except Exception:  # the engine is gone
             return
         kind = message[0]
         if kind == "plan":
-            _, prev = parts.runner.run(message[1], prev)
-        elif kind == "call":
+            # Launch only: rank 0 waits for each step's results, this rank
+            # never does, so its next plan is queued on the device behind the
+            # step in flight (waiting here would leave the device idle while
+            # the next plan travels, and rank 0's collectives would wait).
+            prev = parts.runner.launch(message[1], prev)
+            continue
+        if prev is not None:  # operations and stop see this rank's steps finished
+            parts.runner.collect(prev)
+        if kind == "call":
             op, args = message[1], message[2]
             try:
-                run = local_call(op) if embedded else (lambda: getattr(ops, op)(*args))
+                run = local_call(op) if link.embedded else (lambda: getattr(ops, op)(*args))
                 result = ("ok", run())
             except Exception as e:  # noqa: BLE001 - reported to rank 0
                 result = ("error", e)
-            tp_group.gather_to_rank0(result, control)
+            link.reply(result)
         elif kind == "result":
             on_result(message[1], message[2])
         elif kind == "stop":
-            tp_group.leave(parts.comm, control, embedded)
+            link.leave()
             return

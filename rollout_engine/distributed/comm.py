@@ -3,7 +3,7 @@ layers call these methods and never see a process group. At tp_size=1 every
 collective is the identity."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ class TPComm:
     tp_rank: int = 0
     tp_size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when tp_size > 1
+    fast: Any = None  # a OneShotAllReduce for small messages (CUDA), see fast_allreduce.py
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -21,9 +22,19 @@ class TPComm:
         if self.tp_size > 1 and self.group is None:
             raise ValueError("tp_size > 1 needs a process group")
 
+    def with_fast_all_reduce(self, dtype: torch.dtype, device: torch.device) -> "TPComm":
+        """This comm, with the one-shot path for small messages where it
+        works (a collective: every rank calls it together)."""
+        from rollout_engine.distributed.fast_allreduce import make_fast_all_reduce
+
+        return replace(self, fast=make_fast_all_reduce(self.group, self.tp_size, dtype, device))
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group's ranks (the result may be `x` itself)."""
         if self.tp_size == 1:
             return x
+        if self.fast is not None and self.fast.fits(x):
+            return self.fast(x)
         import torch.distributed as dist
 
         dist.all_reduce(x, group=self.group)

@@ -1,7 +1,8 @@
 """A tensor-parallel group for one engine, standalone: the engine's process
 is rank 0 and spawns `tp_size - 1` worker processes; together they form
 their own process group (NCCL on the GPU, gloo on the CPU) plus a gloo group
-for control messages (step plans, RL controls) from rank 0.
+for replies to rank 0; rank 0's messages (step plans, RL controls) travel
+over one socket per rank (`messages.py`).
 
 Rank 0 plans; every rank runs each StepPlan on its shard of the model and
 samples the same tokens (the logits are gathered, so every rank samples
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rollout_engine.distributed import messages
 from rollout_engine.distributed.comm import TPComm
 
 TIMEOUT = timedelta(minutes=10)
@@ -38,12 +40,13 @@ class TPChannel:
     """Rank 0's side of the control group."""
 
     comm: TPComm
-    control: Any  # the gloo group for messages
+    control: Any  # the gloo group for replies
+    outbox: messages.Outbox  # to every other rank
     processes: list  # standalone: the spawned ranks
     embedded: bool = False  # the ranks are a torch.distributed job's: leave its default group alone
 
     def send(self, message: tuple) -> None:
-        dist.broadcast_object_list([message], group=self.control, group_src=0)
+        self.outbox.send(message)
 
     def call(self, op: str, args: tuple, local) -> Any:
         """Run rank operation `op(*args)` on every rank (here: `local()`);
@@ -77,14 +80,42 @@ class TPChannel:
             self.send(("stop",))
             leave(self.comm, self.control, self.embedded)
         finally:
+            self.outbox.close()
             for p in self.processes:
                 p.join(timeout)
                 if p.is_alive():
                     p.kill()
 
 
-def gather_to_rank0(result: Any, control) -> None:
-    dist.gather_object(result, None, group=control, group_dst=0)
+@dataclass
+class RankLink:
+    """Ranks 1..k-1's side: rank 0's messages in, replies out."""
+
+    comm: TPComm
+    control: Any
+    inbox: messages.Inbox
+    embedded: bool = False
+
+    def receive(self) -> tuple:
+        return self.inbox.receive()
+
+    def reply(self, result: Any) -> None:
+        dist.gather_object(result, None, group=self.control, group_dst=0)
+
+    def leave(self) -> None:
+        try:
+            leave(self.comm, self.control, self.embedded)
+        finally:
+            self.inbox.close()
+
+
+def channel_of(comm: TPComm, control, processes: list, embedded: bool) -> TPChannel | RankLink:
+    """Connect rank 0 with the others (every rank calls this together): rank 0
+    gets the TPChannel, the others their RankLink."""
+    box = messages.connect(comm.tp_rank, comm.tp_size, control)
+    if comm.tp_rank == 0:
+        return TPChannel(comm, control, box, processes, embedded)
+    return RankLink(comm, control, box, embedded)
 
 
 def leave(comm: TPComm, control, embedded: bool) -> None:
@@ -134,12 +165,6 @@ class TPStepRunner:
         return self.local.collect(handle)
 
 
-def receive(control) -> tuple:
-    box = [None]
-    dist.broadcast_object_list(box, group=control, group_src=0)
-    return box[0]
-
-
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -170,7 +195,7 @@ def spawn_workers(cfg, device: torch.device, worker_main) -> TPChannel:
         p.start()
         procs.append(p)
     comm, control = join_group(0, k, port, device)
-    return TPChannel(comm, control, procs)
+    return channel_of(comm, control, procs, embedded=False)
 
 
 def die_with_parent() -> None:

@@ -1,0 +1,110 @@
+"""All-reduce latency inside a CUDA graph, NCCL vs the engine's one-shot
+path, over the GPUs of one host (one process per GPU).
+
+    python benchmarks/tp_allreduce.py --gpus 2 --out allreduce.json
+
+Each graph holds `--ops` back-to-back all-reduces of one size (what a decode
+step's layers do); the time per all-reduce is the graph's replay time over
+`--ops`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def _time_graph(fn, x, ops: int, replays: int) -> float:
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            y = x
+            for _ in range(ops):
+                y = fn(y)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x
+        for _ in range(ops):
+            y = fn(y)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / replays / ops
+
+
+def _rank(rank: int, size: int, port: int, args, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from rollout_engine.distributed.fast_allreduce import OneShotAllReduce
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD
+    dtype = torch.bfloat16
+    fast = OneShotAllReduce(group, dtype, torch.device("cuda", rank), max_bytes=max(args.sizes_kib) * 1024)
+
+    def nccl(t):
+        dist.all_reduce(t, group=group)
+        return t
+
+    rows = []
+    for kib in args.sizes_kib:
+        x = torch.full((kib * 1024 // 2,), 1.0 / 64, dtype=dtype, device="cuda")
+        check = fast(x)
+        assert torch.allclose(check.float(), x.float() * size), "one-shot sum is wrong"
+        # scale down after each op so repeated sums stay finite
+        row = {"kib": kib,
+               "nccl_us": _time_graph(lambda t: nccl(t).mul_(1.0 / size), x.clone(), args.ops, args.replays) * 1e6,
+               "one_shot_us": _time_graph(lambda t: fast(t).mul_(1.0 / size), x.clone(), args.ops,
+                                          args.replays) * 1e6,
+               "scale_only_us": _time_graph(lambda t: t.mul_(1.0 / size), x.clone(), args.ops, args.replays) * 1e6}
+        rows.append({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import multiprocessing as mp
+
+    from rollout_engine.distributed.tp_group import free_port
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--sizes-kib", type=int, nargs="+", default=[8, 32, 128, 512, 1024, 4096])
+    p.add_argument("--ops", type=int, default=64)
+    p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--out")
+    args = p.parse_args()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, args.gpus, port, args, queue)) for r in range(args.gpus)]
+    for proc in procs:
+        proc.start()
+    rows = queue.get(timeout=300)
+    for proc in procs:
+        proc.join(60)
+    print(f"{'KiB':>6} {'nccl us':>9} {'one-shot us':>12} {'scale us':>9}")
+    for r in rows:
+        print(f"{r['kib']:>6} {r['nccl_us']:>9} {r['one_shot_us']:>12} {r['scale_only_us']:>9}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpus": args.gpus, "ops": args.ops, "rows": rows,
+                       "nvls": os.environ.get("NCCL_NVLS_ENABLE")}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
