@@ -14,6 +14,8 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 COMMON = textwrap.dedent("""
+    import faulthandler, sys
+    faulthandler.dump_traceback_later(int(sys.argv[1]), exit=True)  # a hang shows where, then fails the job
     import gc, json, torch
     from rollout_engine import RolloutEngine, SamplingParams
     GREEDY = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
@@ -33,11 +35,11 @@ COMMON = textwrap.dedent("""
 """)
 
 
-def _job(body: str, tmp_path, preload: bool = False) -> dict:
+def _job(body: str, tmp_path, preload: bool = False, limit: int = 840) -> dict:
     pytest.importorskip("torch_memory_saver")
     script = tmp_path / "job.py"
     script.write_text(COMMON + textwrap.dedent(body))
-    cmd = [sys.executable, str(script)]
+    cmd = [sys.executable, str(script), str(limit)]
     if preload:
         cmd = [sys.executable, "-m", "rollout_engine.cli", "run", "--"] + cmd
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ))
@@ -126,7 +128,7 @@ def test_tp2_fifty_cycles_release_both_gpus_without_growth(tmp_path):
                 marks.append([used_on(0), used_on(1)])
         engine.shutdown()
         result(held=held, freed=freed, marks=marks, same=same)
-    """, tmp_path)
+    """, tmp_path, limit=180)
     assert r["same"]
     for gpu in (0, 1):
         assert r["freed"][gpu] >= 0.85 * r["held"][gpu], gpu  # GPU 1 also holds rank 1's CUDA context

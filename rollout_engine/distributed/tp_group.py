@@ -119,12 +119,33 @@ def channel_of(comm: TPComm, control, processes: list, embedded: bool) -> TPChan
 
 
 def leave(comm: TPComm, control, embedded: bool) -> None:
-    """Drop the engine's groups (standalone: its whole process group)."""
+    """Drop the engine's groups (standalone: its whole process group).
+
+    NCCL communicators are aborted, not destroyed: destroying one waits on
+    the other ranks' teardown (seen hanging on two GPUs at shutdown), and
+    aborting is local. This rank's steps have all finished by now (rank 0
+    collects each step; the others collect before leaving), so no collective
+    is in flight."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    groups = list({id(g): g for g in (comm.group, control)}.values())
+    nccl = [g for g in groups if dist.get_backend(g) == "nccl"]
+    if nccl:
+        torch.cuda.synchronize()
     if not embedded:
-        dist.destroy_process_group()
+        for group in groups:  # the gloo control group, then the world
+            if group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
+        if nccl:
+            _abort_process_group()
+        else:
+            dist.destroy_process_group()
         return
-    for group in {id(g): g for g in (comm.group, control)}.values():
-        dist.destroy_process_group(group)
+    for group in groups:
+        if group in nccl:
+            _abort_process_group(group)
+        else:
+            dist.destroy_process_group(group)
 
 
 def embedded_group(k: int, device: torch.device) -> tuple[TPComm, Any]:
