@@ -89,6 +89,18 @@ def test_update_weights_reaches_every_rank(tmp_path_factory):
             engine.update_weights({"bogus.weight": second.state_dict()["lm_head.weight"]})
         assert engine.generate(input_ids=PROMPTS[:1], sampling_params=params)[0].output_token_ids == \
             before[0].output_token_ids
+        # Streamed (a generator; the other rank receives each tensor by
+        # broadcast): a NaN half-way fails on every rank without a hang...
+        items = list(second.state_dict().items())
+        poisoned = ((n, t.clone().fill_(float("nan")) if i == len(items) // 2 else t) for i, (n, t) in enumerate(items))
+        with pytest.raises(ValueError, match="non-finite|NaN|inf"):
+            engine.update_weights(poisoned)
+        with pytest.raises(RuntimeError):
+            engine.generate(input_ids=PROMPTS[:1], sampling_params=params)
+        # ... and a complete streamed update brings every rank to the new weights.
+        assert engine.update_weights((n, t) for n, t in items) == 3
+        streamed = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        assert [o.output_token_ids for o in streamed] == [o.output_token_ids for o in expected]
     finally:
         engine.shutdown()
 

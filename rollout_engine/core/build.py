@@ -72,6 +72,16 @@ def check_tp_size(cfg: EngineConfig) -> None:
         raise ValueError(f"tp_size {k} must divide the model's intermediate size ({mc.intermediate_size})")
 
 
+def engine_cuda_index(cfg: EngineConfig) -> int | None:
+    """The GPU an engine's threads select before they touch CUDA (the current
+    device is per thread: a new thread starts on GPU 0). For `device="cuda"`,
+    the constructing thread's current device."""
+    device = resolve_device(cfg.device)
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChannel | None = None) -> EngineParts:
     """This rank's parts (`comm`: its place in a tensor-parallel group;
     `channel`: on rank 0, the way to the other ranks)."""

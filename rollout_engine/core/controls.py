@@ -56,18 +56,34 @@ class Controls:
         # Embedded ranks bring their own arguments (every rank made the call).
         return channel.call(op, None if channel.embedded else args, local)
 
-    def _update(self, op: str, *args) -> int:
+    def _update(self, op: str, *args, everywhere=None) -> int:
         self.scheduler.settle()  # the step in flight reads the weights
-        version = self._on_every_rank(op, *args)
+        version = (everywhere or self._on_every_rank)(op, *args)
         self.scheduler.weight_version = version  # tokens sampled from here on carry it
         return version
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None,
                        flush_cache: bool) -> int:
         channel = self.parts.channel
-        if channel is not None and not channel.embedded:  # every rank gets the full tensors (on the host)
-            named_tensors = [(name, t.detach().cpu()) for name, t in named_tensors]
-        return self._update("update_weights", named_tensors, version, flush_cache)
+        if channel is None or channel.embedded:  # embedded: every rank passed its own full tensors
+            return self._update("update_weights", named_tensors, version, flush_cache)
+        # Standalone: the other ranks get each tensor by broadcast, streamed.
+        if isinstance(named_tensors, (list, tuple)):
+            self.parts.updater.loader.validate(named_tensors)  # a bad list changes no rank
+
+        def everywhere(op, version, flush_cache):
+            stream = channel.stream_tensors(named_tensors, self.parts.device)
+
+            def local():
+                try:
+                    return self.ops.update_weights(stream, version, flush_cache)
+                finally:
+                    stream.close()
+                    channel.send(("end",))
+
+            return channel.call(op, (version, flush_cache), local)
+
+        return self._update("update_weights_broadcast", version, flush_cache, everywhere=everywhere)
 
     def update_from_disk(self, path: str, version: int | None) -> int:
         return self._update("update_from_disk", path, version)

@@ -24,9 +24,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rollout_engine.config import EngineConfig
-from rollout_engine.core.build import EngineParts, build_parts, check_tp_size
+from rollout_engine.core.build import EngineParts, build_parts, check_tp_size, engine_cuda_index
 from rollout_engine.core.controls import Controls
-from rollout_engine.core.worker import worker_main
+from rollout_engine.core.worker import drop_graphs, worker_main
 from rollout_engine.outputs import merge_deltas
 from rollout_engine.distributed import tp_group
 from rollout_engine.core.request_factory import RequestFactory
@@ -115,9 +115,7 @@ class EngineCore:
         self._stopping = False
         self._abandoned = False
         self._dead: BaseException | None = None
-        device = resolve_device(cfg.device)
-        self._cuda_index = None if device.type != "cuda" else (
-            device.index if device.index is not None else torch.cuda.current_device())
+        self._cuda_index = engine_cuda_index(cfg)
         self._channel = channel  # rank 0 of a tensor-parallel engine embedded in a torch.distributed job
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(cfg, built), name="rollout-engine-loop", daemon=True)
@@ -207,6 +205,7 @@ class EngineCore:
                 self.abort_now()
                 self._stopping = True
                 if self.parts.channel is not None:  # the other ranks exit
+                    drop_graphs(self.parts)
                     self.parts.channel.close()
 
             self.post(run)

@@ -18,8 +18,10 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
+import torch
+
 from rollout_engine.config import EngineConfig
-from rollout_engine.core.build import EngineParts, build_parts
+from rollout_engine.core.build import EngineParts, build_parts, engine_cuda_index
 from rollout_engine.core.rank_ops import RankOps
 from rollout_engine.core.request_factory import RequestFactory
 from rollout_engine.core.subscription import Subscription
@@ -36,6 +38,7 @@ class FollowerCore:
         self._lock = threading.Lock()
         self._ops: queue.SimpleQueue = queue.SimpleQueue()  # (op, run) posted by this rank's caller
         built: Future = Future()
+        self._cuda_index = engine_cuda_index(cfg)
         self._thread = threading.Thread(target=self._run, args=(cfg, link, built), daemon=True,
                                         name=f"rollout-engine-tp{link.comm.tp_rank}")
         self._thread.start()
@@ -45,6 +48,8 @@ class FollowerCore:
 
     def _run(self, cfg, link: RankLink, built: Future) -> None:
         try:
+            if self._cuda_index is not None:  # this rank's GPU, not GPU 0
+                torch.cuda.set_device(self._cuda_index)
             parts = build_parts(cfg, link.comm)
         except BaseException as e:  # noqa: BLE001 - raised in the constructor
             built.set_exception(e)

@@ -10,12 +10,23 @@ from rollout_engine.core.build import EngineParts
 
 
 class RankOps:
-    def __init__(self, parts: EngineParts, tp_rank: int = 0):
+    def __init__(self, parts: EngineParts, tp_rank: int = 0, link=None):
         self.parts = parts
         self.tp_rank = tp_rank
+        self.link = link  # ranks 1..k-1: the way to rank 0
 
     def update_weights(self, named_tensors, version, flush_cache: bool) -> int:
         return self.parts.updater.update(named_tensors, version, flush_cache)
+
+    def update_weights_broadcast(self, version, flush_cache: bool) -> int:
+        """Ranks 1..k-1 of a standalone engine: the tensors come by broadcast
+        from rank 0 (see TPChannel.stream_tensors)."""
+        stream = self.link.receive_tensors(self.parts.device)
+        try:
+            return self.parts.updater.update(stream, version, flush_cache)
+        finally:
+            for _ in stream:  # after an error here, keep taking rank 0's broadcasts until it ends
+                pass
 
     def update_from_disk(self, path: str, version) -> int:
         return self.parts.updater.update_from_disk(path, version)

@@ -30,7 +30,7 @@ def serve(parts: EngineParts, link: tp_group.RankLink, local_call=None, on_resul
     operation's arguments from their own caller (`local_call(op)` returns a
     function to run, the caller's own call), and get each front-end call's
     result (`on_result(kind, value)`)."""
-    ops = RankOps(parts, parts.comm.tp_rank)
+    ops = RankOps(parts, parts.comm.tp_rank, link)
     prev = None  # the last step launched here
     while True:
         try:
@@ -58,5 +58,16 @@ def serve(parts: EngineParts, link: tp_group.RankLink, local_call=None, on_resul
         elif kind == "result":
             on_result(message[1], message[2])
         elif kind == "stop":
+            drop_graphs(parts)
             link.leave()
             return
+
+
+def drop_graphs(parts: EngineParts) -> None:
+    """Destroy the CUDA graphs before the groups: a communicator whose
+    collectives are captured in live graphs cannot be torn down (NCCL waits
+    for those graphs), and every rank would hang at shutdown."""
+    if parts.runner.graphs is not None:
+        torch.cuda.synchronize(parts.device)  # no replay in flight
+        parts.runner.graphs.destroy()
+        parts.runner.graphs = None

@@ -20,7 +20,7 @@ import torch
 
 log = logging.getLogger("rollout_engine")
 
-MAX_BYTES = 1 << 20  # one-shot up to this size (measured: BENCHMARKS.md, "Small-message all-reduce")
+MAX_BYTES = 64 << 10  # one-shot up to this size: past ~128 KiB NCCL is as fast (BENCHMARKS.md, "Tensor parallelism")
 ENV = "ROLLOUT_ENGINE_ALLREDUCE"  # "nccl": never use the one-shot path
 
 
@@ -56,13 +56,15 @@ def make_fast_all_reduce(group, tp_size: int, dtype: torch.dtype, device: torch.
         return None
     import torch.distributed as dist
 
+    # Only the setup is tried: once a rank has entered a one-shot kernel it
+    # waits for every other rank's signal, so a probe that fails on one rank
+    # would leave the others spinning.
     fast, error = None, None
     try:
         fast = OneShotAllReduce(group, dtype, device)
-        probe = torch.ones(fast.align, dtype=dtype, device=device)
-        ok = bool((fast(probe) == tp_size).all().item())
     except Exception as e:  # noqa: BLE001 - an optional fast path: NCCL still works
-        ok, error = False, e
+        error = e
+    ok = fast is not None
     agreed = torch.tensor([int(ok)], device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
     if not agreed.item():

@@ -66,6 +66,17 @@ class TPChannel:
                 raise value
         return [value for _, value in results]
 
+    def stream_tensors(self, named_tensors, device: torch.device):
+        """Rank 0's side of a weight update that the other ranks receive by
+        broadcast over the engine's group (NCCL on GPUs), not pickled: each
+        tensor is announced, broadcast, then yielded to rank 0's own update.
+        The caller sends ("end",) when its update stops, however it stops."""
+        for name, tensor in named_tensors:
+            tensor = tensor.detach().to(device).contiguous()
+            self.send(("tensor", name, tensor.dtype, tuple(tensor.shape)))
+            dist.broadcast(tensor, group=self.comm.group, group_src=0)
+            yield name, tensor
+
     def gather(self, result: Any) -> list:
         """Every rank's result of the last call (rank 0's first)."""
         out = [None] * self.comm.tp_size
@@ -98,6 +109,15 @@ class RankLink:
 
     def receive(self) -> tuple:
         return self.inbox.receive()
+
+    def receive_tensors(self, device: torch.device):
+        """The other side of `TPChannel.stream_tensors`: (name, tensor) until
+        rank 0 ends the stream."""
+        while (message := self.receive())[0] == "tensor":
+            _, name, dtype, shape = message
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(tensor, group=self.comm.group, group_src=0)
+            yield name, tensor
 
     def reply(self, result: Any) -> None:
         dist.gather_object(result, None, group=self.control, group_dst=0)

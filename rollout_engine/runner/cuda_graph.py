@@ -108,6 +108,8 @@ class CudaGraphRunner:
         return self.outputs[bucket][:bs]
 
     def destroy(self) -> None:
+        for graph in self.graphs.values():
+            graph.reset()  # now, not when the last reference goes: NCCL waits for captured collectives' graphs
         self.graphs.clear()
         self.outputs.clear()
         self.batches.clear()
