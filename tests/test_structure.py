@@ -103,3 +103,15 @@ def test_lower_layers_do_not_import_upper_ones():
 
 def test_the_facade_stays_small():
     assert len((ROOT / "engine.py").read_text().splitlines()) <= 200
+
+
+def test_every_subpackage_is_installed():
+    """A non-editable install ships only the packages pyproject.toml lists:
+    a folder missing there works from a checkout and breaks once installed."""
+    import tomllib
+
+    root = pathlib.Path(rollout_engine.__file__).parent
+    project = tomllib.loads((root.parent / "pyproject.toml").read_text())
+    listed = set(project["tool"]["setuptools"]["packages"])
+    found = {"rollout_engine." + d.name for d in root.iterdir() if (d / "__init__.py").exists()}
+    assert found - listed == set()
