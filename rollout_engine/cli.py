@@ -177,6 +177,7 @@ def build_parser() -> Parser:
     _add_demo(sub)
     _add_run(sub)
     _add_bench(sub)
+    _add_serve(sub)
     return parser
 
 
@@ -249,6 +250,15 @@ def _add_bench(sub: Any) -> None:
     g.add_argument("--cycles", type=positive_int, default=5, help="memory: release/resume cycles timed")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(func=cmd_bench)
+
+
+def _add_serve(sub: Any) -> None:
+    from rollout_engine.server.command import add_serve_args, cmd_serve
+
+    p = _subparser(sub, "serve", "an HTTP server for one engine: SGLang-compatible and OpenAI routes, RL controls "
+                                 "(needs the server extra)")
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
 
 
 # ---- entry point --------------------------------------------------------------------

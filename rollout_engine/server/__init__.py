@@ -1,0 +1,46 @@
+"""The HTTP server: `serve(engine_or_kwargs, host, port)` or
+`rollout-engine serve`. Needs the `server` extra (FastAPI, uvicorn,
+prometheus-client), imported only here."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
+          **server_options) -> None:
+    """Serve one engine until SIGINT/SIGTERM: then stop accepting, abort
+    what runs (those requests answer with finish_reason "abort"), shut the
+    engine down (GPU memory freed, TP workers gone) and return.
+
+    `engine_or_kwargs`: a RolloutEngine, or the keyword arguments of one
+    (`model` included), built here. `server_options`: ServerConfig fields."""
+    import uvicorn
+
+    from rollout_engine.server.app import build_app
+    from rollout_engine.server.config import ServerConfig
+
+    cfg = ServerConfig(host=host, port=port, api_key=api_key or ServerConfig.env_api_key(), **server_options)
+    if isinstance(engine_or_kwargs, Mapping):
+        from rollout_engine import RolloutEngine
+
+        kwargs = dict(engine_or_kwargs)
+        engine = RolloutEngine(kwargs.pop("model"), **kwargs)
+    else:
+        engine = engine_or_kwargs
+    app = build_app(engine, cfg)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                try:
+                    engine.abort()  # in-flight requests end now, with "abort", and get their answers
+                except RuntimeError:
+                    pass
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                                   timeout_graceful_shutdown=3, limit_concurrency=None))
+    try:
+        server.run()
+    finally:
+        engine.shutdown()

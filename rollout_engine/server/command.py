@@ -1,0 +1,54 @@
+"""`rollout-engine serve`: every engine option and every server option as a
+flag, generated from EngineConfig and ServerConfig. FastAPI and uvicorn are
+imported only when the command runs."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import typing
+
+from rollout_engine.cli_args import UsageError, add_engine_args, build_config, check_engine_args, engine_kwargs
+from rollout_engine.server.config import API_KEY_ENV, ServerConfig
+
+SERVER_HELP = {
+    "host": "address to listen on; 127.0.0.1 keeps the server local, 0.0.0.0 opens it to the network",
+    "port": "TCP port",
+    "api_key": f"require 'Authorization: Bearer KEY' on every route but /health (or set ${API_KEY_ENV})",
+    "max_body_bytes": "largest request body accepted; larger ones get 413",
+    "max_queued_requests": "most samples admitted at once; past it, 503 with Retry-After",
+    "served_model_name": "the model id the OpenAI routes report and accept (default: --model)",
+}
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    group = parser.add_argument_group("server")
+    hints = typing.get_type_hints(ServerConfig)
+    for f in dataclasses.fields(ServerConfig):
+        kind = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind[0], default=f.default,
+                           help=SERVER_HELP[f.name])
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = build_config(args)
+    check_engine_args(config)
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"serve needs {', '.join(missing)}: pip install 'rollout-engine[server]'")
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}
+    options["api_key"] = options["api_key"] or ServerConfig.env_api_key()
+    try:
+        ServerConfig(**options)
+    except ValueError as e:
+        raise UsageError(f"argument --{str(e).split()[0].replace('_', '-')}: {str(e).split(' ', 1)[1]}") from None
+    from rollout_engine import RolloutEngine
+    from rollout_engine.server import serve
+
+    kwargs = engine_kwargs(args)
+    engine = RolloutEngine(kwargs.pop("model"), **kwargs)
+    print(f"rollout-engine: serving {config.model} on http://{options['host']}:{options['port']}", flush=True)
+    host, port = options.pop("host"), options.pop("port")
+    serve(engine, host, port, **options)
+    return 0

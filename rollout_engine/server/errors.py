@@ -1,0 +1,57 @@
+"""Error answers in one JSON shape (OpenAI's), for every route:
+{"error": {"message", "type", "param", "code"}}."""
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         409: "conflict_error", 413: "request_too_large", 422: "invalid_request_error",
+         503: "server_overloaded"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _field(loc) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or "body"
+
+
+def install(app) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        field = _field(first.get("loc", ()))
+        return error_response(400, f"{field}: {first.get('msg', 'invalid')}", field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
+
+    @app.exception_handler(ValueError)
+    async def _bad_value(_: Request, exc: ValueError):  # the engine's validation: names the field
+        return error_response(400, str(exc))
+
+    @app.exception_handler(RuntimeError)
+    async def _conflict(_: Request, exc: RuntimeError):  # paused, released, shut down: the state refuses it
+        return error_response(409, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):  # a bug: say what, keep serving
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
