@@ -37,6 +37,11 @@ def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api
                 except RuntimeError:
                     pass
             super().handle_exit(sig, frame)
+            # uvicorn re-raises the signal once it has shut down (the process
+            # would die of it); this server shuts the engine down and exits 0.
+            captured = getattr(self, "_captured_signals", None)
+            if captured is not None:
+                captured.clear()
 
     server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                                    timeout_graceful_shutdown=3, limit_concurrency=None))

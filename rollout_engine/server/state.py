@@ -23,6 +23,9 @@ class Admission:
         self.limit, self.admitted = limit, 0
 
     def check(self, samples: int) -> None:
+        if samples > self.limit:  # could never be admitted: the request is wrong, not the timing
+            raise ApiError(400, f"the request asks for {samples} samples, more than the server admits at once "
+                                f"({self.limit}): lower n or split the batch", "n")
         if self.admitted + samples > self.limit:
             raise ApiError(503, f"the server is at its limit of {self.limit} queued samples; retry shortly",
                            headers={"Retry-After": "1"})

@@ -1,0 +1,280 @@
+"""`rollout-engine serve` as a subprocess on a free localhost port, talked to
+only through real clients (httpx, the openai package), on SmolLM2."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+from rollout_engine import RolloutEngine, SamplingParams  # noqa: E402
+
+START_TIMEOUT = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, *flags: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "rollout_engine.cli", "serve", "--model", model, "--port", str(self.port),
+               "--max-total-tokens", "8192", *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        threading.Thread(target=lambda: self.output.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited: {''.join(self.output)[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.proc.kill()
+        raise AssertionError("the server did not come up")
+
+    def post(self, path: str, body=None, **kw):
+        return httpx.post(self.url + path, json=body, timeout=120, **kw)
+
+    def stop(self, timeout: float = 10) -> tuple[int, float]:
+        start = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = None
+        return code, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir):
+    srv = Server(smollm2_dir, "--max-queued-requests", "64")
+    yield srv
+    if srv.proc.poll() is None:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def local(smollm2_dir):
+    engine = RolloutEngine(smollm2_dir, max_total_tokens=8192)
+    yield engine
+    engine.shutdown()
+
+
+PROMPTS = ["The capital of France is", "Two plus two equals", "A short poem about the sea:"]
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+def test_native_generate_equals_in_process(server, local):
+    body = server.post("/generate", {"text": PROMPTS, "sampling_params": GREEDY, "return_logprob": True,
+                                     "top_logprobs_num": 2}).json()
+    ref = local.generate(PROMPTS, sampling_params=SamplingParams(**GREEDY, top_logprobs=2))
+    assert len(body) == len(PROMPTS)
+    for got, want in zip(body, ref):
+        assert got["output_ids"] == want.output_token_ids
+        assert got["text"] == want.text
+        lps = [triple[0] for triple in got["meta_info"]["output_token_logprobs"]]
+        assert [triple[1] for triple in got["meta_info"]["output_token_logprobs"]] == want.output_token_ids
+        assert max(abs(a - b) for a, b in zip(lps, want.output_logprobs)) < 1e-5
+        assert len(got["meta_info"]["output_top_logprobs"][0]) == 2
+        meta = got["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 12}
+        assert meta["weight_version"] == 0 and meta["completion_tokens"] == 12
+    single = server.post("/generate", {"input_ids": ref[0].prompt_token_ids, "sampling_params": GREEDY}).json()
+    assert isinstance(single, dict) and single["output_ids"] == ref[0].output_token_ids
+
+
+def test_native_stream_ends_with_the_full_output(server):
+    events = []
+    with httpx.stream("POST", server.url + "/generate", timeout=60,
+                      json={"text": PROMPTS[:2], "stream": True, "sampling_params": GREEDY}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    last = {}
+    for e in events[:-1]:
+        chunk = json.loads(e)
+        last[chunk["index"]] = chunk
+    whole = server.post("/generate", {"text": PROMPTS[:2], "sampling_params": GREEDY}).json()
+    assert [last[i]["output_ids"] for i in range(2)] == [w["output_ids"] for w in whole]
+    assert [last[i]["text"] for i in range(2)] == [w["text"] for w in whole]
+
+
+def test_openai_client_completions_chat_and_streaming(server, local):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0, n=2, logprobs=2)
+    want = local.generate(PROMPTS[:1], sampling_params=SamplingParams(max_new_tokens=12, temperature=0, n=2))
+    assert [c.text for c in r.choices] == [w.text for w in want]
+    assert r.usage.completion_tokens == sum(len(w.output_token_ids) for w in want)
+    assert len(r.choices[0].logprobs.top_logprobs[0]) == 2
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+                                          logprobs=True, top_logprobs=1)
+    ids = local.apply_chat_template(messages)
+    ref = local.generate(input_ids=[ids], sampling_params=SamplingParams(max_new_tokens=16, temperature=0))[0]
+    assert chat.choices[0].message.content == ref.text
+    assert [t.logprob for t in chat.choices[0].logprobs.content] == pytest.approx(ref.output_logprobs, abs=1e-5)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.completion_tokens == len(ref.output_token_ids)
+    sampled = [client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=12, temperature=1.0,
+                                         seed=7).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="not-this-one", prompt="x", max_tokens=2)
+
+
+def test_rl_controls(server, tmp_path, smollm2_dir):
+    from safetensors.torch import load_file, save_file
+
+    before = server.post("/generate", {"text": PROMPTS[0], "sampling_params": GREEDY}).json()
+    tensors = load_file(os.path.join(smollm2_dir, "model.safetensors"))
+    for name in tensors:
+        if name.endswith("mlp.down_proj.weight"):
+            tensors[name] = tensors[name] * 0.5
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    r = server.post("/update_weights_from_disk", {"model_path": str(tmp_path)})
+    assert r.status_code == 200 and r.json()["success"]
+    version = server.post("/get_weight_version").status_code  # GET only
+    assert version == 405
+    assert httpx.get(server.url + "/get_weight_version").json()["weight_version"] == 1
+    after = server.post("/generate", {"text": PROMPTS[0], "sampling_params": GREEDY}).json()
+    assert after["meta_info"]["weight_version"] == 1 and after["output_ids"] != before["output_ids"]
+    assert server.post("/update_weights_from_disk", {"model_path": smollm2_dir}).json()["weight_version"] == 2
+    again = server.post("/generate", {"text": PROMPTS[0], "sampling_params": GREEDY}).json()
+    assert again["output_ids"] == before["output_ids"]
+    bad = server.post("/update_weights_from_disk", {"model_path": str(tmp_path / "nope")})
+    assert bad.status_code == 400 and "not a folder" in bad.json()["error"]["message"]
+
+    released = server.post("/release_memory_occupation", {})
+    assert released.status_code == 409 and "enable_memory_saver" in released.json()["error"]["message"]
+    assert server.post("/pause_generation", {"mode": "keep"}).json()["success"]
+    paused = server.post("/generate", {"text": "x", "sampling_params": GREEDY})
+    assert paused.status_code == 409 and "paused" in paused.json()["error"]["message"]
+    assert server.post("/continue_generation").json()["success"]
+    assert server.post("/pause_generation", {"mode": "sideways"}).status_code == 400
+    assert server.post("/flush_cache").json()["success"]
+    assert server.post("/abort_request", {"abort_all": True}).json()["success"]
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "rollout_engine_weight_version 2.0" in metrics and "rollout_engine_kv_usage_ratio" in metrics
+
+
+ABUSE = [
+    ("/generate", b"{bad json"),
+    ("/generate", b"[]"),
+    ("/generate", b"null"),
+    ("/generate", b'"text"'),
+    ("/generate", b"{}"),
+    ("/generate", json.dumps({"text": "a", "input_ids": [1]}).encode()),
+    ("/generate", json.dumps({"text": 5}).encode()),
+    ("/generate", json.dumps({"text": []}).encode()),
+    ("/generate", json.dumps({"input_ids": []}).encode()),
+    ("/generate", json.dumps({"input_ids": [[]]}).encode()),
+    ("/generate", json.dumps({"input_ids": ["a"]}).encode()),
+    ("/generate", json.dumps({"input_ids": [10 ** 12]}).encode()),
+    ("/generate", json.dumps({"input_ids": [-1]}).encode()),
+    ("/generate", json.dumps({"text": "a", "sampling_params": {"n": 10 ** 9}}).encode()),
+    ("/generate", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 10 ** 12}}).encode()),
+    ("/generate", json.dumps({"text": "a", "sampling_params": {"temperature": -1}}).encode()),
+    ("/generate", json.dumps({"text": "a", "sampling_params": {"top_p": "x"}}).encode()),
+    ("/generate", json.dumps({"text": "a", "sampling_params": {"bogus": 1}}).encode()),
+    ("/generate", json.dumps({"text": "a", "sampling_params": 3}).encode()),
+    ("/generate", json.dumps({"text": "a", "bogus_field": 1}).encode()),
+    ("/generate", json.dumps({"text": "a", "stream": "yes"}).encode()),
+    ("/generate", json.dumps({"text": "a", "top_logprobs_num": 10 ** 6, "return_logprob": True}).encode()),
+    ("/generate", json.dumps({"text": "a", "rid": 5}).encode()),
+    ("/generate", b"[" * 100_000 + b"]" * 100_000),
+    ("/generate", ('{"text": ' + "[" * 5000 + '"a"' + "]" * 5000 + "}").encode()),
+    ("/v1/completions", b"{}"),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": "a", "max_tokens": -5}).encode()),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": "a", "n": "two"}).encode()),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": []}).encode()),
+    ("/v1/chat/completions", json.dumps({"model": "m", "messages": []}).encode()),
+    ("/v1/chat/completions", json.dumps({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}).encode()),
+    ("/v1/chat/completions", json.dumps({"model": "m", "messages": "hello"}).encode()),
+    ("/update_weights_from_disk", json.dumps({"model_path": 5}).encode()),
+    ("/pause_generation", json.dumps({"mode": 1}).encode()),
+    ("/abort_request", b"{oops"),
+    ("/no/such/route", b"{}"),
+]
+
+
+def test_abuse_gets_4xx_never_500_and_the_server_stays_up(server):
+    good = {"text": PROMPTS[0], "sampling_params": GREEDY}
+    for path, raw in ABUSE:
+        r = httpx.post(server.url + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
+        assert 400 <= r.status_code < 500, (path, raw[:80], r.status_code, r.text[:300])
+        assert "error" in r.json(), (path, raw[:80])
+        assert server.post("/generate", good).status_code == 200, (path, raw[:80])
+    huge = httpx.post(server.url + "/generate", content=b"x" * (40 << 20), timeout=60)
+    assert huge.status_code == 413
+    assert server.post("/generate", good).status_code == 200
+
+
+def test_a_disconnected_stream_frees_its_kv(server):
+    long = {"text": PROMPTS, "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with httpx.stream("POST", server.url + "/generate", json=long, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one event, then the client goes away
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        info = httpx.get(server.url + "/get_server_info").json()
+        metrics = httpx.get(server.url + "/metrics").text
+        if info["admitted_samples"] == 0 and "rollout_engine_running_requests 0.0" in metrics:
+            break
+        time.sleep(0.2)
+    assert info["admitted_samples"] == 0
+    assert "rollout_engine_running_requests 0.0" in metrics
+    assert 'rollout_engine_finished_requests_total{reason="abort"}' in metrics
+
+
+def test_api_key_and_sigterm_during_requests(smollm2_dir):
+    srv = Server(smollm2_dir, "--api-key", "s3cret")
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200  # open
+        assert srv.post("/generate", {"text": "a"}).status_code == 401
+        assert srv.post("/generate", {"text": "a"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        ok = srv.post("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2}},
+                      headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        answers = []
+
+        def slow():
+            answers.append(srv.post("/generate", {"text": PROMPTS, "sampling_params": {
+                "max_new_tokens": 4000, "ignore_eos": True}}, headers={"Authorization": "Bearer s3cret"}))
+
+        t = threading.Thread(target=slow)
+        t.start()
+        time.sleep(2)
+    finally:
+        code, took = srv.stop(timeout=15)
+    t.join(10)
+    assert code == 0 and took < 5, (code, took, "".join(srv.output)[-2000:])
+    assert answers and answers[0].status_code == 200
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in answers[0].json())
