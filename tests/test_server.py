@@ -278,3 +278,24 @@ def test_api_key_and_sigterm_during_requests(smollm2_dir):
     assert code == 0 and took < 5, (code, took, "".join(srv.output)[-2000:])
     assert answers and answers[0].status_code == 200
     assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in answers[0].json())
+
+
+def _readme_block(marker: str) -> str:
+    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    after = text[text.index(f"<!-- {marker} -->"):]
+    start = after.index("```")
+    body = after[after.index("\n", start) + 1:]
+    return body[:body.index("```")]
+
+
+def test_the_readme_examples_run(server):
+    import shutil
+
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    curl = _readme_block("server-curl").strip().replace("http://127.0.0.1:30000", server.url)
+    out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Paris" in json.loads(out.stdout)["text"], out.stdout + out.stderr
+    script = _readme_block("server-openai").replace("http://127.0.0.1:30000", server.url)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip(), out.stdout + out.stderr
