@@ -30,6 +30,17 @@ COMMON = textwrap.dedent("""
         return [o.output_token_ids for o in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     def result(**kw):
         print("RESULT " + json.dumps(kw), flush=True)
+    def fifty_cycles(engine, reference, mark):
+        """Release and resume 50 times: (marks at cycles 2 and 49, outputs unchanged)."""
+        marks, same = [], True
+        for cycle in range(50):
+            engine.release_memory()
+            engine.resume_memory()
+            same &= tokens(engine) == reference
+            if cycle in (2, 49):
+                gc.collect()
+                marks.append(mark())
+        return marks, same
     torch.zeros(1, device="cuda")  # the CUDA context is not the engine's
     used0 = used()
 """)
@@ -79,15 +90,7 @@ def test_fifty_cycles_do_not_grow_memory_and_keep_outputs(tmp_path):
     r = _job("""
         engine = RolloutEngine("qwen3-0.6b", load_format="dummy", enable_memory_saver=True,
                                weights_cpu_backup=True, max_total_tokens=131072, cuda_graph_max_batch_size=16)
-        reference = tokens(engine)
-        marks, same = [], True
-        for cycle in range(50):
-            engine.release_memory()
-            engine.resume_memory()
-            same &= tokens(engine) == reference
-            if cycle in (2, 49):
-                gc.collect()
-                marks.append((used(), rss()))
+        marks, same = fifty_cycles(engine, tokens(engine), lambda: (used(), rss()))
         result(marks=marks, same=same)
     """, tmp_path)
     (gpu_a, rss_a), (gpu_b, rss_b) = r["marks"]
@@ -118,14 +121,8 @@ def test_tp2_fifty_cycles_release_both_gpus_without_growth(tmp_path):
         engine.release_memory()
         freed = [held[0] + base[0] - used_on(0), held[1] + base[1] - used_on(1)]
         engine.resume_memory()
-        marks, same = [], tokens(engine) == reference
-        for cycle in range(50):
-            engine.release_memory()
-            engine.resume_memory()
-            same &= tokens(engine) == reference
-            if cycle in (2, 49):
-                gc.collect()
-                marks.append([used_on(0), used_on(1)])
+        marks, same = fifty_cycles(engine, reference, lambda: [used_on(0), used_on(1)])
+        same &= tokens(engine) == reference
         engine.shutdown()
         result(held=held, freed=freed, marks=marks, same=same)
     """, tmp_path, limit=180)
