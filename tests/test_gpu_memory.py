@@ -31,7 +31,7 @@ COMMON = textwrap.dedent("""
     def result(**kw):
         print("RESULT " + json.dumps(kw), flush=True)
     def fifty_cycles(engine, reference, mark):
-        """Release and resume 50 times: (marks at cycles 2 and 49, outputs unchanged)."""
+        # release and resume 50 times: (marks at cycles 2 and 49, whether outputs stayed the same)
         marks, same = [], True
         for cycle in range(50):
             engine.release_memory()
