@@ -299,3 +299,17 @@ def test_the_readme_examples_run(server):
     script = _readme_block("server-openai").replace("http://127.0.0.1:30000", server.url)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip(), out.stdout + out.stderr
+
+
+def test_serve_refuses_a_busy_port_and_bad_flags_before_loading(smollm2_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flags, message in ((["--port", str(port)], "cannot listen on"),
+                               (["--port", "70000"], "--port: must be in"),
+                               (["--max-queued-requests", "0"], "--max-queued-requests")):
+            out = subprocess.run([sys.executable, "-m", "rollout_engine.cli", "serve", "--model", smollm2_dir, *flags],
+                                 capture_output=True, text=True, timeout=120)
+            assert out.returncode == 2 and message in out.stderr, (flags, out.stderr[-500:])
+            assert "serving" not in out.stdout

@@ -31,6 +31,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                            help=SERVER_HELP[f.name])
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Before the model loads: a port in use is the user's to change."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise UsageError(f"argument --port: cannot listen on {host}:{port} ({e.strerror})") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     config = build_config(args)
     check_engine_args(config)
@@ -43,6 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ServerConfig(**options)
     except ValueError as e:
         raise UsageError(f"argument --{str(e).split()[0].replace('_', '-')}: {str(e).split(' ', 1)[1]}") from None
+    _check_port_free(options["host"], options["port"])
     from rollout_engine import RolloutEngine
     from rollout_engine.server import serve
 
