@@ -182,6 +182,10 @@ def test_rl_controls(server, tmp_path, smollm2_dir):
     assert server.post("/abort_request", {"abort_all": True}).json()["success"]
     metrics = httpx.get(server.url + "/metrics").text
     assert "rollout_engine_weight_version 2.0" in metrics and "rollout_engine_kv_usage_ratio" in metrics
+    for family in ("rollout_engine_time_to_first_token_seconds", "rollout_engine_step_duration_seconds"):
+        count = next(line for line in metrics.splitlines() if line.startswith(family + "_count"))
+        inf = next(line for line in metrics.splitlines() if line.startswith(family + '_bucket{le="+Inf"}'))
+        assert float(count.split()[-1]) > 0 and count.split()[-1] == inf.split()[-1], family
 
 
 ABUSE = [

@@ -53,10 +53,24 @@ class EngineCollector:
             c = CounterMetricFamily(PREFIX + name, doc)
             c.add_metric([], value)
             yield c
+        for name, doc, key in (("step_duration_seconds", "host time of a scheduler step", "step_seconds_histogram"),
+                                ("time_to_first_token_seconds", "arrival to first sampled token",
+                                 "ttft_seconds_histogram")):
+            yield _histogram(PREFIX + name, doc, m[key])
         fin = CounterMetricFamily(PREFIX + "finished_requests", "requests finished, by reason", labels=["reason"])
         for reason, count in m["finished"].items():
             fin.add_metric([reason], count)
         yield fin
+
+
+def _histogram(name: str, doc: str, h: dict):
+    from prometheus_client.core import HistogramMetricFamily
+
+    buckets, running = [], 0
+    for bound, count in zip(h["bounds"] + [float("inf")], h["counts"]):
+        running += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum"])
 
 
 def registry_for(state):
