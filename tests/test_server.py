@@ -408,3 +408,39 @@ def test_load_from_64_clients_loses_nothing_and_memory_settles(smollm2_dir):
     finally:
         code, took = srv.stop(timeout=15)
     assert code == 0 and took < 5, (code, took)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def test_a_tp2_server_answers_and_leaves_no_worker_behind(tmp_path):
+    from models import make_hf_model, save_model
+
+    hf = make_hf_model("qwen2", seed=3)
+    folder = save_model(hf, tmp_path / "tiny")
+    srv = Server(folder, "--tp", "2", "--device", "cpu")
+    try:
+        ids = [[5, 6, 7, 8], [9, 10, 11]]
+        params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+        got = srv.post("/generate", {"input_ids": ids, "sampling_params": params}).json()
+        ref = RolloutEngine(folder, device="cpu", max_total_tokens=2048).generate(
+            input_ids=ids, sampling_params=SamplingParams(**params))
+        assert [g["output_ids"] for g in got] == [r.output_token_ids for r in ref]
+        workers = _children(srv.proc.pid)
+        assert workers, "the TP=2 server has no worker process"
+    finally:
+        code, took = srv.stop(timeout=30)
+    assert code == 0, (code, "".join(srv.output)[-2000:])
+    time.sleep(1)
+    assert not [w for w in workers if os.path.exists(f"/proc/{w}") and
+                open(f"/proc/{w}/stat").read().split()[2] != "Z"], "a TP worker outlived the server"
