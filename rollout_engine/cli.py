@@ -27,8 +27,8 @@ DEMO_PROMPTS = [
     "Give me three tips for learning to program.",
     "Explain what a prime number is in one sentence.",
 ]
-BENCH_WORKLOADS = ["grpo", "offline", "decode", "prefill", "weights", "memory"]
-CPU_WORKLOADS = ("grpo", "weights")  # the others measure the device with torch.cuda
+BENCH_WORKLOADS = ["grpo", "offline", "decode", "prefill", "weights", "memory", "serve"]
+CPU_WORKLOADS = ("grpo", "weights", "serve")  # the others measure the device with torch.cuda
 # Engine fields that bench/run.py's engine factory passes on; other engine
 # flags would be accepted and silently ignored, so bench does not offer them.
 BENCH_ENGINE_FIELDS = ("model", "load_format", "attention_backend", "max_total_tokens", "seed", "cuda_graph",
@@ -228,15 +228,15 @@ def _add_run(sub: Any) -> None:
 def _add_bench(sub: Any) -> None:
     p = _subparser(sub, "bench", "benchmark workloads (see BENCHMARKS.md)")
     p.add_argument("--workload", choices=BENCH_WORKLOADS, default="grpo",
-                   help=f"what to measure; all but {' and '.join(CPU_WORKLOADS)} need a CUDA GPU")
+                   help=f"what to measure; all but {', '.join(CPU_WORKLOADS)} need a CUDA GPU")
     add_engine_args(p, BENCH_ENGINE_FIELDS, defaults={"model": "qwen3-0.6b", "load_format": "dummy"})
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=positive_int, default=64,
-                   help="grpo: prompts; offline: requests; prefill: prompts")
+                   help="grpo: prompts; offline, serve: requests; prefill: prompts")
     g.add_argument("-n", type=positive_int, default=8, help="grpo: samples per prompt")
-    g.add_argument("--prompt-min", type=positive_int, default=256, help="grpo: shortest prompt in tokens")
-    g.add_argument("--prompt-max", type=positive_int, default=1024, help="grpo: longest prompt; prefill: prompt length")
-    g.add_argument("--output-len", type=positive_int, default=1024, help="grpo: tokens generated per sample")
+    g.add_argument("--prompt-min", type=positive_int, default=256, help="grpo, serve: shortest prompt in tokens")
+    g.add_argument("--prompt-max", type=positive_int, default=1024, help="grpo, serve: longest prompt; prefill: prompt length")
+    g.add_argument("--output-len", type=positive_int, default=1024, help="grpo: tokens generated per sample; serve: longest output")
     g.add_argument("--baseline", choices=["none", "hf"], default="none", help="offline: also run HF generate")
     g.add_argument("--hf-requests", type=positive_int, default=64, help="offline: requests given to the HF baseline")
     g.add_argument("--hf-batch-size", type=positive_int, default=64, help="offline: HF baseline batch size")
@@ -248,6 +248,7 @@ def _add_bench(sub: Any) -> None:
     g.add_argument("--nccl", action="store_true", help="weights: broadcast GPU 0 -> GPU 1 (two processes)")
     g.add_argument("--bucket-mb", type=positive_int, default=512, help="weights --nccl: bucket size in MiB")
     g.add_argument("--cycles", type=positive_int, default=5, help="memory: release/resume cycles timed")
+    g.add_argument("--concurrency", type=positive_int, default=64, help="serve: requests in flight at a time")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(func=cmd_bench)
 
