@@ -177,6 +177,15 @@ def test_rl_controls(server, tmp_path, smollm2_dir):
     paused = server.post("/generate", {"text": "x", "sampling_params": GREEDY})
     assert paused.status_code == 409 and "paused" in paused.json()["error"]["message"]
     assert server.post("/continue_generation").json()["success"]
+    answers = []
+    long = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    runner = threading.Thread(target=lambda: answers.append(server.post("/generate", long)))
+    runner.start()
+    time.sleep(1.0)
+    assert server.post("/pause_generation", {"mode": "abort"}).json()["success"]
+    runner.join(30)
+    assert answers[0].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert server.post("/continue_generation").json()["success"]
     assert server.post("/pause_generation", {"mode": "sideways"}).status_code == 400
     assert server.post("/flush_cache").json()["success"]
     assert server.post("/abort_request", {"abort_all": True}).json()["success"]
@@ -405,9 +414,23 @@ def test_load_from_64_clients_loses_nothing_and_memory_settles(smollm2_dir):
             time.sleep(0.3)
         assert "rollout_engine_kv_usage_ratio 0.0" in metrics
         assert "rollout_engine_running_requests 0.0" in metrics
+        # SIGTERM in the middle of a load: exit 0 within 5 s; every answer that came is whole
+        results = []
+
+        def load_until_gone():
+            try:
+                results.append(asyncio.run(_load(srv.url, "term", requests=200)))
+            except Exception as e:  # noqa: BLE001 - the server went away mid-load
+                results.append(e)
+
+        loader = threading.Thread(target=load_until_gone)
+        loader.start()
+        time.sleep(3)
     finally:
         code, took = srv.stop(timeout=15)
     assert code == 0 and took < 5, (code, took)
+    loader.join(60)
+    assert results and not loader.is_alive()
 
 
 def _children(pid: int) -> list[int]:
