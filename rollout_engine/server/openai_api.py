@@ -257,5 +257,6 @@ async def _stream_chat(st, call, rid, created, body: ChatBody, tok):
 @router.get("/models")
 async def models(request: Request):
     st = state_of(request)
-    return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": 0,
-                                        "owned_by": "rollout-engine", "max_model_len": st.engine.model_config.max_position}]}
+    card = {"id": st.model_name, "object": "model", "created": 0, "owned_by": "rollout-engine",
+            "max_model_len": st.engine.model_config.max_position}
+    return {"object": "list", "data": [card]}
