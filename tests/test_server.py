@@ -467,3 +467,38 @@ def test_a_tp2_server_answers_and_leaves_no_worker_behind(tmp_path):
     time.sleep(1)
     assert not [w for w in workers if os.path.exists(f"/proc/{w}") and
                 open(f"/proc/{w}/stat").read().split()[2] != "Z"], "a TP worker outlived the server"
+
+
+def test_weights_from_a_trainer_over_the_sync_group_routes(server, smollm2_dir):
+    """The RL path of server-mode frameworks: the trainer joins the weight-sync
+    group and broadcasts; the server receives through its routes (gloo here)."""
+    from safetensors.torch import load_file
+
+    from rollout_engine.integrations.weight_sender import WeightSender
+
+    before = server.post("/generate", {"text": PROMPTS[1], "sampling_params": GREEDY}).json()
+    start_version = before["meta_info"]["weight_version"]
+    tensors = [(n, t * 0.5 if n.endswith("mlp.down_proj.weight") else t)
+               for n, t in load_file(os.path.join(smollm2_dir, "model.safetensors")).items()]
+    port, replies = _free_port(), []
+    join = threading.Thread(target=lambda: replies.append(server.post("/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo"})))
+    join.start()
+    sender = WeightSender("127.0.0.1", port, world_size=2, backend="gloo", bucket_bytes=64 << 20)
+    join.join(60)
+    assert replies[0].json()["success"]
+    names, dtypes, shapes = WeightSender.metadata(tensors)
+    body = {"names": names, "dtypes": [str(d) for d in dtypes], "shapes": [list(s) for s in shapes],
+            "bucket_bytes": 64 << 20, "weight_version": str(start_version + 10)}
+    update = threading.Thread(target=lambda: replies.append(server.post("/update_weights_from_distributed", body)))
+    update.start()
+    sender.send(tensors)
+    update.join(120)
+    assert replies[1].json() == {"success": True, "message": "weights updated", "weight_version": start_version + 10}
+    after = server.post("/generate", {"text": PROMPTS[1], "sampling_params": GREEDY}).json()
+    assert after["output_ids"] != before["output_ids"] and after["meta_info"]["weight_version"] == start_version + 10
+    assert server.post("/destroy_weights_update_group", {}).json()["success"]
+    sender.close()
+    assert server.post("/update_weights_from_disk", {"model_path": smollm2_dir}).json()["success"]
+    restored = server.post("/generate", {"text": PROMPTS[1], "sampling_params": GREEDY}).json()
+    assert restored["output_ids"] == before["output_ids"]

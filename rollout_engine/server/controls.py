@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
+from rollout_engine.distributed.weight_sync import DEFAULT_BUCKET_BYTES
 from rollout_engine.server.errors import ApiError
 from rollout_engine.server.state import state_of
 
@@ -42,6 +43,7 @@ class DistributedBody(_Body):
     shapes: list[list[StrictInt]]
     group_name: StrictStr = "weight_sync"
     weight_version: StrictInt | StrictStr | None = None
+    bucket_bytes: StrictInt = DEFAULT_BUCKET_BYTES  # as the sender packs them
     flush_cache: bool = True  # always: the cached KV belongs to the old weights
     abort_all_requests: bool = False
 
@@ -120,7 +122,8 @@ async def update_from_distributed(body: DistributedBody, request: Request):
     if body.abort_all_requests:
         await _in_thread(engine.abort)
     version = await _in_thread(lambda: engine.update_weights_from_distributed(
-        body.names, dtypes, body.shapes, group_name=body.group_name, version=_version(body.weight_version)))
+        body.names, dtypes, body.shapes, group_name=body.group_name, version=_version(body.weight_version),
+        bucket_bytes=body.bucket_bytes))
     return _ok("weights updated", weight_version=version)
 
 
