@@ -502,3 +502,28 @@ def test_weights_from_a_trainer_over_the_sync_group_routes(server, smollm2_dir):
     assert server.post("/update_weights_from_disk", {"model_path": smollm2_dir}).json()["success"]
     restored = server.post("/generate", {"text": PROMPTS[1], "sampling_params": GREEDY}).json()
     assert restored["output_ids"] == before["output_ids"]
+
+
+def test_serve_from_python_with_engine_kwargs(tmp_path):
+    from models import make_hf_model, save_model
+
+    folder = save_model(make_hf_model("llama", seed=4), tmp_path / "tiny")
+    port = _free_port()
+    code = (f"from rollout_engine.server import serve\n"
+            f"serve({{'model': {folder!r}, 'device': 'cpu', 'max_total_tokens': 1024}}, port={port}, "
+            f"max_queued_requests=8)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(240):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.25)
+        r = httpx.post(url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
+        assert httpx.get(url + "/get_server_info").json()["server"]["max_queued_requests"] == 8
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
