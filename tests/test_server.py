@@ -120,6 +120,12 @@ def test_native_stream_ends_with_the_full_output(server):
     whole = server.post("/generate", {"text": PROMPTS[:2], "sampling_params": GREEDY}).json()
     assert [last[i]["output_ids"] for i in range(2)] == [w["output_ids"] for w in whole]
     assert [last[i]["text"] for i in range(2)] == [w["text"] for w in whole]
+    # a prompt over the context length: a 400 before the stream starts, or an error event in it; never a 500
+    with httpx.stream("POST", server.url + "/generate", timeout=60,
+                      json={"input_ids": [5] * 20000, "stream": True, "sampling_params": GREEDY}) as r:
+        text = r.read().decode()
+    assert r.status_code == 400 or ('"error"' in text and text.rstrip().endswith("data: [DONE]")), text[:300]
+    assert server.post("/generate", {"text": PROMPTS[0], "sampling_params": GREEDY}).status_code == 200
 
 
 def test_openai_client_completions_chat_and_streaming(server, local):

@@ -10,9 +10,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rollout_engine.outputs import RolloutOutput
+from rollout_engine.outputs import RolloutOutput, merge_deltas
 from rollout_engine.server.errors import ApiError
 from rollout_engine.server.params import logprob_count, sglang_params
+from rollout_engine.server.sse import sse
 from rollout_engine.server.state import ClientGone, state_of, until_done_or_gone
 
 router = APIRouter()
@@ -145,28 +146,19 @@ async def generate(request: Request):
     return JSONResponse(body if call.batched or len(body) > 1 else body[0])
 
 
-async def _sse(st, call: GenerateCall, started: float):
-    """Cumulative outputs per request as server-sent events, then [DONE].
-    A client that goes away closes this generator, which aborts the requests."""
-    from rollout_engine.outputs import merge_deltas
+def _sse(st, call: GenerateCall, started: float):
+    """Cumulative outputs per request (SGLang's streaming shape), with `index`."""
+    seen: dict[str, list[RolloutOutput]] = {}
+    order: dict[str, int] = {}
 
-    with st.admission.held(call.samples):
-        seen: dict[str, list[RolloutOutput]] = {}
-        order: dict[str, int] = {}
-        stream = st.engine.stream_async(**call.kwargs())
-        try:
-            async for delta in stream:
-                deltas = seen.setdefault(delta.request_id, [])
-                deltas.append(delta)
-                index = order.setdefault(delta.request_id, len(order))
-                out = sglang_output(merge_deltas(deltas), call, st.engine.tokenizer, started)
-                out["index"] = index
-                yield f"data: {json.dumps(out)}\n\n"
-        except ValueError as e:  # bad input found at submission
-            yield f"data: {json.dumps({'error': {'message': str(e), 'code': 400}})}\n\n"
-        finally:
-            await stream.aclose()
-    yield "data: [DONE]\n\n"
+    def render(delta: RolloutOutput) -> dict:
+        deltas = seen.setdefault(delta.request_id, [])
+        deltas.append(delta)
+        out = sglang_output(merge_deltas(deltas), call, st.engine.tokenizer, started)
+        out["index"] = order.setdefault(delta.request_id, len(order))
+        return out
+
+    return sse(st.admission, call.samples, st.engine.stream_async(**call.kwargs()), render)
 
 
 @router.get("/health")

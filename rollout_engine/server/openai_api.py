@@ -4,7 +4,6 @@ OpenAI's shape). Unknown fields are ignored, as OpenAI-compatible servers do;
 known ones are type-checked and a bad one is a 400 naming it."""
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Literal, Union
@@ -16,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from rollout_engine.outputs import RolloutOutput
 from rollout_engine.server.errors import ApiError
 from rollout_engine.server.params import logprob_count, make_params, openai_kwargs
+from rollout_engine.server.sse import sse
 from rollout_engine.server.state import ClientGone, state_of, until_done_or_gone
 
 router = APIRouter(prefix="/v1")
@@ -91,10 +91,6 @@ async def _run(request: Request, st, work):
         return None
 
 
-def _sse(chunk: dict) -> str:
-    return f"data: {json.dumps(chunk)}\n\n"
-
-
 # ---- completions ----------------------------------------------------------------------
 def _completion_logprobs(out: RolloutOutput, tok) -> dict | None:
     if out.output_logprobs is None:
@@ -140,25 +136,25 @@ async def completions(body: CompletionBody, request: Request):
             "choices": choices, "usage": _usage(outs, prompt_lens), "weight_version": st.engine.weight_version}
 
 
-async def _stream_completions(st, call, samples, rid, created, body, tok, want_logprobs):
+def _stream_completions(st, call, samples, rid, created, body, tok, want_logprobs):
     index: dict[str, int] = {}
     outs: dict[str, list[RolloutOutput]] = {}
-    with st.admission.held(samples):
-        stream = st.engine.stream_async(**call)
-        try:
-            async for d in stream:
-                i = index.setdefault(d.request_id, len(index))
-                outs.setdefault(d.request_id, []).append(d)
-                choice = {"index": i, "text": d.text or "", "finish_reason": d.finish_reason,
-                          "logprobs": _completion_logprobs(d, tok) if want_logprobs else None}
-                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                            "choices": [choice]})
-        finally:
-            await stream.aclose()
-    if (body.stream_options or {}).get("include_usage"):
-        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                    "choices": [], "usage": _stream_usage(outs, body.n)})
-    yield "data: [DONE]\n\n"
+
+    def render(d: RolloutOutput) -> dict:
+        i = index.setdefault(d.request_id, len(index))
+        outs.setdefault(d.request_id, []).append(d)
+        choice = {"index": i, "text": d.text or "", "finish_reason": d.finish_reason,
+                  "logprobs": _completion_logprobs(d, tok) if want_logprobs else None}
+        return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                "choices": [choice]}
+
+    def tail() -> dict | None:
+        if not (body.stream_options or {}).get("include_usage"):
+            return None
+        return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                "choices": [], "usage": _stream_usage(outs, body.n)}
+
+    return sse(st.admission, samples, st.engine.stream_async(**call), render, tail)
 
 
 def _stream_usage(outs: dict[str, list[RolloutOutput]], n: int) -> dict:
@@ -230,28 +226,28 @@ async def chat(body: ChatBody, request: Request):
             "choices": choices, "usage": _usage(outs, [len(ids)]), "weight_version": st.engine.weight_version}
 
 
-async def _stream_chat(st, call, rid, created, body: ChatBody, tok):
+def _stream_chat(st, call, rid, created, body: ChatBody, tok):
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name}
     index: dict[str, int] = {}
     outs: dict[str, list[RolloutOutput]] = {}
-    with st.admission.held(body.n):
-        stream = st.engine.stream_async(**call)
-        try:
-            async for d in stream:
-                first = d.request_id not in index
-                i = index.setdefault(d.request_id, len(index))
-                outs.setdefault(d.request_id, []).append(d)
-                delta: dict[str, Any] = {"content": d.text or ""}
-                if first:
-                    delta["role"] = "assistant"
-                choice = {"index": i, "delta": delta, "finish_reason": d.finish_reason,
-                          "logprobs": _chat_logprobs(d, tok) if body.logprobs else None}
-                yield _sse({**head, "choices": [choice]})
-        finally:
-            await stream.aclose()
-    if (body.stream_options or {}).get("include_usage"):
-        yield _sse({**head, "choices": [], "usage": _stream_usage(outs, body.n)})
-    yield "data: [DONE]\n\n"
+
+    def render(d: RolloutOutput) -> dict:
+        first = d.request_id not in index
+        i = index.setdefault(d.request_id, len(index))
+        outs.setdefault(d.request_id, []).append(d)
+        delta: dict[str, Any] = {"content": d.text or ""}
+        if first:
+            delta["role"] = "assistant"
+        choice = {"index": i, "delta": delta, "finish_reason": d.finish_reason,
+                  "logprobs": _chat_logprobs(d, tok) if body.logprobs else None}
+        return {**head, "choices": [choice]}
+
+    def tail() -> dict | None:
+        if not (body.stream_options or {}).get("include_usage"):
+            return None
+        return {**head, "choices": [], "usage": _stream_usage(outs, body.n)}
+
+    return sse(st.admission, body.n, st.engine.stream_async(**call), render, tail)
 
 
 @router.get("/models")
