@@ -1,0 +1,65 @@
+"""The GRPO training example end to end on the CPU: rollouts, rewards, a
+policy-gradient step, weight sync, wandb offline, the mismatch figures and
+the plot."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_grpo_steps_with_wandb_offline(smollm2_dir, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = tmp_path / "run.json"
+    result = _load("grpo_train").main(["--model", smollm2_dir, "--steps", "2", "--prompts", "2", "-n", "2",
+                                       "--max-new-tokens", "8", "--wandb", "--log-json", str(log)])
+    rows = json.loads(log.read_text())
+    assert len(rows) == 2 and result["weight_version"] == 2 and [r["weight_version"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["mismatch_max"] < 1e-4  # fp32: the engine's raw logprobs are the trainer's
+        assert row["output_tokens"] == 2 * 2 * 8 and row["time/generate"] > 0 and row["time/sync"] > 0
+        assert 0 <= row["reward_mean"] <= 1
+    runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(runs) == 1
+    logged = open(runs[0], "rb").read()
+    for key in ("reward_mean", "mismatch_mean", "mismatch_max", "kl_k1_per_seq", "output_tokens_per_s",
+                "prefix_hit_rate", "weight_version", "time/generate", "time/sync"):
+        assert f"rollout/{key}".encode() in logged, key
+
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "run.png"
+    _load("plot_run").main([str(log), str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_logger_is_a_no_op_without_a_run(smollm2_dir):
+    from rollout_engine import RolloutEngine, SamplingParams
+    from rollout_engine.integrations.wandb import RolloutLogger
+
+    engine = RolloutEngine(smollm2_dir, max_total_tokens=2048)
+    try:
+        logger = RolloutLogger(None)
+        params = SamplingParams(max_new_tokens=4, n=2, temperature=0)
+        first = logger.step(engine, engine.generate(["Hi"], sampling_params=params), {"generate": 1.0})
+        second = logger.step(engine, engine.generate(["Hi"], sampling_params=params), {"generate": 1.0})
+        logger.log(second, 1)
+        assert first["output_tokens"] == second["output_tokens"] == 8  # per step, not cumulative
+        assert second["prompt_tokens_computed"] < first["prompt_tokens_computed"]  # the prompt came from the cache
+        assert second["output_tokens_per_s"] == 8.0
+    finally:
+        engine.shutdown()
