@@ -41,9 +41,10 @@ def make_problems(rng: random.Random, count: int) -> list[tuple[str, int]]:
 
 
 def reward(text: str, answer: int) -> float:
-    """1 when the first number in the response is the answer."""
-    found = re.search(r"-?\d+", text or "")
-    return float(found is not None and int(found.group()) == answer)
+    """1 when the last number in the response is the answer ("12 + 7 = 19"
+    counts; a response that only repeats the question does not)."""
+    found = re.findall(r"-?\d+", text or "")
+    return float(bool(found) and int(found[-1]) == answer)
 
 
 def token_logprobs(model, prompt: list[int], output: list[int], device) -> torch.Tensor:
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(row)
             bar.write(f"step {step}: reward {row['reward_mean']:.3f}  mismatch mean {row['mismatch_mean']:.2e} "
                       f"max {row['mismatch_max']:.2e}  {row.get('output_tokens_per_s', 0):.0f} tok/s  "
-                      f"weights v{row['weight_version']}")
+                      f"weights v{row['weight_version']}  e.g. {outs[0].text!r}")
     finally:
         logger.finish()
         if args.log_json:

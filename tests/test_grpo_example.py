@@ -63,3 +63,9 @@ def test_the_logger_is_a_no_op_without_a_run(smollm2_dir):
         assert second["output_tokens_per_s"] == 8.0
     finally:
         engine.shutdown()
+
+
+def test_the_reward_takes_the_last_number():
+    reward = _load("grpo_train").reward
+    assert reward("12 + 7 = 19", 19) == reward("The answer is 19.", 19) == 1.0
+    assert reward("What is 12 + 7?", 19) == reward("", 19) == reward("19 is not it: 20", 19) == 0.0
