@@ -5,6 +5,12 @@ engine in place, every step.
     python examples/grpo_train.py --steps 20                  # SmolLM2-135M on the CPU
     python examples/grpo_train.py --steps 60 --wandb --log-json run.json
     python examples/plot_run.py run.json run.png
+    python examples/grpo_train.py --model qwen3-0.6b --load-format dummy --task token   # no checkpoint needed
+
+Tasks: `arithmetic` (chat prompts "What is a + b?", reward 1 when the last
+number of the response is the sum; needs a tokenizer) and `token` (random
+token-id prompts, reward = the share of output tokens equal to one target
+token: learnable from random weights, for presets without a checkpoint).
 
 Per step: `generate` n samples per prompt (temperature 1, raw logprobs),
 rewards, group-normalised advantages, the trainer's own forward for the
@@ -47,6 +53,28 @@ def reward(text: str, answer: int) -> float:
     return float(bool(found) and int(found[-1]) == answer)
 
 
+TARGET_TOKEN = 1000  # the token task rewards this id
+
+
+def token_reward(output_ids: list[int]) -> float:
+    return sum(t == TARGET_TOKEN for t in output_ids) / max(1, len(output_ids))
+
+
+def load_trainer(args, folder: str, dtype, device):
+    """The trainer's model: the checkpoint, or for a preset (dummy weights)
+    the same shape with transformers' own random init (pushed to the engine
+    before the first rollout, so both start from one set of weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if args.load_format != "dummy":
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    from rollout_engine.models.presets import PRESETS
+
+    shape = {k: v for k, v in PRESETS[args.model].items() if k != "architectures"}
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape), dtype=dtype)
+
+
 def token_logprobs(model, prompt: list[int], output: list[int], device) -> torch.Tensor:
     """The trainer's log-softmax of each sampled token (one sequence)."""
     ids = torch.tensor([prompt + output], device=device)
@@ -80,7 +108,10 @@ def grpo_step(model, optimizer, prompts, outs, rewards, n: int, clip: float, dev
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m", help="zoo name or Hugging Face folder")
+    p.add_argument("--model", default="smollm2-135m", help="zoo name, Hugging Face folder, or a preset")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: a preset's shape with random weights (use --task token)")
+    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "token"])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("-n", type=int, default=4, help="samples per prompt")
@@ -97,18 +128,21 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
 
-    from transformers import AutoModelForCausalLM
-
     from rollout_engine.model_zoo import resolve_model_path
 
     torch.manual_seed(args.seed)
-    folder = resolve_model_path(args.model, "auto")
+    folder = resolve_model_path(args.model, args.load_format)
     dtype = getattr(torch, args.dtype)
     gpu = torch.cuda.is_available() and args.device != "cpu"
-    engine = RolloutEngine(folder, device=args.device, dtype=args.dtype, seed=args.seed,
+    engine = RolloutEngine(folder, load_format=args.load_format, device=args.device, dtype=args.dtype, seed=args.seed,
                            enable_memory_saver=gpu, weights_cpu_backup=False, max_total_tokens=16384)
     device = engine.device
-    trainer = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    if args.task == "arithmetic" and engine.tokenizer is None:
+        p.error("--task arithmetic needs a model with a tokenizer; use --task token")
+    trainer = load_trainer(args, folder, dtype, device)
+    if args.load_format == "dummy":
+        with torch.no_grad():
+            sync_to_engine(trainer, engine, version=0)
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=args.lr)
     run = None
     if args.wandb:
@@ -123,15 +157,22 @@ def main(argv: list[str] | None = None) -> dict:
     bar = tqdm(range(args.steps), desc="grpo", unit="step")
     try:
         for step in bar:
-            problems = make_problems(rng, args.prompts)
-            prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q, _ in problems]
+            if args.task == "arithmetic":
+                problems = make_problems(rng, args.prompts)
+                prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q, _ in problems]
+            else:
+                vocab = engine.model_config.vocab_size
+                prompts = [[rng.randrange(2000, vocab - 2000) for _ in range(16)] for _ in range(args.prompts)]
             params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens,
                                     logprob_mode="raw", seed=args.seed + 1000 * step)
             timings = {}
             start = time.perf_counter()
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             timings["generate"] = time.perf_counter() - start
-            rewards = [reward(o.text, problems[i // args.n][1]) for i, o in enumerate(outs)]
+            if args.task == "arithmetic":
+                rewards = [reward(o.text, problems[i // args.n][1]) for i, o in enumerate(outs)]
+            else:
+                rewards = [token_reward(o.output_token_ids) for o in outs]
             freed = 0
             if gpu:
                 start = time.perf_counter()
@@ -155,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(row)
             bar.write(f"step {step}: reward {row['reward_mean']:.3f}  mismatch mean {row['mismatch_mean']:.2e} "
                       f"max {row['mismatch_max']:.2e}  {row.get('output_tokens_per_s', 0):.0f} tok/s  "
-                      f"weights v{row['weight_version']}  e.g. {outs[0].text!r}")
+                      f"weights v{row['weight_version']}  e.g. {outs[0].text or outs[0].output_token_ids[:8]!r}")
     finally:
         logger.finish()
         if args.log_json:

@@ -69,3 +69,22 @@ def test_the_reward_takes_the_last_number():
     reward = _load("grpo_train").reward
     assert reward("12 + 7 = 19", 19) == reward("The answer is 19.", 19) == 1.0
     assert reward("What is 12 + 7?", 19) == reward("", 19) == reward("19 is not it: 20", 19) == 0.0
+
+
+def test_token_task_on_a_preset_with_dummy_weights(tmp_path, monkeypatch):
+    """The path for GPUs without a checkpoint: a preset's shape, the trainer's
+    random init pushed to the engine first, a reward learnable from random weights."""
+    from rollout_engine.models import presets
+
+    monkeypatch.setitem(presets.PRESETS, "tiny-qwen3", dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=5000, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
+        eos_token_id=4999))
+    log = tmp_path / "run.json"
+    result = _load("grpo_train").main(["--model", "tiny-qwen3", "--load-format", "dummy", "--task", "token",
+                                       "--steps", "2", "--prompts", "2", "-n", "4", "--max-new-tokens", "6",
+                                       "--device", "cpu", "--log-json", str(log)])
+    rows = json.loads(log.read_text())
+    assert result["weight_version"] == 2 and [r["weight_version"] for r in rows] == [1, 2]
+    assert all(r["mismatch_max"] < 1e-4 for r in rows)  # the engine runs the trainer's weights from the start
