@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--clip", type=float, default=0.2)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the engine's dtype; the trainer keeps float32 weights (its optimizer's master copy)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wandb", action="store_true", help="log to wandb (WANDB_MODE=offline works without network)")
@@ -132,14 +133,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.manual_seed(args.seed)
     folder = resolve_model_path(args.model, args.load_format)
-    dtype = getattr(torch, args.dtype)
     gpu = torch.cuda.is_available() and args.device != "cpu"
     engine = RolloutEngine(folder, load_format=args.load_format, device=args.device, dtype=args.dtype, seed=args.seed,
                            enable_memory_saver=gpu, weights_cpu_backup=False, max_total_tokens=16384)
     device = engine.device
     if args.task == "arithmetic" and engine.tokenizer is None:
         p.error("--task arithmetic needs a model with a tokenizer; use --task token")
-    trainer = load_trainer(args, folder, dtype, device)
+    trainer = load_trainer(args, folder, torch.float32, device)
     if args.load_format == "dummy":
         with torch.no_grad():
             sync_to_engine(trainer, engine, version=0)
