@@ -153,6 +153,19 @@ def test_openai_client_completions_chat_and_streaming(server, local):
     assert sampled[0] == sampled[1]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="not-this-one", prompt="x", max_tokens=2)
+    # SGLang/vLLM extensions are honoured; a field that would not be (a typo, logit_bias) is a 400 naming it
+    long = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True, "top_k": 5})
+    assert long.choices[0].finish_reason == "length" and long.usage.completion_tokens == 40
+    for extra, field in (({"temprature": 0}, "temprature"), ({"logit_bias": {"28": -100}}, "logit_bias"),
+                         ({"top_k": "5"}, "top_k")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=model, prompt="x", max_tokens=2, extra_body=extra)
+        assert err.value.body["param"] == field, err.value.body
+    # curl's default form content type still reads as JSON
+    raw = httpx.post(server.url + "/v1/completions", timeout=60,
+                     content=json.dumps({"model": model, "prompt": "x", "max_tokens": 2}))
+    assert raw.status_code == 200, raw.text
 
 
 def test_rl_controls(server, tmp_path, smollm2_dir):
@@ -277,6 +290,9 @@ def test_api_key_and_sigterm_during_requests(smollm2_dir):
     srv = Server(smollm2_dir, "--api-key", "s3cret")
     try:
         assert httpx.get(srv.url + "/health").status_code == 200  # open
+        assert httpx.head(srv.url + "/health").status_code == 200
+        assert srv.post("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1}},
+                        headers={"Authorization": "bearer s3cret"}).status_code == 200  # the scheme is case-blind
         assert srv.post("/generate", {"text": "a"}).status_code == 401
         assert srv.post("/generate", {"text": "a"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
         ok = srv.post("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2}},
@@ -327,6 +343,8 @@ def test_serve_refuses_a_busy_port_and_bad_flags_before_loading(smollm2_dir):
         port = busy.getsockname()[1]
         for flags, message in ((["--port", str(port)], "cannot listen on"),
                                (["--port", "70000"], "--port: must be in"),
+                               (["--host", ""], "--host"), (["--host", "999.1.1.1"], "--host"),
+                               (["--api-key", ""], "--api-key"),
                                (["--max-queued-requests", "0"], "--max-queued-requests")):
             out = subprocess.run([sys.executable, "-m", "rollout_engine.cli", "serve", "--model", smollm2_dir, *flags],
                                  capture_output=True, text=True, timeout=120)

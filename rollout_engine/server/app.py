@@ -54,8 +54,8 @@ class ApiKey:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             headers = dict(scope.get("headers") or [])
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.key):
+            scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
                 return await error_response(401, "missing or wrong API key (Authorization: Bearer KEY)")(
                     scope, receive, send)
         await self.app(scope, receive, send)

@@ -31,15 +31,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                            help=SERVER_HELP[f.name])
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """Before the model loads: a port in use is the user's to change."""
+def _check_address(host: str, port: int) -> int:
+    """Before the model loads: the address must be one this machine can
+    listen on and the port free. Returns the port (port 0: a free one, chosen
+    now, so that the banner can say which)."""
+    import errno
     import socket
 
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
+            return s.getsockname()[1]
+    except socket.gaierror as e:
+        raise UsageError(f"argument --host: {host!r} is not an address here ({e.strerror})") from None
     except OSError as e:
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise UsageError(f"argument --host: {host} is not an address of this machine") from None
         raise UsageError(f"argument --port: cannot listen on {host}:{port} ({e.strerror})") from None
 
 
@@ -50,12 +58,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if missing:
         raise UsageError(f"serve needs {', '.join(missing)}: pip install 'rollout-engine[server]'")
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}
+    if options["api_key"] is not None and not options["api_key"].strip():
+        raise UsageError("argument --api-key: empty; leave the flag out to serve without a key")
     options["api_key"] = options["api_key"] or ServerConfig.env_api_key()
     try:
         ServerConfig(**options)
     except ValueError as e:
         raise UsageError(f"argument --{str(e).split()[0].replace('_', '-')}: {str(e).split(' ', 1)[1]}") from None
-    _check_port_free(options["host"], options["port"])
+    options["port"] = _check_address(options["host"], options["port"])
     from rollout_engine import RolloutEngine
     from rollout_engine.server import serve
 

@@ -17,6 +17,9 @@ class ServerConfig:
     served_model_name: str | None = None  # the model id /v1/models reports (default: the model argument)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise ValueError("host must be an address such as 127.0.0.1 (0.0.0.0 for every interface), got "
+                             f"{self.host!r}")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:

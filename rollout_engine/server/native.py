@@ -161,7 +161,7 @@ def _sse(st, call: GenerateCall, started: float):
     return sse(st.admission, call.samples, st.engine.stream_async(**call.kwargs()), render)
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health():
     return {"status": "ok"}
 
@@ -172,7 +172,8 @@ async def model_info(request: Request):
     mc = st.engine.model_config
     return {"model_path": st.engine.config.model, "tokenizer_path": st.engine.config.tokenizer or
             st.engine.config.model, "is_generation": True, "served_model_name": st.model_name,
-            "max_context_length": mc.max_position, "weight_version": st.engine.weight_version}
+            "max_context_length": min(mc.max_position, st.engine.limits.kv_capacity),
+            "weight_version": st.engine.weight_version}
 
 
 @router.get("/get_weight_version")
@@ -185,7 +186,11 @@ async def server_info(request: Request):
     st = state_of(request)
     import dataclasses
 
-    return {"engine": {k: v for k, v in dataclasses.asdict(st.engine.config).items()},
+    engine = dataclasses.asdict(st.engine.config)
+    # what runs, where the config said "auto"
+    engine.update(device=str(st.engine.device), dtype=str(st.engine.dtype).removeprefix("torch."),
+                  cuda_graph=st.engine.config.cuda_graph and st.engine.device.type == "cuda")
+    return {"engine": engine,
             "server": {k: v for k, v in dataclasses.asdict(st.cfg).items() if k != "api_key"},
             "kv_capacity_tokens": st.engine.limits.kv_capacity, "weight_version": st.engine.weight_version,
             "admitted_samples": st.admission.admitted}

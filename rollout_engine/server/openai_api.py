@@ -1,7 +1,10 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions,
 /v1/chat/completions (streaming with `data: [DONE]`, `usage`, logprobs in
-OpenAI's shape). Unknown fields are ignored, as OpenAI-compatible servers do;
-known ones are type-checked and a bad one is a 400 naming it."""
+OpenAI's shape). Besides OpenAI's fields, the sampling extensions RL
+frameworks send to SGLang and vLLM (`ignore_eos`, `top_k`, `min_p`,
+`stop_token_ids`) are honoured. A field the server would not honour
+(an unknown name or a typo, `logit_bias`, `tools`, a JSON response format)
+is a 400 naming it, never silently dropped."""
 from __future__ import annotations
 
 import time
@@ -14,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from rollout_engine.outputs import RolloutOutput
 from rollout_engine.server.errors import ApiError
+from rollout_engine.server.native import read_json
 from rollout_engine.server.params import logprob_count, make_params, openai_kwargs
 from rollout_engine.server.sse import sse
 from rollout_engine.server.state import ClientGone, state_of, until_done_or_gone
@@ -24,7 +28,7 @@ Number = Union[StrictInt, float]
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str
     n: StrictInt = 1
     temperature: Number | None = None
@@ -35,6 +39,33 @@ class _Common(BaseModel):
     stream_options: dict | None = None
     frequency_penalty: Number | None = None
     presence_penalty: Number | None = None
+    # SGLang / vLLM extensions
+    ignore_eos: StrictBool = False
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    # accepted only where they change nothing
+    user: str | None = None
+    metadata: dict | None = None
+    store: StrictBool | None = None
+    logit_bias: dict | None = None
+    best_of: StrictInt | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: StrictBool | None = None
+    service_tier: str | None = None
+
+
+def _check_unsupported(body: _Common) -> None:
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", "logit_bias")
+    if body.best_of not in (None, body.n):
+        raise ApiError(400, "best_of is not supported (only equal to n)", "best_of")
+    if body.response_format not in (None, {"type": "text"}):
+        raise ApiError(400, "response_format is not supported (only {'type': 'text'})", "response_format")
+    if body.tools or body.tool_choice not in (None, "none"):
+        raise ApiError(400, "tools are not supported", "tools")
 
 
 class CompletionBody(_Common):
@@ -42,10 +73,11 @@ class CompletionBody(_Common):
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
     echo: StrictBool = False
+    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, ...: not used by a chat template here
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
 
@@ -106,15 +138,32 @@ def _completion_logprobs(out: RolloutOutput, tok) -> dict | None:
     return {"tokens": tokens, "token_logprobs": out.output_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+async def _body(request: Request, model: type[BaseModel]):
+    """The JSON body as `model`, whatever the Content-Type (curl's -d sends
+    form encoding); a bad field is a 400 naming it."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(await read_json(request))
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        raise ApiError(400, f"{field}: {first['msg']}", field) from None
+
+
 @router.post("/completions")
-async def completions(body: CompletionBody, request: Request):
+async def completions(request: Request):
+    body = await _body(request, CompletionBody)
     st = state_of(request)
     _check_model(st, body.model)
+    _check_unsupported(body)
     if body.echo:
         raise ApiError(400, "echo is not supported", "echo")
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported", "suffix")
     top = logprob_count(body.logprobs, "logprobs", 5)
     kw = openai_kwargs(body, body.max_tokens, 16)
-    params = make_params("body", **kw, top_logprobs=top)
+    params = make_params(**kw, top_logprobs=top)
     prompts, ids = _prompt_inputs(body.prompt)
     count = len(prompts or ids)
     want_logprobs = body.logprobs is not None
@@ -196,14 +245,16 @@ def _chat_logprobs(out: RolloutOutput, tok) -> dict | None:
 
 
 @router.post("/chat/completions")
-async def chat(body: ChatBody, request: Request):
+async def chat(request: Request):
+    body = await _body(request, ChatBody)
     st = state_of(request)
     _check_model(st, body.model)
+    _check_unsupported(body)
     if st.engine.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so no chat template", "messages")
     top = logprob_count(body.top_logprobs, "top_logprobs") if body.logprobs else 0
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = make_params("body", **openai_kwargs(body, limit, 256), top_logprobs=top)
+    params = make_params(**openai_kwargs(body, limit, 256), top_logprobs=top)
     messages = [{"role": m.role, "content": _content(m)} for m in body.messages]
     try:
         ids = st.engine.apply_chat_template(messages)

@@ -27,12 +27,18 @@ def _stop(value: Any, field: str) -> list[str] | None:
     return [s for s in value if s] or None
 
 
-def make_params(field: str, **kw) -> SamplingParams:
+def make_params(prefix: str = "", **kw) -> SamplingParams:
+    """SamplingParams; a bad value is a 400 naming the field (as `prefix.field`)."""
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
-        message = str(e).replace("sampling_params.", f"{field}.")
-        raise ApiError(400, message, field) from None
+        message = str(e).removeprefix("sampling_params.")
+        name = message.split(" ", 1)[0]
+        if prefix:
+            message, name = f"{prefix}.{message}", f"{prefix}.{name}"
+        if name.endswith("max_new_tokens") and not prefix:
+            message, name = message.replace("max_new_tokens", "max_tokens", 1), "max_tokens"
+        raise ApiError(400, message, name) from None
 
 
 def sglang_params(raw: Any, return_logprob: bool, top_logprobs_num: int, field: str = "sampling_params"
@@ -62,7 +68,12 @@ def sglang_params(raw: Any, return_logprob: bool, top_logprobs_num: int, field: 
 def openai_kwargs(body, max_tokens: int | None, default_max_tokens: int) -> dict[str, Any]:
     """SamplingParams keywords from an OpenAI completions/chat body (already type-checked)."""
     kw: dict[str, Any] = dict(max_new_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-                              n=body.n, seed=body.seed, stop=_stop(body.stop, "stop"))
+                              n=body.n, seed=body.seed, stop=_stop(body.stop, "stop"), ignore_eos=body.ignore_eos,
+                              stop_token_ids=body.stop_token_ids)
+    if body.top_k is not None:
+        kw["top_k"] = body.top_k
+    if body.min_p is not None:
+        kw["min_p"] = body.min_p
     if body.temperature is not None:
         kw["temperature"] = body.temperature
     if body.top_p is not None:
