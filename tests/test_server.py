@@ -225,6 +225,8 @@ ABUSE = [
     ("/generate", json.dumps({"text": "a", "input_ids": [1]}).encode()),
     ("/generate", json.dumps({"text": 5}).encode()),
     ("/generate", json.dumps({"text": []}).encode()),
+    ("/generate", json.dumps({"text": ""}).encode()),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": ""}).encode()),
     ("/generate", json.dumps({"input_ids": []}).encode()),
     ("/generate", json.dumps({"input_ids": [[]]}).encode()),
     ("/generate", json.dumps({"input_ids": ["a"]}).encode()),

@@ -62,8 +62,8 @@ class GenerateCall:
         if text is not None:
             batched = isinstance(text, list)
             texts = text if batched else [text]
-            if not texts or not all(isinstance(t, str) for t in texts):
-                raise ApiError(400, "text must be a string or a non-empty list of strings", "text")
+            if not texts or not all(isinstance(t, str) and t for t in texts):
+                raise ApiError(400, "text must be a non-empty string or a non-empty list of them", "text")
             self.prompts, self.input_ids, count = texts, None, len(texts)
         else:
             self.input_ids, batched = _token_lists(ids)

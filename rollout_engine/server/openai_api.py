@@ -102,11 +102,11 @@ def _usage(outs: list[RolloutOutput], prompts: list[int]) -> dict:
 
 
 def _prompt_inputs(prompt) -> tuple[list[str] | None, list[list[int]] | None]:
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and prompt:
         return [prompt], None
     if not prompt:
         raise ApiError(400, "prompt must not be empty", "prompt")
-    if all(isinstance(p, str) for p in prompt):
+    if all(isinstance(p, str) and p for p in prompt):
         return list(prompt), None
     if all(isinstance(p, int) for p in prompt):
         return None, [list(prompt)]
