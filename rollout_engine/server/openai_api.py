@@ -151,12 +151,19 @@ async def _body(request: Request, model: type[BaseModel]):
         raise ApiError(400, f"{field}: {first['msg']}", field) from None
 
 
-@router.post("/completions")
-async def completions(request: Request):
-    body = await _body(request, CompletionBody)
+async def _request(request: Request, model: type[_Common]):
+    """The parsed body, checked against the served model and the fields
+    this server does not honour; and the server state."""
+    body = await _body(request, model)
     st = state_of(request)
     _check_model(st, body.model)
     _check_unsupported(body)
+    return body, st
+
+
+@router.post("/completions")
+async def completions(request: Request):
+    body, st = await _request(request, CompletionBody)
     if body.echo:
         raise ApiError(400, "echo is not supported", "echo")
     if body.suffix:
@@ -246,10 +253,7 @@ def _chat_logprobs(out: RolloutOutput, tok) -> dict | None:
 
 @router.post("/chat/completions")
 async def chat(request: Request):
-    body = await _body(request, ChatBody)
-    st = state_of(request)
-    _check_model(st, body.model)
-    _check_unsupported(body)
+    body, st = await _request(request, ChatBody)
     if st.engine.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so no chat template", "messages")
     top = logprob_count(body.top_logprobs, "top_logprobs") if body.logprobs else 0
