@@ -43,10 +43,9 @@ def serve(parts: EngineParts, link: tp_group.RankLink, local_call=None, on_resul
             # never does, so its next plan is queued on the device behind the
             # step in flight (waiting here would leave the device idle while
             # the next plan travels, and rank 0's collectives would wait).
-            prev = parts.runner.launch(message[1], prev)
+            prev = parts.runner.launch(message[1], prev, to_host=False)
             continue
-        if prev is not None:  # operations and stop see this rank's steps finished
-            parts.runner.collect(prev)
+        parts.runner.settle()  # operations and stop see this rank's steps finished
         if kind == "call":
             op, args = message[1], message[2]
             try:
@@ -68,6 +67,6 @@ def drop_graphs(parts: EngineParts) -> None:
     collectives are captured in live graphs cannot be torn down (NCCL waits
     for those graphs), and every rank would hang at shutdown."""
     if parts.runner.graphs is not None:
-        torch.cuda.synchronize(parts.device)  # no replay in flight
+        parts.runner.settle()  # no replay in flight
         parts.runner.graphs.destroy()
         parts.runner.graphs = None

@@ -51,10 +51,13 @@ class ModelRunner:
         self.graphs.capture()
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, prev: StepHandle | None = None) -> StepHandle:
+    def launch(self, plan: StepPlan, prev: StepHandle | None = None, to_host: bool = True) -> StepHandle:
         """Enqueue the step on the device and start copying its results to
         the host; returns at once. `prev`: the handle of the previous step,
-        whose sampled tokens are the inputs of a plan with `prev_rows`."""
+        whose sampled tokens are the inputs of a plan with `prev_rows`.
+        `to_host=False` (tensor-parallel ranks other than 0, whose results
+        nobody reads): no copy to the host, only the sampled tokens kept on
+        the device for the next plan."""
         self.table.apply(plan.table_writes)
         input_ids = None
         if plan.prev_rows is not None:
@@ -72,6 +75,8 @@ class ModelRunner:
             hidden = hidden[self._on_device(plan.logit_rows)]
         logits = self.model.compute_logits(hidden)
         sampled, device_out = self._sample(plan, logits)
+        if not to_host:
+            return StepHandle(plan, sampled, None, None)
         if device_out.is_cuda:
             host = torch.empty(device_out.shape, dtype=device_out.dtype, pin_memory=True)
             host.copy_(device_out, non_blocking=True)
@@ -86,6 +91,11 @@ class ModelRunner:
         if handle.event is not None:
             handle.event.synchronize()
         return self._unpack(handle.plan, handle.sampled, None if handle.host is None else handle.host.numpy())
+
+    def settle(self) -> None:
+        """Wait until every step launched here has finished on the device."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def run(self, plan: StepPlan, prev: StepHandle | None = None) -> tuple[StepOutput, StepHandle]:
         """Launch and collect one plan (the handle feeds a next plan's `prev`)."""
