@@ -3,7 +3,6 @@ streaming), /health and the info routes. Field names and the output's
 `meta_info` follow SGLang's, so RL clients written for it work unchanged."""
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -14,7 +13,7 @@ from rollout_engine.outputs import RolloutOutput, merge_deltas
 from rollout_engine.server.errors import ApiError
 from rollout_engine.server.params import logprob_count, sglang_params
 from rollout_engine.server.sse import sse
-from rollout_engine.server.state import ClientGone, state_of, until_done_or_gone
+from rollout_engine.server.state import ClientGone, read_json, state_of, until_done_or_gone
 
 router = APIRouter()
 
@@ -24,13 +23,6 @@ TOP_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "
 EMPTY_OK = {"image_data", "audio_data", "video_data", "lora_path", "lora_id", "custom_logit_processor",
             "return_hidden_states", "modalities", "session_params", "data_parallel_rank", "bootstrap_host",
             "bootstrap_port", "bootstrap_room", "input_embeds"}
-
-
-async def read_json(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (ValueError, RecursionError):
-        raise ApiError(400, "the body is not valid JSON", "body") from None
 
 
 def _token_lists(value: Any) -> tuple[list[list[int]], bool]:

@@ -17,10 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from rollout_engine.outputs import RolloutOutput
 from rollout_engine.server.errors import ApiError
-from rollout_engine.server.native import read_json
 from rollout_engine.server.params import logprob_count, make_params, openai_kwargs
 from rollout_engine.server.sse import sse
-from rollout_engine.server.state import ClientGone, state_of, until_done_or_gone
+from rollout_engine.server.state import ClientGone, read_json, state_of, until_done_or_gone
 
 router = APIRouter(prefix="/v1")
 

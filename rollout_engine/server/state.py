@@ -3,6 +3,7 @@ and how a request's wait ends when its client goes away."""
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import contextmanager
 from typing import Any, Awaitable
 
@@ -76,3 +77,10 @@ async def until_done_or_gone(request: Request, work: Awaitable[Any]) -> Any:
     finally:
         if not task.done():
             task.cancel()
+
+
+async def read_json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the body is not valid JSON", "body") from None
