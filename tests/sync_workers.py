@@ -108,3 +108,23 @@ def embedded_rank(rank: int, world: int, port: int, folder: str, second_folder: 
     finally:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def symm_name_rank(rank: int, port: int, out_queue) -> None:
+    """Rank 0 has already used the world's name (as a process that ran an
+    engine before does); a second group is new to both ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from rollout_engine.distributed import fast_allreduce
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    cpu = torch.device("cpu")
+    if rank == 0:
+        fast_allreduce._SET_UP.add(dist.group.WORLD.group_name)
+    world = fast_allreduce.first_use_everywhere(dist.group.WORLD, cpu)
+    other = dist.new_group([0, 1], backend="gloo")
+    fresh = fast_allreduce.first_use_everywhere(other, cpu)
+    again = fast_allreduce.first_use_everywhere(other, cpu)
+    dist.destroy_process_group()
+    out_queue.put((rank, world, fresh, again))

@@ -244,3 +244,20 @@ def test_fsdp_over_two_ranks_syncs_into_one_tp2_engine(tmp_path_factory, on_gpu)
         input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
     for rank, version, tokens in results:
         assert version == 1 and tokens == [o.output_token_ids for o in fresh], rank
+
+
+def test_a_group_name_used_before_on_any_rank_skips_the_one_shot_setup():
+    """torch keeps symmetric-memory state per group name for the life of a
+    process, and a second standalone engine in the same process gets the same
+    world name again while its new workers do not: setting up under that
+    name waited forever on two GPUs. Every rank must agree to skip it."""
+    import sync_workers
+    from test_weight_sync import _free_port, _gather
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=sync_workers.symm_name_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    assert sorted(_gather(procs, out, 2)) == [(0, False, True, False), (1, False, True, False)]

@@ -20,6 +20,14 @@ import torch
 
 log = logging.getLogger("rollout_engine")
 
+# Group names this process has set up symmetric memory for. torch keeps its
+# rendezvous state per group name for the life of the process, and a group
+# made after an engine's teardown can get the same name again (a second
+# standalone engine's world is "0" again in rank 0's process, while its fresh
+# workers know nothing of the first): a rendezvous under a reused name would
+# wait forever, so a reused name means NCCL for every message.
+_SET_UP: set[str] = set()
+
 MAX_BYTES = 64 << 10  # one-shot up to this size: past ~128 KiB NCCL is as fast (BENCHMARKS.md, "Tensor parallelism")
 ENV = "ROLLOUT_ENGINE_ALLREDUCE"  # "nccl": never use the one-shot path
 
@@ -54,20 +62,37 @@ def make_fast_all_reduce(group, tp_size: int, dtype: torch.dtype, device: torch.
     outcome makes every rank take the same answer."""
     if device.type != "cuda" or tp_size == 1 or os.environ.get(ENV, "").lower() == "nccl":
         return None
-    import torch.distributed as dist
-
     # Only the setup is tried: once a rank has entered a one-shot kernel it
     # waits for every other rank's signal, so a probe that fails on one rank
     # would leave the others spinning.
+    if not first_use_everywhere(group, device):
+        log.info("one-shot all-reduce not set up: a rank has used this group's name before; NCCL for every message")
+        return None
     fast, error = None, None
     try:
         fast = OneShotAllReduce(group, dtype, device)
     except Exception as e:  # noqa: BLE001 - an optional fast path: NCCL still works
         error = e
-    ok = fast is not None
-    agreed = torch.tensor([int(ok)], device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    if not agreed.item():
+    if not _agree(fast is not None, group, device):
         log.warning("one-shot all-reduce unavailable (%s); using NCCL for every message", error or "another rank")
         return None
     return fast
+
+
+def first_use_everywhere(group, device: torch.device) -> bool:
+    """True when no rank of the group has set up symmetric memory under the
+    group's name before (every rank calls this together); the name then
+    counts as used."""
+    name = group.group_name
+    fresh = _agree(name not in _SET_UP, group, device)
+    _SET_UP.add(name)
+    return fresh
+
+
+def _agree(ok, group, device: torch.device) -> bool:
+    """True when `ok` holds on every rank of the group."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(bool(ok))], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
