@@ -9,8 +9,11 @@ engine in place, every step.
 
 Tasks: `arithmetic` (chat prompts "What is a + b?", reward 1 when the last
 number of the response is the sum; needs a tokenizer) and `token` (random
-token-id prompts, reward = the share of output tokens equal to one target
-token: learnable from random weights, for presets without a checkpoint).
+token-id prompts, reward = the share of output tokens in a target set: the
+tokens whose output embeddings lie furthest along one fixed random direction
+of the initial model; a model with random weights can learn it by turning its
+last hidden state toward that direction, so it suits presets without a
+checkpoint).
 
 Per step: `generate` n samples per prompt (temperature 1, raw logprobs),
 rewards, group-normalised advantages, the trainer's own forward for the
@@ -53,11 +56,22 @@ def reward(text: str, answer: int) -> float:
     return float(bool(found) and int(found[-1]) == answer)
 
 
-TARGET_TOKEN = 1000  # the token task rewards this id
+TARGET_SHARE = 0.25  # the token task's target set: this share of the vocabulary
 
 
-def token_reward(output_ids: list[int]) -> float:
-    return sum(t == TARGET_TOKEN for t in output_ids) / max(1, len(output_ids))
+def target_tokens(model, seed: int) -> set[int]:
+    """The token task's targets: the ids whose output embeddings project
+    furthest on a random unit direction (fixed by the seed, taken once from
+    the initial weights). One direction of the last hidden state raises all
+    of them together, so the reward is learnable from random weights."""
+    emb = model.get_output_embeddings().weight.detach().float().cpu()
+    direction = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(seed))
+    k = max(1, int(TARGET_SHARE * emb.shape[0]))
+    return set((emb @ direction).topk(k).indices.tolist())
+
+
+def token_reward(output_ids: list[int], targets: set[int]) -> float:
+    return sum(t in targets for t in output_ids) / max(1, len(output_ids))
 
 
 def load_trainer(args, folder: str, dtype, device):
@@ -75,29 +89,41 @@ def load_trainer(args, folder: str, dtype, device):
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape), dtype=dtype)
 
 
-def token_logprobs(model, prompt: list[int], output: list[int], device) -> torch.Tensor:
-    """The trainer's log-softmax of each sampled token (one sequence)."""
-    ids = torch.tensor([prompt + output], device=device)
-    logits = model(ids).logits[0, len(prompt) - 1: -1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+def token_logprobs(model, sequences: list[tuple[list[int], list[int]]], device) -> list[torch.Tensor]:
+    """The trainer's log-softmax of each sampled token, for a micro-batch of
+    (prompt, output) pairs in one forward. Right padding: causal attention
+    keeps the pad after a sequence from reaching its tokens."""
+    width = max(len(p) + len(o) for p, o in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    for row, (p, o) in enumerate(sequences):
+        ids[row, : len(p) + len(o)] = torch.tensor(p + o, device=device)
+    logits = model(ids).logits
+    out = []
+    for row, (p, o) in enumerate(sequences):
+        picked = logits[row, len(p) - 1: len(p) + len(o) - 1].float()
+        out.append(torch.log_softmax(picked, dim=-1).gather(-1, ids[row, len(p): len(p) + len(o), None]).squeeze(-1))
+    return out
 
 
-def grpo_step(model, optimizer, prompts, outs, rewards, n: int, clip: float, device) -> dict[str, float]:
+def grpo_step(model, optimizer, prompts, outs, rewards, n: int, clip: float, device,
+              micro_batch: int = 16) -> dict[str, float]:
     """One update; returns the mismatch figures measured before it."""
     model.train()
     groups = torch.tensor(rewards).view(-1, n)
     adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
     gaps, kl, losses = [], [], []
     optimizer.zero_grad()
-    for i, out in enumerate(outs):
-        if not out.output_token_ids:
-            continue
-        new = token_logprobs(model, prompts[i // n], out.output_token_ids, device)
-        old = torch.tensor(out.output_logprobs, device=device, dtype=torch.float32)
-        gaps.append((new.detach() - old).abs())
-        kl.append(float((old - new.detach()).sum()))
-        ratio = torch.exp(new - old)
-        loss = -torch.min(ratio * adv[i], ratio.clamp(1 - clip, 1 + clip) * adv[i]).mean() / len(outs)
+    kept = [i for i, out in enumerate(outs) if out.output_token_ids]
+    for start in range(0, len(kept), micro_batch):
+        chunk = kept[start: start + micro_batch]
+        news = token_logprobs(model, [(prompts[i // n], outs[i].output_token_ids) for i in chunk], device)
+        loss = 0.0
+        for i, new in zip(chunk, news):
+            old = torch.tensor(outs[i].output_logprobs, device=device, dtype=torch.float32)
+            gaps.append((new.detach() - old).abs())
+            kl.append(float((old - new.detach()).sum()))
+            ratio = torch.exp(new - old)
+            loss = loss - torch.min(ratio * adv[i], ratio.clamp(1 - clip, 1 + clip) * adv[i]).mean() / len(outs)
         loss.backward()
         losses.append(float(loss.detach()))
     optimizer.step()
@@ -140,6 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.task == "arithmetic" and engine.tokenizer is None:
         p.error("--task arithmetic needs a model with a tokenizer; use --task token")
     trainer = load_trainer(args, folder, torch.float32, device)
+    targets = target_tokens(trainer, args.seed) if args.task == "token" else set()
     if args.load_format == "dummy":
         with torch.no_grad():
             sync_to_engine(trainer, engine, version=0)
@@ -162,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
                 prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q, _ in problems]
             else:
                 vocab = engine.model_config.vocab_size
-                prompts = [[rng.randrange(2000, vocab - 2000) for _ in range(16)] for _ in range(args.prompts)]
+                prompts = [[rng.randrange(vocab) for _ in range(16)] for _ in range(args.prompts)]
             params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens,
                                     logprob_mode="raw", seed=args.seed + 1000 * step)
             timings = {}
@@ -172,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
             if args.task == "arithmetic":
                 rewards = [reward(o.text, problems[i // args.n][1]) for i, o in enumerate(outs)]
             else:
-                rewards = [token_reward(o.output_token_ids) for o in outs]
+                rewards = [token_reward(o.output_token_ids, targets) for o in outs]
             freed = 0
             if gpu:
                 start = time.perf_counter()

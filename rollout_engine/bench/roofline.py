@@ -14,6 +14,11 @@ class DeviceLimits:
     bandwidth: float  # bytes/s, copy (read + write)
     flops: float  # bf16 GEMM FLOP/s
 
+    def times(self, k: int) -> "DeviceLimits":
+        """The limits of k such devices working as one (tensor parallelism:
+        each reads and computes 1/k of the model)."""
+        return DeviceLimits(bandwidth=k * self.bandwidth, flops=k * self.flops)
+
 
 def _timed(fn, reps: int) -> float:
     fn()

@@ -63,7 +63,7 @@ def bench_grpo(args) -> dict[str, Any]:
 
 
 def bench_offline(args) -> dict[str, Any]:
-    limits = measure_device()
+    limits = measure_device().times(getattr(args, "tp_size", 1))
     engine = make_engine(args)
     costs = ModelCosts.of(engine.model_config)
     wl = workloads.offline(engine.model_config.vocab_size, args.num_prompts)
