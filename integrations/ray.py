@@ -1,0 +1,416 @@
+"""RolloutPool: many engines behind one API, each in a Ray actor (API.md,
+"Scale-out on Ray"; README, "Scale-out on Ray").
+
+Ray places the replicas (one placement group per replica: `tp_size` GPUs
+packed on one node, or CPUs), owns their processes and restarts one that
+dies. The pool routes prompts (integrations/ray_routing.py), fans the RL
+controls out to every replica and brings a restarted replica back to the
+pool's weights and state before it takes work (integrations/ray_recovery.py).
+Ray is an optional extra (`pip install -e ".[ray]"`), imported on first use.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from rollout_engine.integrations.ray_calls import PoolCall, gather, lift_task_error, ray_module
+from rollout_engine.integrations.ray_recovery import Recovery, Slot
+from rollout_engine.integrations.ray_routing import Router, Unit
+from rollout_engine.integrations.ray_streams import merge_streams
+from rollout_engine.outputs import RolloutOutput
+from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.validation import resolve_params
+
+log = logging.getLogger("rollout_engine")
+TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One pool call's prompts, as the replicas get them."""
+    prompts: list[str] | None
+    input_ids: list[list[int]] | None
+    params: list[SamplingParams]
+    request_ids: list[str]
+    units: list[Unit]
+
+    def sample_ids(self) -> list[str]:
+        return [rid if p.n == 1 else f"{rid}-{j}" for rid, p in zip(self.request_ids, self.params)
+                for j in range(p.n)]
+
+    def part(self, units: list[Unit]) -> tuple:
+        """The arguments of a replica's generate/stream for these units."""
+        idx = [u.index for u in units]
+        return ([self.prompts[i] for i in idx] if self.prompts is not None else None,
+                [self.input_ids[i] for i in idx] if self.input_ids is not None else None,
+                [self.params[i] for i in idx], [self.request_ids[i] for i in idx])
+
+
+class RolloutPool:
+    def __init__(self, model: str, num_replicas: int = 1, tp_size: int = 1, *, ray_address: str | None = None,
+                 call_timeout_s: float = 600.0, generate_timeout_s: float = 3600.0,
+                 restart_timeout_s: float = 300.0, max_restarts: int = 3, seed: int = 0, **engine_kwargs):
+        for name, value in (("num_replicas", num_replicas), ("tp_size", tp_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name, value in (("call_timeout_s", call_timeout_s), ("generate_timeout_s", generate_timeout_s),
+                            ("restart_timeout_s", restart_timeout_s)):
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        ray = ray_module()
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+        self.model, self.tp_size = model, tp_size
+        self.call_timeout_s, self.generate_timeout_s = call_timeout_s, generate_timeout_s
+        self._engine_kwargs = {"tp_size": tp_size, **engine_kwargs}
+        self._rng = random.Random(seed)  # seeds of prompts that bring none: a re-run gives the same samples
+        self._ids = itertools.count()
+        self._prefix = f"pool-{uuid.uuid4().hex[:8]}"
+        self._lock = threading.RLock()  # the slots' states and the pool's weights/version/pause/release state
+        self._router = Router()
+        self._closed = False
+        self.recovery = Recovery(self, restart_timeout_s)
+        self._slots = self._start(ray, num_replicas, max_restarts)
+        self.sync_world_size: int | None = None
+
+    # ---- placement -----------------------------------------------------------------
+    def _start(self, ray, num_replicas: int, max_restarts: int) -> list[Slot]:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rollout_engine.integrations.ray_replica import EngineReplica
+
+        device = str(self._engine_kwargs.get("device", "auto"))
+        gpus = self.tp_size if device.startswith("cuda") or (
+            device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
+        bundle = {"GPU": gpus, "CPU": 1} if gpus else {"CPU": self.tp_size}
+        actor_cls = ray.remote(EngineReplica)
+        slots = []
+        for i in range(num_replicas):
+            group = placement_group([bundle], strategy="STRICT_PACK")
+            try:
+                ray.get(group.ready(), timeout=self.call_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(f"replica {i}: Ray cannot place {bundle} on one node within "
+                                   f"{self.call_timeout_s} s (the cluster has {ray.cluster_resources()})") from None
+            actor = actor_cls.options(
+                num_cpus=bundle["CPU"], num_gpus=gpus, max_restarts=max_restarts, max_task_retries=0,
+                max_concurrency=32,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+            ).remote(self.model, self._engine_kwargs)
+            slots.append(Slot(index=i, actor=actor, group=group))
+        infos = gather({s.index: s.actor.info.remote() for s in slots}, "start", self.call_timeout_s)
+        for slot in slots:
+            slot.incarnation = infos[slot.index]["incarnation"]
+            self._router.add(slot.index)
+        return slots
+
+    # ---- generation ------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 request_ids: Sequence[str] | None = None, session_ids: Sequence[Any] | None = None,
+                 timeout_s: float | None = None) -> list[RolloutOutput]:
+        """`RolloutEngine.generate` over the replicas: one output per (prompt,
+        sample), samples of a prompt adjacent, in input order."""
+        return self._run(self._batch(prompts, input_ids, sampling_params, request_ids, session_ids), timeout_s)
+
+    async def generate_async(self, prompts=None, input_ids=None, sampling_params=None, request_ids=None,
+                             session_ids=None, timeout_s: float | None = None) -> list[RolloutOutput]:
+        """Awaitable `generate`; cancelling the awaiting task aborts its requests."""
+        batch = self._batch(prompts, input_ids, sampling_params, request_ids, session_ids)
+        try:
+            return await asyncio.to_thread(self._run, batch, timeout_s)
+        except asyncio.CancelledError:
+            self.abort(batch.sample_ids())
+            raise
+
+    def stream(self, prompts=None, input_ids=None, sampling_params=None, request_ids=None, session_ids=None,
+               timeout_s: float | None = None) -> Iterator[RolloutOutput]:
+        """`RolloutEngine.stream` over the replicas: deltas as tokens come. A
+        replica that dies mid-stream has its requests re-run elsewhere (same
+        seeds); what was already delivered is not delivered twice."""
+        batch = self._batch(prompts, input_ids, sampling_params, request_ids, session_ids)
+        return merge_streams(self, batch, self._deadline(timeout_s))
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        return sum(self._fanout("abort", None if request_ids is None else list(request_ids)).values())
+
+    def _batch(self, prompts, input_ids, sampling_params, request_ids, session_ids) -> Batch:
+        if (prompts is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompts and input_ids")
+        items = prompts if prompts is not None else input_ids
+        if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)) or not items:
+            raise ValueError(f"{'prompts' if prompts is not None else 'input_ids'} must be a non-empty list")
+        if input_ids is not None and not all(isinstance(x, (list, tuple)) for x in input_ids):
+            raise ValueError("input_ids must be a list of token-id lists")
+        num = len(items)
+        params = [p if p.seed is not None else replace(p, seed=self._rng.getrandbits(62))
+                  for p in resolve_params(sampling_params, num)]
+        if request_ids is None:
+            request_ids = [f"{self._prefix}-{next(self._ids)}" for _ in range(num)]
+        elif isinstance(request_ids, str) or len(request_ids) != num:
+            raise ValueError(f"request_ids must be a list of {num} strings")
+        if session_ids is not None and (isinstance(session_ids, str) or len(session_ids) != num):
+            raise ValueError(f"session_ids must be None or a list of {num} ids (one per prompt)")
+        units = []
+        for i, (item, p) in enumerate(zip(items, params)):
+            size = len(item) // 3 + 1 if isinstance(item, str) else len(item)
+            key = item if isinstance(item, str) else tuple(item)
+            session = session_ids[i] if session_ids is not None else None
+            units.append(Unit(index=i, cost=size + p.n * p.max_new_tokens, session=session, prompt_key=key))
+        return Batch(list(prompts) if prompts is not None else None,
+                     [list(x) for x in input_ids] if input_ids is not None else None,
+                     params, list(request_ids), units)
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return time.monotonic() + (self.generate_timeout_s if timeout_s is None else timeout_s)
+
+    def dispatch(self, units: list[Unit], deadline: float) -> dict[int, list[Unit]]:
+        """Units -> replicas that are ready; waits (to the deadline) while
+        every replica is restarting."""
+        while True:
+            with self._lock:
+                self._require_open()
+                usable = [s.index for s in self._slots if s.state == "ready"]
+                if usable:
+                    return self._router.assign(units, usable)
+                if not any(s.state == "recovering" for s in self._slots):
+                    raise RuntimeError("no replica is left in the pool (every one died and could not come back)")
+            if time.monotonic() > deadline:
+                raise TimeoutError("no replica came back before the call's deadline")
+            time.sleep(0.2)
+
+    def finished(self, replica: int, units: list[Unit]) -> None:
+        with self._lock:
+            self._router.finished(replica, units)
+
+    def slot(self, index: int) -> Slot:
+        return self._slots[index]
+
+    def _run(self, batch: Batch, timeout_s: float | None) -> list[RolloutOutput]:
+        ray = ray_module()
+        deadline = self._deadline(timeout_s)
+        results: dict[int, list[RolloutOutput]] = {}
+        pending: dict[Any, tuple[Slot, str, list[Unit]]] = {}
+
+        def send(units: list[Unit]) -> None:
+            for r, part in self.dispatch(units, deadline).items():
+                slot = self._slots[r]
+                pending[slot.actor.generate.remote(*batch.part(part))] = (slot, slot.incarnation, part)
+
+        send(batch.units)
+        try:
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not done:
+                    names = sorted({slot.index for slot, _, _ in pending.values()})
+                    raise TimeoutError(f"replica(s) {names} did not finish generate within the call's timeout "
+                                       f"({self.generate_timeout_s if timeout_s is None else timeout_s} s)")
+                slot, incarnation, units = pending.pop(done[0])
+                self.finished(slot.index, units)
+                try:
+                    outs = ray.get(done[0])
+                except ray.exceptions.RayActorError:
+                    self.recovery.lost(slot, incarnation)
+                    send(units)  # the same seeds elsewhere: the same samples
+                    continue
+                except ray.exceptions.RayTaskError as e:
+                    raise lift_task_error(e, slot.index) from None
+                it = iter(outs)
+                for u in units:
+                    results[u.index] = [next(it) for _ in range(batch.params[u.index].n)]
+        finally:
+            if pending:  # an error or timeout: stop what still runs for this call
+                for slot, _, _ in pending.values():
+                    slot.actor.call.remote("abort", batch.sample_ids())
+        return [o for i in range(len(batch.units)) for o in results[i]]
+
+    # ---- RL controls -----------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self.recovery.version
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                       version: int | None = None) -> int:
+        """Every replica takes these weights (Hugging Face names); they go
+        into Ray's object store once, not once per replica, and stay there
+        for a replica that restarts later. Returns the new weight version."""
+        ray = ray_module()
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        tensors = [(name, t.detach().to("cpu")) for name, t in items]
+        with self._lock:
+            v = self._next_version(version)
+            ref = ray.put(tensors)
+            self._fanout("update_weights", lambda slot: slot.actor.update_weights.remote(ref, v))
+            self.recovery.set_source(("tensors", ref), v)
+        return v
+
+    def update_weights_from_disk(self, path: str, version: int | None = None) -> int:
+        """Every replica loads this checkpoint (a path every node can read)."""
+        with self._lock:
+            v = self._next_version(version)
+            self._fanout("update_weights_from_disk", path, v)
+            self.recovery.set_source(("disk", path), v)
+        return v
+
+    def init_weight_sync_group(self, master_address: str, master_port: int, group_name: str = "weight_sync",
+                               backend: str = "nccl") -> PoolCall:
+        """Every engine rank of every replica joins one group with the
+        trainer (rank 0). Returns at once: the trainer creates its sender
+        (`WeightSender(master_address, master_port, world_size=call.world_size)`)
+        and then waits on the returned call."""
+        with self._lock:
+            members = [s for s in self._slots if s.state == "ready"]
+            world = 1 + self.tp_size * len(members)
+            refs = {}
+            for k, slot in enumerate(members):
+                slot.sync_group = group_name
+                refs[slot.index] = slot.actor.call.remote("init_weight_sync_group", master_address, master_port,
+                                                          1 + k * self.tp_size, world, group_name, backend)
+            self.sync_world_size = world
+        return PoolCall(self, "init_weight_sync_group", refs, self.call_timeout_s, world_size=world)
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[torch.dtype],
+                                        shapes: Sequence[Sequence[int]], src_rank: int = 0,
+                                        version: int | None = None, group_name: str = "weight_sync",
+                                        bucket_bytes: int | None = None) -> PoolCall:
+        """Every replica receives the trainer's broadcast. Returns at once:
+        the trainer broadcasts, then waits on the returned call (its result
+        is the new version)."""
+        kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+        with self._lock:
+            ready = [s for s in self._slots if s.state == "ready"]
+            stale = [s.index for s in ready if s.sync_group != group_name]
+            if stale or not ready:
+                raise RuntimeError(f"replica(s) {stale} are not in the weight-sync group {group_name!r} (restarted "
+                                   "since init_weight_sync_group?): destroy the group and init it again, with the "
+                                   "trainer's sender" if ready else "no replica is ready")
+            v = self._next_version(version)
+            refs = {s.index: s.actor.call.remote("update_weights_from_distributed", list(names), list(dtypes),
+                                                 [list(x) for x in shapes], src_rank, v, group_name, **kwargs)
+                    for s in ready}
+            self.recovery.set_source(("replica",), v)
+        return PoolCall(self, "update_weights_from_distributed", refs, self.call_timeout_s, result=v)
+
+    def destroy_weight_sync_group(self, group_name: str = "weight_sync") -> None:
+        with self._lock:
+            members = [s for s in self._slots if s.state == "ready" and s.sync_group == group_name]
+            refs = {s.index: s.actor.call.remote("destroy_weight_sync_group", group_name) for s in members}
+            for s in members:
+                s.sync_group = None
+        gather(refs, "destroy_weight_sync_group", self.call_timeout_s, on_lost=self.recovery.lost_slot)
+
+    def release_memory(self, tags: Sequence[str] = TAGS) -> dict[str, int]:
+        """Every replica releases `tags`; bytes freed per tag, summed."""
+        with self._lock:
+            freed = self._fanout("release_memory", list(tags))
+            self.recovery.released |= set(tags)
+        total: dict[str, int] = {}
+        for per_tag in freed.values():
+            for tag, n in per_tag.items():
+                total[tag] = total.get(tag, 0) + n
+        return total
+
+    def resume_memory(self, tags: Sequence[str] = TAGS) -> None:
+        with self._lock:
+            self._fanout("resume_memory", list(tags))
+            self.recovery.released -= set(tags)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Returns when every replica has paused (so an update that follows
+        reaches no running step anywhere)."""
+        with self._lock:
+            self._fanout("pause_generation", mode)
+            self.recovery.paused = mode
+
+    def continue_generation(self) -> None:
+        with self._lock:
+            self._fanout("continue_generation")
+            self.recovery.paused = None
+
+    def flush_cache(self) -> None:
+        self._fanout("flush_cache")
+
+    # ---- observation -----------------------------------------------------------------
+    def replicas(self) -> list[dict[str, Any]]:
+        """Per replica: index, state ("ready", "recovering", "dropped"), and,
+        for a ready one, its process id, weight version and unfinished requests."""
+        with self._lock:
+            slots = [(s.index, s.state) for s in self._slots]
+        ready = {i: self._slots[i].actor.info.remote() for i, state in slots if state == "ready"}
+        infos = gather(ready, "info", self.call_timeout_s, on_lost=self.recovery.lost_slot) if ready else {}
+        return [{"index": i, "state": state, **infos.get(i, {})} for i, state in slots]
+
+    def metrics(self) -> list[dict]:
+        return list(self._fanout("metrics").values())
+
+    def cache_stats(self) -> list[dict]:
+        return list(self._fanout("cache_stats").values())
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until no replica is restarting (for tests and for callers
+        that want the full pool before a step)."""
+        deadline = time.monotonic() + timeout_s
+        while any(s.state == "recovering" for s in self._slots):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica(s) {[s.index for s in self._slots if s.state == 'recovering']} "
+                                   f"still restarting after {timeout_s} s")
+            time.sleep(0.1)
+
+    def shutdown(self) -> None:
+        """Stop every replica and free its placement; idempotent. A Ray
+        instance the pool started itself is stopped too."""
+        if self._closed:
+            return
+        ray = ray_module()
+        with self._lock:
+            self._closed = True
+        self.recovery.stop()
+        live = {s.index: s.actor.shutdown.remote() for s in self._slots if s.state == "ready"}
+        try:
+            gather(live, "shutdown", min(self.call_timeout_s, 60.0))
+        except Exception as e:  # noqa: BLE001 - the actors are killed below either way
+            log.warning("pool shutdown: %s", e)
+        for s in self._slots:
+            ray.kill(s.actor, no_restart=True)
+            ray.util.remove_placement_group(s.group)
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> "RolloutPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- internals -------------------------------------------------------------------
+    def _require_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("pool is shut down")
+
+    def _next_version(self, version: int | None) -> int:
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise ValueError(f"version must be None or an integer >= 0, got {version!r}")
+        return self.recovery.version + 1 if version is None else version
+
+    def _fanout(self, method: str, *args) -> dict[int, Any]:
+        """A control on every ready replica; waits for all. `args[0]` may be
+        a function of the slot that returns the call's ref."""
+        self._require_open()
+        with self._lock:
+            ready = [s for s in self._slots if s.state == "ready"]
+            if args and callable(args[0]):
+                refs = {s.index: args[0](s) for s in ready}
+            else:
+                refs = {s.index: s.actor.call.remote(method, *args) for s in ready}
+        return gather(refs, method, self.call_timeout_s, on_lost=self.recovery.lost_slot)

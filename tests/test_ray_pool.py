@@ -1,0 +1,199 @@
+"""RolloutPool on a local Ray cluster the test starts: two CPU replicas of a
+tiny model, compared with one engine (greedy and seeded outputs, cache hits,
+sessions, weight updates, a gloo weight-sync group with a trainer process,
+replicas killed mid-call)."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from models import make_hf_model, save_model
+from rollout_engine import RolloutEngine, SamplingParams
+
+ray = pytest.importorskip("ray")
+
+ENGINE = dict(device="cpu", max_total_tokens=4096)
+PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(12 + i)] for i in range(8)]
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_new_tokens=12, temperature=1.0, n=3, seed=11, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    first = save_model(make_hf_model("llama", seed=0), tmp_path_factory.mktemp("pool-first"))
+    second = save_model(make_hf_model("llama", seed=5, initializer_range=0.2), tmp_path_factory.mktemp("pool-second"))
+    return first, second
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def pool(cluster, folders):
+    from rollout_engine.integrations.ray import RolloutPool
+
+    p = RolloutPool(folders[0], num_replicas=2, call_timeout_s=120, generate_timeout_s=180,
+                    restart_timeout_s=120, **ENGINE)
+    yield p
+    p.shutdown()
+
+
+def _single(folder, params, prompts=PROMPTS, **kw):
+    engine = RolloutEngine(folder, **ENGINE)
+    try:
+        return engine.generate(input_ids=prompts, sampling_params=params, **kw)
+    finally:
+        engine.shutdown()
+
+
+def _tokens(outs):
+    return [o.output_token_ids for o in outs]
+
+
+def test_outputs_equal_one_engine_and_samples_stay_together(pool, folders):
+    assert _tokens(pool.generate(input_ids=PROMPTS, sampling_params=GREEDY)) == _tokens(_single(folders[0], GREEDY))
+    want = _single(folders[0], SEEDED)
+    pool.flush_cache()  # the greedy call cached these prompts
+    got = pool.generate(input_ids=PROMPTS, sampling_params=SEEDED)
+    assert _tokens(got) == _tokens(want)
+    for a, b in zip(got, want):
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
+    # The n samples of a prompt ran on one replica: the prompt was computed
+    # once and its other samples hit the cache, as on one engine.
+    assert [o.num_cached_tokens for o in got] == [o.num_cached_tokens for o in want]
+    assert sum(o.num_cached_tokens for o in got) > 0
+    # Both replicas took work (least queued tokens).
+    assert all(m["output_tokens"] > 0 for m in pool.metrics()), pool.metrics()
+
+
+def test_session_turns_stick_to_one_replica(pool):
+    sessions = [f"s{i}" for i in range(len(PROMPTS))]
+    first = pool.generate(input_ids=PROMPTS, sampling_params=GREEDY, session_ids=sessions)
+    second_turn = [p + o.output_token_ids + [9, 8, 7] for p, o in zip(PROMPTS, first)]
+    second = pool.generate(input_ids=second_turn, sampling_params=GREEDY, session_ids=sessions)
+    for p, o in zip(PROMPTS, second):  # the first turn's KV was there to reuse
+        assert o.num_cached_tokens >= len(p), (o.request_id, o.num_cached_tokens)
+
+
+def test_update_weights_reaches_every_replica(pool, folders):
+    from rollout_engine.weights.loader import iter_safetensors
+
+    version = pool.update_weights(list(iter_safetensors(folders[1])))
+    assert version == 1 == pool.weight_version
+    outs = pool.generate(input_ids=PROMPTS * 2, sampling_params=GREEDY)
+    assert _tokens(outs) == _tokens(_single(folders[1], GREEDY, PROMPTS * 2))
+    assert {o.weight_version for o in outs} == {1}
+    assert [r["weight_version"] for r in pool.replicas()] == [1, 1]
+
+
+def test_a_gloo_weight_sync_group_spans_the_trainer_and_every_replica(pool, folders):
+    from rollout_engine.integrations.weight_sender import WeightSender
+    from rollout_engine.weights.loader import iter_safetensors
+    from test_weight_sync import _free_port
+
+    tensors = list(iter_safetensors(folders[1]))
+    port = _free_port()
+    joined = pool.init_weight_sync_group("127.0.0.1", port, backend="gloo")
+    assert joined.world_size == 3  # the trainer and one engine rank per replica
+    sender = WeightSender("127.0.0.1", port, world_size=joined.world_size, backend="gloo")
+    joined.wait()
+    receiving = pool.update_weights_from_distributed(*WeightSender.metadata(tensors))
+    sender.send(tensors)
+    assert receiving.wait() == 1
+    sender.close()
+    pool.destroy_weight_sync_group()
+    assert _tokens(pool.generate(input_ids=PROMPTS, sampling_params=GREEDY)) == _tokens(_single(folders[1], GREEDY))
+
+
+def _kill_while_running(pool, index: int, call):
+    """Run `call` in a thread, kill replica `index` once it has work, and
+    return the call's result."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("out", call()))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not pool.replicas()[index].get("unfinished"):
+        assert time.monotonic() < deadline, "the replica never got work"
+        time.sleep(0.02)
+    ray.kill(pool.slot(index).actor, no_restart=False)
+    thread.join(timeout=180)
+    assert not thread.is_alive(), "the pool call hung after a replica died"
+    return result["out"]
+
+
+def test_a_replica_killed_mid_generate_loses_nothing(pool, folders, caplog):
+    long = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)
+    prompts = PROMPTS * 3
+    want = _single(folders[0], long, prompts)
+    with caplog.at_level(logging.WARNING, logger="rollout_engine"):
+        got = _kill_while_running(pool, 0, lambda: pool.generate(input_ids=prompts, sampling_params=long))
+    assert "replica 0 died" in caplog.text  # its part was re-run elsewhere
+    assert _tokens(got) == _tokens(want)
+    assert all(o.finish_reason == "length" for o in got)
+    pool.wait_ready(120)
+    assert [r["state"] for r in pool.replicas()] == ["ready", "ready"]
+
+
+def test_a_replica_killed_mid_stream_delivers_each_token_once(pool, folders, caplog):
+    long = SamplingParams(max_new_tokens=150, temperature=0.8, seed=3, ignore_eos=True, logprobs=True)
+    prompts = PROMPTS * 2
+    want = _single(folders[0], long, prompts)
+
+    def consume():
+        pieces: dict[str, list[int]] = {}
+        finished = []
+        for delta in pool.stream(input_ids=prompts, sampling_params=long):
+            pieces.setdefault(delta.request_id, []).extend(delta.output_token_ids)
+            if delta.finish_reason is not None:
+                finished.append(delta.request_id)
+        return pieces, finished
+
+    with caplog.at_level(logging.WARNING, logger="rollout_engine"):
+        pieces, finished = _kill_while_running(pool, 1, consume)
+    assert "replica 1 died" in caplog.text
+    assert len(finished) == len(set(finished)) == len(prompts)
+    ids = [f"{pool._prefix}-{i}" for i in range(len(prompts))]  # the pool names requests in order
+    assert [pieces[i] for i in sorted(pieces, key=lambda r: int(r.rsplit("-", 1)[1]))] == _tokens(want)
+    assert sorted(pieces) == sorted(ids)
+
+
+def test_a_restarted_replica_serves_the_updated_weights(pool, folders):
+    from rollout_engine.weights.loader import iter_safetensors
+
+    pool.update_weights(list(iter_safetensors(folders[1])), version=7)
+    before = pool.replicas()[1]["pid"]
+    ray.kill(pool.slot(1).actor, no_restart=False)
+    # A control finds the death; the pool brings the replica back by itself.
+    pool.flush_cache()
+    time.sleep(0.5)
+    pool.replicas()
+    pool.wait_ready(120)
+    info = pool.replicas()
+    assert info[1]["state"] == "ready" and info[1]["pid"] != before and info[1]["weight_version"] == 7
+    outs = pool.generate(input_ids=PROMPTS * 2, sampling_params=GREEDY)
+    assert _tokens(outs) == _tokens(_single(folders[1], GREEDY, PROMPTS * 2))
+    assert {o.weight_version for o in outs} == {7}
+    assert all(m["output_tokens"] > 0 for m in pool.metrics())
+
+
+def test_bad_arguments_are_value_errors_and_the_pool_goes_on(pool):
+    from rollout_engine.integrations.ray import RolloutPool
+
+    with pytest.raises(ValueError, match="num_replicas"):
+        RolloutPool("x", num_replicas=0)
+    with pytest.raises(ValueError, match="exactly one"):
+        pool.generate()
+    with pytest.raises(ValueError, match="session_ids"):
+        pool.generate(input_ids=PROMPTS, session_ids=["a"])
+    with pytest.raises(ValueError, match="max_new_tokens"):  # the engine's own check, raised on a replica
+        pool.generate(input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=10**6))
+    with pytest.raises(ValueError, match="mode"):
+        pool.pause_generation("sideways")
+    assert len(pool.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)) == 2
