@@ -13,46 +13,25 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import random
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from rollout_engine.integrations.ray_batch import Batch, make_batch
 from rollout_engine.integrations.ray_calls import PoolCall, gather, lift_task_error, ray_module
 from rollout_engine.integrations.ray_recovery import Recovery, Slot
 from rollout_engine.integrations.ray_routing import Router, Unit
 from rollout_engine.integrations.ray_streams import merge_streams
 from rollout_engine.outputs import RolloutOutput
 from rollout_engine.sampling_params import SamplingParams
-from rollout_engine.validation import resolve_params
 
 log = logging.getLogger("rollout_engine")
 TAGS = ("kv_cache", "weights", "cuda_graph")
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One pool call's prompts, as the replicas get them."""
-    prompts: list[str] | None
-    input_ids: list[list[int]] | None
-    params: list[SamplingParams]
-    request_ids: list[str]
-    units: list[Unit]
-
-    def sample_ids(self) -> list[str]:
-        return [rid if p.n == 1 else f"{rid}-{j}" for rid, p in zip(self.request_ids, self.params)
-                for j in range(p.n)]
-
-    def part(self, units: list[Unit]) -> tuple:
-        """The arguments of a replica's generate/stream for these units."""
-        idx = [u.index for u in units]
-        return ([self.prompts[i] for i in idx] if self.prompts is not None else None,
-                [self.input_ids[i] for i in idx] if self.input_ids is not None else None,
-                [self.params[i] for i in idx], [self.request_ids[i] for i in idx])
 
 
 class RolloutPool:
@@ -66,6 +45,13 @@ class RolloutPool:
                             ("restart_timeout_s", restart_timeout_s)):
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        from rollout_engine.config import EngineConfig
+        from rollout_engine.model_zoo import ZOO
+
+        EngineConfig(model=model, tp_size=tp_size, **engine_kwargs)  # bad options fail here, before any actor
+        if not (os.path.isdir(model) or model in ZOO or engine_kwargs.get("load_format") == "dummy"):
+            raise ValueError(f"model {model!r} is not a folder, a known model ({sorted(ZOO)}), "
+                             "or a preset with load_format='dummy'")
         ray = ray_module()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -80,11 +66,17 @@ class RolloutPool:
         self._router = Router()
         self._closed = False
         self.recovery = Recovery(self, restart_timeout_s)
-        self._slots = self._start(ray, num_replicas, max_restarts)
+        self._slots: list[Slot] = []
         self.sync_world_size: int | None = None
+        try:
+            self._start(ray, num_replicas, max_restarts)
+        except BaseException:
+            self._closed = True
+            self._release(ray)
+            raise
 
     # ---- placement -----------------------------------------------------------------
-    def _start(self, ray, num_replicas: int, max_restarts: int) -> list[Slot]:
+    def _start(self, ray, num_replicas: int, max_restarts: int) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -95,12 +87,13 @@ class RolloutPool:
             device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
         bundle = {"GPU": gpus, "CPU": 1} if gpus else {"CPU": self.tp_size}
         actor_cls = ray.remote(EngineReplica)
-        slots = []
+        slots = self._slots
         for i in range(num_replicas):
             group = placement_group([bundle], strategy="STRICT_PACK")
             try:
                 ray.get(group.ready(), timeout=self.call_timeout_s)
             except ray.exceptions.GetTimeoutError:
+                ray.util.remove_placement_group(group)
                 raise RuntimeError(f"replica {i}: Ray cannot place {bundle} on one node within "
                                    f"{self.call_timeout_s} s (the cluster has {ray.cluster_resources()})") from None
             actor = actor_cls.options(
@@ -110,10 +103,10 @@ class RolloutPool:
             ).remote(self.model, self._engine_kwargs)
             slots.append(Slot(index=i, actor=actor, group=group))
         infos = gather({s.index: s.actor.info.remote() for s in slots}, "start", self.call_timeout_s)
+        self.model_config = ray.get(slots[0].actor.model_config.remote(), timeout=self.call_timeout_s)
         for slot in slots:
             slot.incarnation = infos[slot.index]["incarnation"]
             self._router.add(slot.index)
-        return slots
 
     # ---- generation ------------------------------------------------------------------
     def generate(self, prompts: Sequence[str] | None = None, input_ids: Sequence[Sequence[int]] | None = None,
@@ -146,31 +139,8 @@ class RolloutPool:
         return sum(self._fanout("abort", None if request_ids is None else list(request_ids)).values())
 
     def _batch(self, prompts, input_ids, sampling_params, request_ids, session_ids) -> Batch:
-        if (prompts is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompts and input_ids")
-        items = prompts if prompts is not None else input_ids
-        if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)) or not items:
-            raise ValueError(f"{'prompts' if prompts is not None else 'input_ids'} must be a non-empty list")
-        if input_ids is not None and not all(isinstance(x, (list, tuple)) for x in input_ids):
-            raise ValueError("input_ids must be a list of token-id lists")
-        num = len(items)
-        params = [p if p.seed is not None else replace(p, seed=self._rng.getrandbits(62))
-                  for p in resolve_params(sampling_params, num)]
-        if request_ids is None:
-            request_ids = [f"{self._prefix}-{next(self._ids)}" for _ in range(num)]
-        elif isinstance(request_ids, str) or len(request_ids) != num:
-            raise ValueError(f"request_ids must be a list of {num} strings")
-        if session_ids is not None and (isinstance(session_ids, str) or len(session_ids) != num):
-            raise ValueError(f"session_ids must be None or a list of {num} ids (one per prompt)")
-        units = []
-        for i, (item, p) in enumerate(zip(items, params)):
-            size = len(item) // 3 + 1 if isinstance(item, str) else len(item)
-            key = item if isinstance(item, str) else tuple(item)
-            session = session_ids[i] if session_ids is not None else None
-            units.append(Unit(index=i, cost=size + p.n * p.max_new_tokens, session=session, prompt_key=key))
-        return Batch(list(prompts) if prompts is not None else None,
-                     [list(x) for x in input_ids] if input_ids is not None else None,
-                     params, list(request_ids), units)
+        return make_batch(prompts, input_ids, sampling_params, request_ids, session_ids, self._rng,
+                          lambda: f"{self._prefix}-{next(self._ids)}")
 
     def _deadline(self, timeout_s: float | None) -> float:
         return time.monotonic() + (self.generate_timeout_s if timeout_s is None else timeout_s)
@@ -381,6 +351,9 @@ class RolloutPool:
             gather(live, "shutdown", min(self.call_timeout_s, 60.0))
         except Exception as e:  # noqa: BLE001 - the actors are killed below either way
             log.warning("pool shutdown: %s", e)
+        self._release(ray)
+
+    def _release(self, ray) -> None:
         for s in self._slots:
             ray.kill(s.actor, no_restart=True)
             ray.util.remove_placement_group(s.group)

@@ -41,13 +41,20 @@ def gather(refs: dict[int, Any], what: str, timeout_s: float,
         index = by_ref[ref]
         try:
             out[index] = ray.get(ref)
-        except ray.exceptions.RayActorError:
+        except ray.exceptions.RayActorError as e:
             if on_lost is None:
-                raise RuntimeError(f"replica {index} died during {what}") from None
+                raise RuntimeError(f"replica {index} died during {what}: {_why(e)}") from None
             on_lost(index)
         except ray.exceptions.RayTaskError as e:
             raise lift_task_error(e, index) from None
     return out
+
+
+def _why(error) -> str:
+    """The useful line of an actor's death (its constructor's exception)."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    raised = [ln for ln in lines if ("Error:" in ln or "Exception:" in ln) and not ln.startswith("ray.")]
+    return raised[-1] if raised else (lines[0] if lines else type(error).__name__)
 
 
 class PoolCall:

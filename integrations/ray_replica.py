@@ -21,6 +21,9 @@ class EngineReplica:
         return {"incarnation": self.incarnation, "pid": os.getpid(), "weight_version": self.engine.weight_version,
                 "unfinished": self.engine.num_unfinished_requests()}
 
+    def model_config(self):
+        return self.engine.model_config
+
     def generate(self, prompts, input_ids, sampling_params, request_ids):
         return self.engine.generate(prompts=prompts, input_ids=input_ids, sampling_params=sampling_params,
                                     request_ids=request_ids)

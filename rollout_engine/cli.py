@@ -249,6 +249,9 @@ def _add_bench(sub: Any) -> None:
     g.add_argument("--bucket-mb", type=positive_int, default=512, help="weights --nccl: bucket size in MiB")
     g.add_argument("--cycles", type=positive_int, default=5, help="memory: release/resume cycles timed")
     g.add_argument("--concurrency", type=positive_int, default=64, help="serve: requests in flight at a time")
+    g.add_argument("--replicas", type=positive_int, default=1,
+                   help="grpo: run through a Ray RolloutPool of this many replicas, against one replica "
+                        "(needs the ray extra)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.set_defaults(func=cmd_bench)
 

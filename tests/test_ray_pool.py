@@ -197,3 +197,59 @@ def test_bad_arguments_are_value_errors_and_the_pool_goes_on(pool):
     with pytest.raises(ValueError, match="mode"):
         pool.pause_generation("sideways")
     assert len(pool.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)) == 2
+
+
+def test_bench_grpo_through_a_pool_of_two(cluster, folders, tmp_path):
+    import json
+
+    from rollout_engine.cli import main
+
+    out = tmp_path / "pool.json"
+    rc = main(["bench", "--workload", "grpo", "--replicas", "2", "--model", folders[0], "--load-format", "auto",
+               "--num-prompts", "4", "-n", "4", "--prompt-min", "16", "--prompt-max", "40", "--output-len", "8",
+               "--max-total-tokens", "4096", "--out", str(out)])
+    assert rc == 0
+    results = json.loads(out.read_text())["results"]
+    for key in ("replicas_1", "replicas_2"):
+        assert results[key]["output_tokens"] == 4 * 4 * 8
+        assert results[key]["cache_hit_rate"] >= results[key]["ideal_hit_rate"] == 0.75  # samples stayed together
+    assert results["speedup"] > 0
+
+
+def test_async_pause_and_continue_reach_every_replica(pool, folders):
+    import asyncio
+
+    want = _tokens(_single(folders[0], GREEDY))
+    assert _tokens(asyncio.run(pool.generate_async(input_ids=PROMPTS, sampling_params=GREEDY))) == want
+    long = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)
+    want_long = _tokens(_single(folders[0], long))
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("out", pool.generate(input_ids=PROMPTS,
+                                                                                      sampling_params=long)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not all(r.get("unfinished") for r in pool.replicas()):
+        assert time.monotonic() < deadline, "the replicas never got work"
+        time.sleep(0.02)
+    pool.pause_generation("keep")  # returns when every replica has paused
+    assert all(m["paused"] for m in pool.metrics())
+    thread.join(timeout=1.0)
+    assert thread.is_alive()  # paused everywhere: nothing finishes
+    pool.continue_generation()
+    thread.join(timeout=120)
+    assert _tokens(result["out"]) == want_long
+    # Cancelling the awaiting task aborts its requests on the replicas.
+    long = SamplingParams(max_new_tokens=480, temperature=0, ignore_eos=True)
+
+    async def cancel_midway():
+        task = asyncio.ensure_future(pool.generate_async(input_ids=PROMPTS * 4, sampling_params=long))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_midway())
+    deadline = time.monotonic() + 30
+    while any(r["unfinished"] for r in pool.replicas()):
+        assert time.monotonic() < deadline, pool.replicas()
+        time.sleep(0.1)

@@ -49,6 +49,10 @@ def _warm(engine) -> None:
 
 
 def bench_grpo(args) -> dict[str, Any]:
+    if getattr(args, "replicas", 1) > 1:
+        from rollout_engine.bench.pool import bench_grpo_pool
+
+        return bench_grpo_pool(args)
     results: dict[str, Any] = {}
     for cache_on in (False, True):  # cache-off first: the first engine pays allocator warm-up
         engine = make_engine(args, enable_prefix_cache=cache_on)
