@@ -30,6 +30,7 @@ class EngineConfig:
     tp_size: int = 1
     seed: int = 0
     overlap_schedule: bool = True  # schedule decode step N+1 while step N runs
+    deterministic: bool = False  # batch-invariant: a request's tokens and logprobs do not depend on its batch
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -60,3 +61,5 @@ class EngineConfig:
             bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         if not isinstance(self.seed, int) or self.seed < 0:
             bad("seed", "must be a non-negative integer")
+        if not isinstance(self.deterministic, bool):
+            bad("deterministic", "must be True or False")

@@ -35,6 +35,10 @@ class SamplingPlan:
     def __len__(self) -> int:
         return len(self.seeds)
 
+    def row(self, i: int) -> "SamplingPlan":
+        """Row i alone (its own filter flags, as if sampled by itself)."""
+        return SamplingPlan(**{name: value[i: i + 1] for name, value in vars(self).items()})
+
     @property
     def all_greedy(self) -> bool:
         return bool((self.temperatures == 0).all())

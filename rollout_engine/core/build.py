@@ -19,6 +19,7 @@ from rollout_engine.cache.req_table import ReqToTokenTable
 from rollout_engine.config import EngineConfig
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.distributed.tp_group import TPChannel, TPStepRunner
+from rollout_engine.layers.invariant import make_batch_invariant
 from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens
 from rollout_engine.memory.controller import MemoryController
 from rollout_engine.memory.manager import MemoryManager
@@ -86,6 +87,9 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     """This rank's parts (`comm`: its place in a tensor-parallel group;
     `channel`: on rank 0, the way to the other ranks)."""
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+    if cfg.deterministic and device.type != "cpu":
+        raise ValueError("deterministic=True runs on the CPU only so far (device='cpu'); "
+                         "the batch-invariant GPU kernels are not built yet")
     comm = (comm or TPComm()).with_fast_all_reduce(dtype, device)
     free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     memory = MemoryManager(create_saver(cfg.enable_memory_saver, device))
@@ -93,6 +97,8 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     model = load_model(path, cfg.load_format, comm, device, dtype, cfg.seed,
                        weights_region=memory.region("weights", cfg.weights_cpu_backup))
     memory.register("weights", model.parameters())
+    if cfg.deterministic:
+        make_batch_invariant(model)
     tokenizer = load_tokenizer(path, cfg.tokenizer)
     kv_pool, allocator, table, limits = _kv_memory(cfg, model, memory, device, dtype, free_before, comm)
     prefix_cache = RadixCache(allocator) if cfg.enable_prefix_cache else NoPrefixCache(allocator)
@@ -138,8 +144,9 @@ def _runner(cfg: EngineConfig, model: DecoderForCausalLM, kv_pool: KVPool, table
     mc = model.config
     attn = model.model.layers[0].self_attn.attn
     shape = AttentionShape(attn.num_heads, attn.num_kv_heads, mc.head_dim, cfg.page_size, dtype, device)
-    backend = create_backend(cfg.attention_backend, shape)
-    runner = ModelRunner(model, kv_pool, backend, (table.max_rows, table.max_context), device)
+    runner = ModelRunner(model, kv_pool, _backend(cfg, shape), (table.max_rows, table.max_context), device,
+                         batch_invariant=cfg.deterministic)
+    backend = runner.backend
     if cfg.cuda_graph and backend.supports_cuda_graph:
         torch.cuda.empty_cache()  # so that the difference below is the graph pool alone
         before = torch.cuda.memory_reserved(device)
@@ -159,5 +166,13 @@ def replica_runner(parts: EngineParts) -> ModelRunner:
     kv_pool = KVPool(mc.num_layers, parts.kv_pool.num_slots, attn.num_kv_heads, mc.head_dim, parts.dtype,
                      parts.device)
     shape = AttentionShape(attn.num_heads, attn.num_kv_heads, mc.head_dim, cfg.page_size, parts.dtype, parts.device)
-    backend = create_backend(cfg.attention_backend, shape)
-    return ModelRunner(model, kv_pool, backend, parts.runner.table_shape, parts.device)
+    return ModelRunner(model, kv_pool, _backend(cfg, shape), parts.runner.table_shape, parts.device,
+                       batch_invariant=cfg.deterministic)
+
+
+def _backend(cfg: EngineConfig, shape: AttentionShape):
+    if cfg.deterministic:
+        from rollout_engine.attention.invariant_backend import BatchInvariantAttentionBackend
+
+        return BatchInvariantAttentionBackend()
+    return create_backend(cfg.attention_backend, shape)

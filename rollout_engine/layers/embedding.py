@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout_engine.distributed.comm import TPComm
+from rollout_engine.layers.invariant import per_row
 from rollout_engine.layers.weight_copy import copy_into
 
 
@@ -53,6 +54,9 @@ class ParallelLMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty_like(embed.weight), requires_grad=False)
             self.weight.weight_loader = embed._load  # type: ignore[attr-defined]
 
+    batch_invariant = False  # layers/invariant.py
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.comm.all_gather_last_dim(F.linear(hidden, self.weight))
+        local = per_row(F.linear, hidden, self.weight) if self.batch_invariant else F.linear(hidden, self.weight)
+        logits = self.comm.all_gather_last_dim(local)
         return logits[..., : self.vocab_size]

@@ -14,6 +14,7 @@ from torch import nn
 
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels.gemv import linear
+from rollout_engine.layers.invariant import per_row
 from rollout_engine.layers.weight_copy import copy_into
 
 
@@ -43,7 +44,11 @@ class ColumnParallelLinear(nn.Module):
         rows = self.out_per_rank
         copy_into(param.data, full.narrow(0, self.comm.tp_rank * rows, rows))
 
+    batch_invariant = False  # layers/invariant.py
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return per_row(linear, x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -119,6 +124,8 @@ class RowParallelLinear(nn.Module):
     def _load_bias(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
         copy_into(param.data, full)
 
+    batch_invariant = False  # layers/invariant.py
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(linear(x, self.weight))
+        y = self.comm.all_reduce(per_row(linear, x, self.weight) if self.batch_invariant else linear(x, self.weight))
         return y if self.bias is None else y + self.bias

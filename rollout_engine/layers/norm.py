@@ -17,7 +17,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
+    batch_invariant = False  # layers/invariant.py
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.batch_invariant and x.shape[0] > 1:
+            return self._per_row(x, residual)
         fn = rmsnorm if use_kernel(x) else rmsnorm_ref
         out, new_residual = fn(x, self.weight, self.eps, residual)
         return out if residual is None else (out, new_residual)
+
+    def _per_row(self, x: torch.Tensor, residual: torch.Tensor | None):
+        rows = [self.forward(x[i: i + 1], None if residual is None else residual[i: i + 1]) for i in range(x.shape[0])]
+        if residual is None:
+            return torch.cat(rows)
+        return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])

@@ -18,7 +18,8 @@ from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.forward_batch import ForwardBatch, TableMirror
 from rollout_engine.models.decoder import DecoderForCausalLM
 from rollout_engine.plan import StepOutput, StepPlan
-from rollout_engine.runner.sampler import SamplingBatch, sample
+from rollout_engine.layers.invariant import per_row
+from rollout_engine.runner.sampler import SamplingBatch, sample, sample_per_row
 
 
 @dataclass
@@ -33,8 +34,9 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_pool: KVPool, backend: AttentionBackend,
-                 table_shape: tuple[int, int], device: torch.device):
+                 table_shape: tuple[int, int], device: torch.device, batch_invariant: bool = False):
         self.model = model
+        self.batch_invariant = batch_invariant  # deterministic mode: sample each row alone
         self.kv_pool = kv_pool
         self.backend = backend
         self.device = device
@@ -106,14 +108,18 @@ class ModelRunner:
         pieces: list[torch.Tensor] = []
         sampled = None
         if plan.sampling is not None:
-            sb = SamplingBatch.build(plan.sampling, self.device)
             rows = logits if plan.samples_every_logit_row else logits[self._on_device(plan.sample_rows)]
-            sampled = sample(rows, sb)
+            if self.batch_invariant:
+                sampled = sample_per_row(rows, plan.sampling, self.device)
+            else:
+                sampled = sample(rows, SamplingBatch.build(plan.sampling, self.device))
             pieces += [sampled.tokens.double(), sampled.logprobs.double()]
             if sampled.top_ids is not None:
                 pieces += [sampled.top_ids.double().flatten(), sampled.top_logprobs.double().flatten()]
         if len(plan.prompt_rows):
-            lps = torch.log_softmax(logits[self._on_device(plan.prompt_rows)], dim=-1)
+            prompt_logits = logits[self._on_device(plan.prompt_rows)]
+            lps = (per_row(torch.log_softmax, prompt_logits, -1) if self.batch_invariant
+                   else torch.log_softmax(prompt_logits, dim=-1))
             targets = self._on_device(plan.prompt_targets)
             pieces.append(lps.gather(-1, targets[:, None]).squeeze(1).double())
         return sampled, torch.cat(pieces)

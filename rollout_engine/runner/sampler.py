@@ -52,7 +52,7 @@ class SamplingBatch:
     max_top_logprobs: int
 
     @staticmethod
-    def build(plan: SamplingPlan, device: torch.device) -> "SamplingBatch":
+    def build(plan: SamplingPlan, device: torch.device, max_top_logprobs: int | None = None) -> "SamplingBatch":
         # Two host tensors, two asynchronous copies: the step never waits here.
         floats = torch.from_numpy(np.stack([plan.temperatures, plan.top_ps, plan.min_ps])).to(device, non_blocking=True)
         ints = torch.from_numpy(np.stack([plan.top_ks, plan.seeds, plan.positions, plan.raw_logprobs.astype(np.int64)]))
@@ -61,7 +61,7 @@ class SamplingBatch:
             temperatures=floats[0], top_ps=floats[1], min_ps=floats[2],
             top_ks=ints[0], seeds=ints[1], positions=ints[2], raw_logprobs=ints[3].bool(),
             use_sort_filters=plan.use_sort_filters, use_min_p=plan.use_min_p, all_greedy=plan.all_greedy,
-            max_top_logprobs=plan.max_top_logprobs,
+            max_top_logprobs=plan.max_top_logprobs if max_top_logprobs is None else max_top_logprobs,
         )
 
 
@@ -130,3 +130,12 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
         table = raw_table if probs is None else torch.where(sb.raw_logprobs[:, None], raw_table, torch.log(probs))
         top_lps, top_ids = table.topk(min(sb.max_top_logprobs, logits.shape[-1]), dim=-1)
     return SampleResult(tokens, logprobs, top_ids, top_lps)
+
+
+def sample_per_row(logits: torch.Tensor, plan: SamplingPlan, device: torch.device) -> SampleResult:
+    """`sample`, one row at a time (deterministic mode): each row's filters,
+    reductions and draw see only that row, whatever else is in the batch."""
+    k = plan.max_top_logprobs
+    results = [sample(logits[i: i + 1], SamplingBatch.build(plan.row(i), device, k)) for i in range(len(plan))]
+    cat = lambda name: None if getattr(results[0], name) is None else torch.cat([getattr(r, name) for r in results])  # noqa: E731
+    return SampleResult(cat("tokens"), cat("logprobs"), cat("top_ids"), cat("top_logprobs"))

@@ -1,0 +1,46 @@
+"""Batch-invariant attention (deterministic mode on the CPU).
+
+Each query attends alone to its own context, keys 0 up to its position,
+with the same operations on tensors of the same shapes wherever it comes
+from: a whole prompt, a chunk of seven, after a prefix served by the cache,
+or a decode step among any number of others. Its result therefore has the
+same bits in all of them. Slow (a loop over queries), and meant to be."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from rollout_engine.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from rollout_engine.forward_batch import ForwardBatch
+    from rollout_engine.layers.attention import PagedAttention
+
+
+class BatchInvariantAttentionBackend(AttentionBackend):
+    def __init__(self, **_):
+        pass
+
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        device = fb.input_ids.device
+        table = fb.table.host
+        fb.attn_metadata = [torch.from_numpy(table[r, :n]).to(device) for r, n in zip(fb.rows, fb.seq_lens)]
+
+    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
+        k_cache, v_cache = fb.kv_pool.k[layer.layer_id], fb.kv_pool.v[layer.layer_id]
+        group = layer.num_heads // layer.num_kv_heads
+        out = torch.empty_like(q)
+        row = 0
+        for i, slots in enumerate(fb.attn_metadata):
+            q_len = 1 if fb.is_decode else int(fb.extend_lens[i])
+            kv_len = len(slots)
+            k = k_cache[slots].float().repeat_interleave(group, dim=1).permute(1, 2, 0)  # [heads, d, kv]
+            v = v_cache[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, kv, d]
+            for j in range(q_len):
+                end = kv_len - q_len + j + 1  # this query's position + 1
+                scores = torch.bmm(q[row + j].float()[:, None, :], k[:, :, :end].contiguous()) * layer.scaling
+                weights = torch.softmax(scores, dim=-1)
+                out[row + j] = torch.bmm(weights, v[:, :end].contiguous())[:, 0].to(q.dtype)
+            row += q_len
+        return out

@@ -1,0 +1,87 @@
+"""Deterministic (batch-invariant) mode on the CPU, fp32: a seeded sampled
+request gives bitwise the same tokens and logprobs alone, among 63 others,
+with chunked prefill, with part of its prompt from the prefix cache, and
+after retraction. (Without the mode these differ in the last bits: the
+batch shape changes how matrix products and reductions round.)"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from models import make_hf_model, save_model
+from rollout_engine import RolloutEngine, SamplingParams
+
+TARGET = SamplingParams(max_new_tokens=32, temperature=1.0, top_p=0.9, seed=123, ignore_eos=True, logprobs=True,
+                        top_logprobs=3)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def folder(request, tmp_path_factory):
+    return save_model(make_hf_model(request.param, seed=1, num_hidden_layers=2), tmp_path_factory.mktemp("det"))
+
+
+def _prompts(seed: int = 0):
+    rng = random.Random(seed)
+    target = [rng.randrange(1, 500) for _ in range(40)]
+    others = [[rng.randrange(1, 500) for _ in range(rng.randint(3, 150))] for _ in range(63)]
+    params = [SamplingParams(max_new_tokens=rng.randint(1, 48), temperature=rng.choice([0, 0.7, 1.0]),
+                             top_k=rng.choice([0, 20]), seed=rng.randrange(1000), ignore_eos=True)
+              for _ in others]
+    return target, others, params
+
+
+def _target_output(folder, batch, params, **engine_kw):
+    engine = RolloutEngine(folder, device="cpu", deterministic=True, **{"max_total_tokens": 16384, **engine_kw})
+    try:
+        outs = engine.generate(input_ids=batch, sampling_params=params)
+        return outs[0], engine.cache_stats()
+    finally:
+        engine.shutdown()
+
+
+def _same(a, b) -> None:
+    assert a.output_token_ids == b.output_token_ids
+    assert a.output_logprobs == b.output_logprobs  # bitwise: float equality, no tolerance
+    assert a.top_logprobs == b.top_logprobs
+
+
+def test_alone_equals_in_a_batch_of_63(folder):
+    target, others, params = _prompts()
+    alone, _ = _target_output(folder, [target], [TARGET])
+    crowded, _ = _target_output(folder, [target] + others, [TARGET] + params)
+    _same(alone, crowded)
+
+
+def test_chunked_prefill_equals_whole(folder):
+    target, others, params = _prompts()
+    alone, _ = _target_output(folder, [target], [TARGET])
+    chunked, _ = _target_output(folder, [target] + others[:8], [TARGET] + params[:8], max_prefill_tokens=7)
+    _same(alone, chunked)
+
+
+def test_a_prefix_from_the_cache_equals_computing_it(folder):
+    target, _, _ = _prompts()
+    alone, _ = _target_output(folder, [target], [TARGET])
+    engine = RolloutEngine(folder, device="cpu", deterministic=True, max_total_tokens=16384)
+    try:
+        engine.generate(input_ids=[target[:25]], sampling_params=SamplingParams(max_new_tokens=3, temperature=0))
+        cached = engine.generate(input_ids=[target], sampling_params=TARGET)[0]
+    finally:
+        engine.shutdown()
+    assert cached.num_cached_tokens >= 24
+    _same(alone, cached)
+
+
+def test_after_retraction_equals_alone(folder):
+    target, others, params = _prompts()
+    alone, _ = _target_output(folder, [target], [TARGET])
+    long = [SamplingParams(max_new_tokens=120, temperature=1.0, seed=i, ignore_eos=True) for i in range(24)]
+    squeezed, stats = _target_output(folder, [target] + others[:24], [TARGET] + long, max_total_tokens=1200)
+    assert stats["retractions"] > 0
+    _same(alone, squeezed)
+
+
+def test_deterministic_must_be_a_bool():
+    with pytest.raises(ValueError, match="deterministic"):
+        RolloutEngine("unused", deterministic="yes")
