@@ -85,3 +85,24 @@ def test_after_retraction_equals_alone(folder):
 def test_deterministic_must_be_a_bool():
     with pytest.raises(ValueError, match="deterministic"):
         RolloutEngine("unused", deterministic="yes")
+
+
+def test_fidelity_score_equals_the_engines_logprobs_bitwise(folder):
+    from rollout_engine import fidelity
+
+    target, others, _ = _prompts()
+    params = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=5, n=2, ignore_eos=True,
+                            logprob_mode="raw")
+    engine = RolloutEngine(folder, device="cpu", deterministic=True, max_total_tokens=16384)
+    try:
+        outs = engine.generate(input_ids=[target] + others[:15], sampling_params=params)
+        scores = fidelity.score(engine, outs)
+    finally:
+        engine.shutdown()
+    assert scores == [o.output_logprobs for o in outs]  # bitwise
+    gap = fidelity.hf_gap(folder, outs, scores)  # a different implementation: close, not equal
+    assert gap["tokens"] == sum(len(o.output_token_ids) for o in outs) and gap["max_abs"] < 1e-4
+    # A temporary engine from the model's folder scores the same.
+    assert fidelity.score(folder, outs[:2], device="cpu", deterministic=True) == scores[:2]
+    with pytest.raises(ValueError, match="sampling_params"):
+        fidelity.score(folder, outs[:1], SamplingParams(temperature=0.5))

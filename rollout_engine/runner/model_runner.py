@@ -18,8 +18,7 @@ from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.forward_batch import ForwardBatch, TableMirror
 from rollout_engine.models.decoder import DecoderForCausalLM
 from rollout_engine.plan import StepOutput, StepPlan
-from rollout_engine.layers.invariant import per_row
-from rollout_engine.runner.sampler import SamplingBatch, sample, sample_per_row
+from rollout_engine.runner.sampler import SamplingBatch, raw_logprobs_per_row, sample, sample_per_row
 
 
 @dataclass
@@ -118,10 +117,12 @@ class ModelRunner:
                 pieces += [sampled.top_ids.double().flatten(), sampled.top_logprobs.double().flatten()]
         if len(plan.prompt_rows):
             prompt_logits = logits[self._on_device(plan.prompt_rows)]
-            lps = (per_row(torch.log_softmax, prompt_logits, -1) if self.batch_invariant
-                   else torch.log_softmax(prompt_logits, dim=-1))
             targets = self._on_device(plan.prompt_targets)
-            pieces.append(lps.gather(-1, targets[:, None]).squeeze(1).double())
+            if self.batch_invariant:  # row by row, by the sampler's own formula: the bits of a sampled token's
+                pieces.append(raw_logprobs_per_row(prompt_logits, targets).double())  # raw logprob
+            else:
+                lps = torch.log_softmax(prompt_logits, dim=-1)
+                pieces.append(lps.gather(-1, targets[:, None]).squeeze(1).double())
         return sampled, torch.cat(pieces)
 
     def _on_device(self, values) -> torch.Tensor:

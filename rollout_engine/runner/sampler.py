@@ -139,3 +139,15 @@ def sample_per_row(logits: torch.Tensor, plan: SamplingPlan, device: torch.devic
     results = [sample(logits[i: i + 1], SamplingBatch.build(plan.row(i), device, k)) for i in range(len(plan))]
     cat = lambda name: None if getattr(results[0], name) is None else torch.cat([getattr(r, name) for r in results])  # noqa: E731
     return SampleResult(cat("tokens"), cat("logprobs"), cat("top_ids"), cat("top_logprobs"))
+
+
+def raw_logprobs_per_row(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's raw logprob of its target, row by row, computed as `sample`
+    computes a sampled token's raw logprob (deterministic mode: a prompt
+    position scored equals the same token sampled there, bit for bit)."""
+    out = []
+    for i in range(logits.shape[0]):
+        row = logits[i: i + 1]
+        _, _, log_norm = argmax_logsumexp_ref(row)
+        out.append(row.gather(-1, targets[i: i + 1, None]).squeeze(1) - log_norm)
+    return torch.cat(out) if out else logits.new_zeros(0)

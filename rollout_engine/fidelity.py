@@ -1,0 +1,80 @@
+"""Scoring sequences with the engine's own model and kernels (trainer side).
+
+`score` gives the per-token logprobs of given sequences in one forward-only
+pass per sequence, through the engine: the trainer can check the engine's
+rollout logprobs against it, or use it as its reference. With a
+`deterministic=True` engine the scores equal the logprobs the engine
+reported when it sampled those tokens, bit for bit (both are the same
+computation on the same rows). `hf_gap` measures how far a Hugging Face
+forward of the same model and dtype is from them."""
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+
+from rollout_engine.outputs import RolloutOutput
+from rollout_engine.sampling_params import SamplingParams
+
+Sequences = Sequence[Union[RolloutOutput, tuple[Sequence[int], Sequence[int]]]]
+
+
+def _pairs(sequences: Sequences) -> list[tuple[list[int], list[int]]]:
+    pairs = []
+    for i, s in enumerate(sequences):
+        if isinstance(s, RolloutOutput):
+            pairs.append((list(s.prompt_token_ids), list(s.output_token_ids)))
+        elif isinstance(s, (tuple, list)) and len(s) == 2:
+            pairs.append((list(s[0]), list(s[1])))
+        else:
+            raise ValueError(f"sequences[{i}] must be a RolloutOutput or a (prompt_ids, output_ids) pair")
+        if not pairs[-1][0]:
+            raise ValueError(f"sequences[{i}]: the prompt is empty (the first output token needs a context)")
+    return pairs
+
+
+def score(engine_or_model, sequences: Sequences, sampling_params: SamplingParams | None = None,
+          **engine_kwargs) -> list[list[float]]:
+    """Per sequence, the raw logprob of each output token given everything
+    before it. `engine_or_model`: a RolloutEngine, or a model (name or
+    folder) for a temporary engine built with `engine_kwargs`.
+    `sampling_params`: only raw logprobs are scored so far, so it must
+    leave them unprocessed (logprob_mode="raw", or temperature 1 without
+    top-k/top-p/min-p); anything else raises ValueError."""
+    from rollout_engine.engine import RolloutEngine
+
+    if sampling_params is not None and not _raw_equals_processed(sampling_params):
+        raise ValueError("sampling_params: fidelity.score computes raw logprobs; give logprob_mode='raw' or "
+                         "temperature=1 with no top_k/top_p/min_p")
+    pairs = _pairs(sequences)
+    own = not isinstance(engine_or_model, RolloutEngine)
+    engine = RolloutEngine(engine_or_model, **engine_kwargs) if own else engine_or_model
+    try:
+        params = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=True)
+        outs = engine.generate(input_ids=[p + o for p, o in pairs], sampling_params=params)
+    finally:
+        if own:
+            engine.shutdown()
+    return [list(out.prompt_logprobs[len(p):]) for out, (p, _) in zip(outs, pairs)]
+
+
+def _raw_equals_processed(p: SamplingParams) -> bool:
+    return p.logprob_mode == "raw" or (p.temperature == 1.0 and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0)
+
+
+def hf_gap(model_folder: str, sequences: Sequences, scores: list[list[float]], dtype: torch.dtype = torch.float32,
+           device: str = "cpu") -> dict[str, float]:
+    """Mean and max |score - Hugging Face logprob| over every output token,
+    the HF model loaded from `model_folder` in `dtype` (needs transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=dtype).to(device).eval()
+    gaps = []
+    with torch.no_grad():
+        for (prompt, output), ours in zip(_pairs(sequences), scores):
+            ids = torch.tensor([prompt + output], device=device)
+            logits = model(ids).logits[0, len(prompt) - 1: -1].float()
+            ref = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+            gaps.append((ref.cpu() - torch.tensor(ours)).abs())
+    gap = torch.cat(gaps) if gaps else torch.zeros(1)
+    return {"mean_abs": float(gap.mean()), "max_abs": float(gap.max()), "tokens": int(gap.numel())}
