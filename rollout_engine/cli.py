@@ -32,7 +32,7 @@ CPU_WORKLOADS = ("grpo", "weights", "serve")  # the others measure the device wi
 # Engine fields that bench/run.py's engine factory passes on; other engine
 # flags would be accepted and silently ignored, so bench does not offer them.
 BENCH_ENGINE_FIELDS = ("model", "load_format", "attention_backend", "max_total_tokens", "seed", "cuda_graph",
-                       "tp_size")
+                       "tp_size", "deterministic")
 
 
 class Parser(argparse.ArgumentParser):

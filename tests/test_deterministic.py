@@ -106,3 +106,12 @@ def test_fidelity_score_equals_the_engines_logprobs_bitwise(folder):
     assert fidelity.score(folder, outs[:2], device="cpu", deterministic=True) == scores[:2]
     with pytest.raises(ValueError, match="sampling_params"):
         fidelity.score(folder, outs[:1], SamplingParams(temperature=0.5))
+
+
+def test_tensor_parallel_two_ranks_stays_batch_invariant(tmp_path):
+    folder = save_model(make_hf_model("llama", seed=1, num_hidden_layers=2), tmp_path / "m")
+    target, others, params = _prompts()
+    alone, _ = _target_output(folder, [target], [TARGET], tp_size=2)
+    crowded, _ = _target_output(folder, [target] + others[:20], [TARGET] + params[:20], tp_size=2,
+                                max_prefill_tokens=7)
+    _same(alone, crowded)

@@ -18,7 +18,7 @@ def make_engine(args, **overrides):
 
     kw = dict(load_format=args.load_format, attention_backend=args.attention_backend,
               max_total_tokens=args.max_total_tokens, seed=args.seed, cuda_graph=not args.no_cuda_graph,
-              tp_size=getattr(args, "tp_size", 1))
+              tp_size=getattr(args, "tp_size", 1), deterministic=getattr(args, "deterministic", False))
     kw.update(overrides)
     return RolloutEngine(args.model, **kw)
 

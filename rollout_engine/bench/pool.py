@@ -11,7 +11,8 @@ from rollout_engine.bench import workloads
 
 def _engine_kwargs(args) -> dict[str, Any]:
     return dict(load_format=args.load_format, attention_backend=args.attention_backend,
-                max_total_tokens=args.max_total_tokens, seed=args.seed, cuda_graph=not args.no_cuda_graph)
+                max_total_tokens=args.max_total_tokens, seed=args.seed, cuda_graph=not args.no_cuda_graph,
+                deterministic=getattr(args, "deterministic", False))
 
 
 def _run(pool, wl: workloads.Workload) -> dict[str, Any]:
