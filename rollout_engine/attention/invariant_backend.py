@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout_engine.attention.base import AttentionBackend
+from rollout_engine.attention.torch_backend import context_slots
 
 if TYPE_CHECKING:
     from rollout_engine.forward_batch import ForwardBatch
@@ -23,9 +24,7 @@ class BatchInvariantAttentionBackend(AttentionBackend):
         pass
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
-        device = fb.input_ids.device
-        table = fb.table.host
-        fb.attn_metadata = [torch.from_numpy(table[r, :n]).to(device) for r, n in zip(fb.rows, fb.seq_lens)]
+        fb.attn_metadata = context_slots(fb)
 
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         k_cache, v_cache = fb.kv_pool.k[layer.layer_id], fb.kv_pool.v[layer.layer_id]

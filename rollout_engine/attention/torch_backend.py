@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 _MASK_ELEMS = 1 << 24
 
 
+def context_slots(fb: "ForwardBatch") -> list[torch.Tensor]:
+    """Each sequence's whole context: its KV slots, in order."""
+    device, table = fb.input_ids.device, fb.table.host
+    return [torch.from_numpy(table[r, :n]).to(device, non_blocking=True) for r, n in zip(fb.rows, fb.seq_lens)]
+
+
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, **_):
         pass
@@ -36,9 +42,8 @@ class TorchAttentionBackend(AttentionBackend):
             slots = np.where(valid, table[fb.rows, :max_len], 0)
             fb.attn_metadata = (torch.from_numpy(slots).to(device, non_blocking=True),
                                 torch.from_numpy(valid).to(device, non_blocking=True)[:, None, None, :])
-        else:  # each sequence's whole context
-            fb.attn_metadata = [torch.from_numpy(table[r, :n]).to(device, non_blocking=True)
-                                for r, n in zip(fb.rows, fb.seq_lens)]
+        else:
+            fb.attn_metadata = context_slots(fb)
 
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         pool = fb.kv_pool
