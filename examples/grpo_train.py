@@ -6,6 +6,7 @@ engine in place, every step.
     python examples/grpo_train.py --steps 60 --wandb --log-json run.json
     python examples/plot_run.py run.json run.png
     python examples/grpo_train.py --model qwen3-0.6b --load-format dummy --task token   # no checkpoint needed
+    torchrun --nproc-per-node 2 examples/grpo_train.py --fsdp                 # FSDP2 trainer over 2 ranks
 
 Tasks: `arithmetic` (chat prompts "What is a + b?", reward 1 when the last
 number of the response is the sum; needs a tokenizer) and `token` (random
@@ -21,6 +22,10 @@ sampled tokens' logprobs, a clipped-ratio policy-gradient step against the
 engine's logprobs, `sync_to_engine`; on a GPU with the memory saver the
 engine releases its memory for the trainer's step and resumes after.
 
+With `--fsdp` (under torchrun) the trainer is sharded with FSDP2 over the
+ranks; each rank rolls out its own prompts with its own engine and
+`sync_to_engine` gathers the full weights into every rank's engine.
+
 The train-inference mismatch is measured on every step before the update,
 like with like: the engine's raw logprobs against the trainer's log-softmax
 on the same weights, over the sampled tokens (mean and max of the absolute
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import time
@@ -132,6 +138,38 @@ def grpo_step(model, optimizer, prompts, outs, rewards, n: int, clip: float, dev
             "kl_k1_per_seq": sum(kl) / max(1, len(kl)), "loss": sum(losses)}
 
 
+def init_ranks(gpu: bool) -> tuple[int, int, str | None]:
+    """Under torchrun: this rank, the world size and this rank's device."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if gpu else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    if gpu:
+        torch.cuda.set_device(local)
+    return dist.get_rank(), dist.get_world_size(), f"cuda:{local}" if gpu else "cpu"
+
+
+def shard(trainer) -> None:
+    """FSDP2: every decoder layer, then the rest."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in trainer.model.layers:
+        fully_shard(layer)
+    fully_shard(trainer)
+
+
+def global_mean(values: list[float], world: int) -> float:
+    """The mean over every rank's values."""
+    if world == 1:
+        return sum(values) / len(values)
+    import torch.distributed as dist
+
+    total = torch.tensor([float(sum(values)), float(len(values))], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="zoo name, Hugging Face folder, or a preset")
@@ -150,6 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wandb", action="store_true", help="log to wandb (WANDB_MODE=offline works without network)")
     p.add_argument("--log-json", help="write every step's row here (a JSON list)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 trainer over the ranks of torchrun; each rank rolls out with its own engine")
     args = p.parse_args(argv)
     for name in ("steps", "prompts", "n", "max_new_tokens"):
         if getattr(args, name) < 1:
@@ -160,13 +200,20 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     folder = resolve_model_path(args.model, args.load_format)
     gpu = torch.cuda.is_available() and args.device != "cpu"
-    engine = RolloutEngine(folder, load_format=args.load_format, device=args.device, dtype=args.dtype, seed=args.seed,
-                           enable_memory_saver=gpu, weights_cpu_backup=False, max_total_tokens=16384)
+    rank, world, engine_device = 0, 1, args.device
+    if args.fsdp:
+        if "RANK" not in os.environ:
+            p.error("--fsdp runs under torchrun: torchrun --nproc-per-node K examples/grpo_train.py --fsdp ...")
+        rank, world, engine_device = init_ranks(gpu)
+    engine = RolloutEngine(folder, load_format=args.load_format, device=engine_device, dtype=args.dtype,
+                           seed=args.seed, enable_memory_saver=gpu, weights_cpu_backup=False, max_total_tokens=16384)
     device = engine.device
     if args.task == "arithmetic" and engine.tokenizer is None:
         p.error("--task arithmetic needs a model with a tokenizer; use --task token")
     trainer = load_trainer(args, folder, torch.float32, device)
     targets = target_tokens(trainer, args.seed) if args.task == "token" else set()
+    if args.fsdp:
+        shard(trainer)
     if args.load_format == "dummy":
         with torch.no_grad():
             sync_to_engine(trainer, engine, version=0)
@@ -175,13 +222,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.wandb:
         import wandb
 
-        run = wandb.init(project="rollout-engine-grpo", config=vars(args))
+        run = wandb.init(project="rollout-engine-grpo", config=vars(args)) if rank == 0 else None
     logger = RolloutLogger(run)
-    rng = random.Random(args.seed)
+    rng = random.Random(args.seed + 7919 * rank)  # each rank its own prompts
     rows = []
     from tqdm import tqdm
 
-    bar = tqdm(range(args.steps), desc="grpo", unit="step")
+    bar = tqdm(range(args.steps), desc="grpo", unit="step", disable=rank != 0)
     try:
         for step in bar:
             if args.task == "arithmetic":
@@ -216,21 +263,31 @@ def main(argv: list[str] | None = None) -> dict:
             with torch.no_grad():
                 sync_to_engine(trainer, engine)
             timings["sync"] = time.perf_counter() - start
-            row = logger.step(engine, outs, timings, {"reward_mean": sum(rewards) / len(rewards), "bytes_freed": freed,
-                                                       **figures})
+            row = logger.step(engine, outs, timings, {"reward_mean": global_mean(rewards, world),
+                                                       "bytes_freed": freed, **figures})
             row["step"] = step
             logger.log(row, step)
             rows.append(row)
-            bar.write(f"step {step}: reward {row['reward_mean']:.3f}  mismatch mean {row['mismatch_mean']:.2e} "
-                      f"max {row['mismatch_max']:.2e}  {row.get('output_tokens_per_s', 0):.0f} tok/s  "
-                      f"weights v{row['weight_version']}  e.g. {outs[0].text or outs[0].output_token_ids[:8]!r}")
+            if rank == 0:
+                bar.write(f"step {step}: reward {row['reward_mean']:.3f}  mismatch mean {row['mismatch_mean']:.2e} "
+                          f"max {row['mismatch_max']:.2e}  {row.get('output_tokens_per_s', 0):.0f} tok/s  "
+                          f"weights v{row['weight_version']}  e.g. {outs[0].text or outs[0].output_token_ids[:8]!r}")
+        # The final policy's greedy answer to a fixed prompt: equal on every
+        # rank when FSDP synced one set of weights into every engine.
+        probe = engine.generate(input_ids=[list(range(1, 9))],
+                                sampling_params=SamplingParams(max_new_tokens=8, temperature=0))[0].output_token_ids
     finally:
         logger.finish()
-        if args.log_json:
+        if args.log_json and rank == 0:
             with open(args.log_json, "w") as f:
                 json.dump(rows, f, indent=1)
         engine.shutdown()
-    return {"rows": rows, "weight_version": rows[-1]["weight_version"] if rows else 0}
+        if args.fsdp:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return {"rows": rows, "weight_version": rows[-1]["weight_version"] if rows else 0, "probe": probe,
+            "rank": rank}
 
 
 if __name__ == "__main__":

@@ -128,3 +128,18 @@ def symm_name_rank(rank: int, port: int, out_queue) -> None:
     again = fast_allreduce.first_use_everywhere(other, cpu)
     dist.destroy_process_group()
     out_queue.put((rank, world, fresh, again))
+
+
+def grpo_fsdp_rank(rank: int, port: int, folder: str, examples: str, out_queue) -> None:
+    """One torchrun-like rank of examples/grpo_train.py --fsdp."""
+    import importlib.util
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    spec = importlib.util.spec_from_file_location("grpo_train", os.path.join(examples, "grpo_train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--model", folder, "--task", "token", "--fsdp", "--steps", "2", "--prompts", "2",
+                          "-n", "4", "--max-new-tokens", "8", "--lr", "1e-2", "--device", "cpu"])
+    out_queue.put((rank, result["weight_version"], result["probe"], [r["reward_mean"] for r in result["rows"]]))

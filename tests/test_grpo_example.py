@@ -105,3 +105,40 @@ def test_the_token_task_learns_from_random_weights(tmp_path):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert 0.15 < first < 0.35  # a quarter of the vocabulary is a target: random weights hit about that share
     assert last - first >= 0.1, rewards
+
+
+def test_fsdp_over_two_ranks_trains_one_policy_into_both_engines(tmp_path):
+    """`--fsdp` under torchrun (two gloo ranks here): each rank rolls out its
+    own prompts, FSDP2 trains one policy, and every rank's engine ends with
+    the same weights (the same greedy answer) and version."""
+    import multiprocessing as mp
+
+    import sync_workers
+    from models import make_hf_model, save_model
+    from test_weight_sync import _free_port, _gather
+
+    folder = save_model(make_hf_model("qwen3", tie=True, vocab_size=4096, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, initializer_range=0.02), tmp_path / "model")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=sync_workers.grpo_fsdp_rank, args=(r, port, folder, EXAMPLES, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(_gather(procs, out, 2), key=lambda r: r[0])
+    for p in procs:
+        p.join(timeout=60)
+    (_, v0, probe0, rewards0), (_, v1, probe1, rewards1) = results
+    assert v0 == v1 == 2
+    assert probe0 == probe1
+    assert rewards0 == rewards1  # the logged reward is the mean over both ranks' rollouts
+    # The weights moved: a fresh engine on the initial checkpoint answers differently.
+    from rollout_engine import RolloutEngine, SamplingParams
+
+    engine = RolloutEngine(folder, device="cpu", max_total_tokens=2048)
+    try:
+        before = engine.generate(input_ids=[list(range(1, 9))],
+                                 sampling_params=SamplingParams(max_new_tokens=8, temperature=0))[0].output_token_ids
+    finally:
+        engine.shutdown()
+    assert before != probe0
