@@ -86,6 +86,12 @@ class RolloutPool:
         gpus = self.tp_size if device.startswith("cuda") or (
             device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
         bundle = {"GPU": gpus, "CPU": 1} if gpus else {"CPU": self.tp_size}
+        have = ray.cluster_resources()
+        short = {k: v for k, v in bundle.items() if have.get(k, 0) < v}
+        if short:  # Ray would wait for it forever: no node can ever hold one replica
+            raise ValueError(f"one replica needs {bundle} on one node; the Ray cluster has {have.get('GPU', 0):g} "
+                             f"GPUs and {have.get('CPU', 0):g} CPUs in all (tp_size={self.tp_size}, "
+                             f"device={device!r})")
         actor_cls = ray.remote(EngineReplica)
         slots = self._slots
         for i in range(num_replicas):

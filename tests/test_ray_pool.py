@@ -253,3 +253,14 @@ def test_async_pause_and_continue_reach_every_replica(pool, folders):
     while any(r["unfinished"] for r in pool.replicas()):
         assert time.monotonic() < deadline, pool.replicas()
         time.sleep(0.1)
+
+
+def test_a_replica_no_node_can_hold_is_refused_at_once(cluster, folders):
+    from rollout_engine.integrations.ray import RolloutPool
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="GPU"):
+        RolloutPool(folders[0], num_replicas=1, device="cuda", call_timeout_s=120)
+    with pytest.raises(ValueError, match="CPU"):
+        RolloutPool(folders[0], num_replicas=1, tp_size=64, device="cpu", call_timeout_s=120)
+    assert time.monotonic() - start < 30
