@@ -41,6 +41,8 @@ class RolloutPool:
         for name, value in (("num_replicas", num_replicas), ("tp_size", tp_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < -1:
+            raise ValueError(f"max_restarts must be an integer >= -1 (-1: without limit), got {max_restarts!r}")
         for name, value in (("call_timeout_s", call_timeout_s), ("generate_timeout_s", generate_timeout_s),
                             ("restart_timeout_s", restart_timeout_s)):
             if not isinstance(value, (int, float)) or value <= 0:
@@ -101,7 +103,7 @@ class RolloutPool:
             except ray.exceptions.GetTimeoutError:
                 ray.util.remove_placement_group(group)
                 raise RuntimeError(f"replica {i}: Ray cannot place {bundle} on one node within "
-                                   f"{self.call_timeout_s} s (the cluster has {ray.cluster_resources()})") from None
+                                   f"{self.call_timeout_s} s (free now: {ray.available_resources()})") from None
             actor = actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=gpus, max_restarts=max_restarts, max_task_retries=0,
                 max_concurrency=32,
@@ -142,6 +144,8 @@ class RolloutPool:
         return merge_streams(self, batch, self._deadline(timeout_s))
 
     def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        if request_ids is not None and (isinstance(request_ids, str) or not isinstance(request_ids, (list, tuple))):
+            raise ValueError("request_ids must be a list of request id strings, or None for all")
         return sum(self._fanout("abort", None if request_ids is None else list(request_ids)).values())
 
     def _batch(self, prompts, input_ids, sampling_params, request_ids, session_ids) -> Batch:
@@ -149,6 +153,9 @@ class RolloutPool:
                           lambda: f"{self._prefix}-{next(self._ids)}")
 
     def _deadline(self, timeout_s: float | None) -> float:
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or timeout_s <= 0):
+            raise ValueError(f"timeout_s must be None or a number of seconds > 0, got {timeout_s!r}")
         return time.monotonic() + (self.generate_timeout_s if timeout_s is None else timeout_s)
 
     def dispatch(self, units: list[Unit], deadline: float) -> dict[int, list[Unit]]:
@@ -206,9 +213,9 @@ class RolloutPool:
                 for u in units:
                     results[u.index] = [next(it) for _ in range(batch.params[u.index].n)]
         finally:
-            if pending:  # an error or timeout: stop what still runs for this call
-                for slot, _, _ in pending.values():
-                    slot.actor.call.remote("abort", batch.sample_ids())
+            for slot, _, units in pending.values():  # an error or timeout: stop what still runs for this call
+                self.finished(slot.index, units)
+                slot.actor.call.remote("abort", batch.sample_ids())
         return [o for i in range(len(batch.units)) for o in results[i]]
 
     # ---- RL controls -----------------------------------------------------------------
@@ -221,6 +228,7 @@ class RolloutPool:
         """Every replica takes these weights (Hugging Face names); they go
         into Ray's object store once, not once per replica, and stay there
         for a replica that restarts later. Returns the new weight version."""
+        self._require_open()
         ray = ray_module()
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         tensors = [(name, t.detach().to("cpu")) for name, t in items]
@@ -245,6 +253,7 @@ class RolloutPool:
         trainer (rank 0). Returns at once: the trainer creates its sender
         (`WeightSender(master_address, master_port, world_size=call.world_size)`)
         and then waits on the returned call."""
+        self._require_open()
         with self._lock:
             members = [s for s in self._slots if s.state == "ready"]
             world = 1 + self.tp_size * len(members)
@@ -263,6 +272,7 @@ class RolloutPool:
         """Every replica receives the trainer's broadcast. Returns at once:
         the trainer broadcasts, then waits on the returned call (its result
         is the new version)."""
+        self._require_open()
         kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
         with self._lock:
             ready = [s for s in self._slots if s.state == "ready"]
@@ -279,6 +289,7 @@ class RolloutPool:
         return PoolCall(self, "update_weights_from_distributed", refs, self.call_timeout_s, result=v)
 
     def destroy_weight_sync_group(self, group_name: str = "weight_sync") -> None:
+        self._require_open()
         with self._lock:
             members = [s for s in self._slots if s.state == "ready" and s.sync_group == group_name]
             refs = {s.index: s.actor.call.remote("destroy_weight_sync_group", group_name) for s in members}
@@ -321,6 +332,7 @@ class RolloutPool:
     def replicas(self) -> list[dict[str, Any]]:
         """Per replica: index, state ("ready", "recovering", "dropped"), and,
         for a ready one, its process id, weight version and unfinished requests."""
+        self._require_open()
         with self._lock:
             slots = [(s.index, s.state) for s in self._slots]
         ready = {i: self._slots[i].actor.info.remote() for i, state in slots if state == "ready"}

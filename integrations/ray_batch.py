@@ -37,6 +37,10 @@ def make_batch(prompts, input_ids, sampling_params, request_ids, session_ids, rn
     seed get one from `rng`, so that a re-run elsewhere gives the same samples."""
     if (prompts is None) == (input_ids is None):
         raise ValueError("give exactly one of prompts and input_ids")
+    if input_ids is not None and hasattr(input_ids, "tolist"):  # a 2-D numpy array or tensor
+        input_ids = input_ids.tolist()
+    if isinstance(input_ids, (list, tuple)):  # rows may be numpy arrays or tensors, as the engine takes them
+        input_ids = [x.tolist() if hasattr(x, "tolist") else x for x in input_ids]
     items = prompts if prompts is not None else input_ids
     if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)) or not items:
         raise ValueError(f"{'prompts' if prompts is not None else 'input_ids'} must be a non-empty list")
@@ -47,9 +51,12 @@ def make_batch(prompts, input_ids, sampling_params, request_ids, session_ids, rn
               for p in resolve_params(sampling_params, num)]
     if request_ids is None:
         request_ids = [new_id() for _ in range(num)]
-    elif isinstance(request_ids, str) or len(request_ids) != num:
+    elif isinstance(request_ids, str) or not isinstance(request_ids, (list, tuple)) or len(request_ids) != num:
         raise ValueError(f"request_ids must be a list of {num} strings")
-    if session_ids is not None and (isinstance(session_ids, str) or len(session_ids) != num):
+    elif len(set(map(str, request_ids))) != num:
+        raise ValueError("request_ids must be distinct")
+    if session_ids is not None and (isinstance(session_ids, str) or not isinstance(session_ids, (list, tuple))
+                                    or len(session_ids) != num):
         raise ValueError(f"session_ids must be None or a list of {num} ids (one per prompt)")
     if session_ids is not None and not all(s is None or isinstance(s, (str, int)) for s in session_ids):
         raise ValueError("session_ids: each must be a string, an integer or None")

@@ -100,4 +100,6 @@ def merge_streams(pool, batch, deadline: float) -> Iterator[RolloutOutput]:
                 raise value
     finally:
         if running:  # closed early, an error or a timeout: stop this call's requests everywhere
+            for slot, _, units in running.values():
+                pool.finished(slot.index, units)
             pool.abort(batch.sample_ids())

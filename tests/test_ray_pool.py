@@ -183,7 +183,7 @@ def test_a_restarted_replica_serves_the_updated_weights(pool, folders):
     assert all(m["output_tokens"] > 0 for m in pool.metrics())
 
 
-def test_bad_arguments_are_value_errors_and_the_pool_goes_on(pool):
+def test_bad_arguments_are_value_errors_and_the_pool_goes_on(pool, folders):
     from rollout_engine.integrations.ray import RolloutPool
 
     with pytest.raises(ValueError, match="num_replicas"):
@@ -196,7 +196,37 @@ def test_bad_arguments_are_value_errors_and_the_pool_goes_on(pool):
         pool.generate(input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=10**6))
     with pytest.raises(ValueError, match="mode"):
         pool.pause_generation("sideways")
+    with pytest.raises(ValueError, match="distinct"):
+        pool.generate(input_ids=PROMPTS[:2], request_ids=["a", "a"])
+    with pytest.raises(ValueError, match="max_restarts"):
+        RolloutPool(folders[0], max_restarts=-5, device="cpu")
+    with pytest.raises(ValueError, match="timeout_s"):
+        pool.generate(input_ids=PROMPTS[:1], timeout_s=-1)
+    # An early close and a failed call leave no queued work behind in the routing.
+    stream = pool.stream(input_ids=PROMPTS[:1], sampling_params=SamplingParams(max_new_tokens=200, temperature=0))
+    next(stream)
+    stream.close()
+    assert set(pool._router.queued.values()) == {0}
+    # Token ids as numpy arrays or tensors, as the engine takes them.
+    import numpy as np
+    import torch
+
+    as_lists = _tokens(pool.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY))
+    assert _tokens(pool.generate(input_ids=[np.array(p) for p in PROMPTS[:2]], sampling_params=GREEDY)) == as_lists
+    assert _tokens(pool.generate(input_ids=[torch.tensor(p) for p in PROMPTS[:2]], sampling_params=GREEDY)) == as_lists
     assert len(pool.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)) == 2
+
+
+def test_every_call_after_shutdown_refuses_at_once(cluster, folders):
+    from rollout_engine.integrations.ray import RolloutPool
+
+    pool = RolloutPool(folders[0], num_replicas=1, device="cpu", max_total_tokens=4096)
+    pool.shutdown()
+    pool.shutdown()
+    for call in (lambda: pool.generate(input_ids=PROMPTS[:1]), lambda: pool.update_weights({}), pool.replicas,
+                 lambda: pool.init_weight_sync_group("127.0.0.1", 1), pool.flush_cache):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
 
 
 def test_bench_grpo_through_a_pool_of_two(cluster, folders, tmp_path):
