@@ -1,5 +1,5 @@
-"""RolloutPool: many engines behind one API, each in a Ray actor (API.md,
-"Scale-out on Ray"; README, "Scale-out on Ray").
+"""RolloutPool: many engines behind one API, each in a Ray actor (README,
+"Scale-out on Ray").
 
 Ray places the replicas (one placement group per replica: `tp_size` GPUs
 packed on one node, or CPUs), owns their processes and restarts one that

@@ -155,7 +155,7 @@ class RolloutEngine:
         return self._call("cache_stats")
 
     def metrics(self) -> dict:
-        """Counters and timings since the engine started (API.md)."""
+        """Counters and timings since the engine started (README, "Use")."""
         return self._call("metrics")
 
     def check_integrity(self) -> None:
