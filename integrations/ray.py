@@ -23,9 +23,10 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from rollout_engine.integrations.ray_batch import Batch, make_batch
-from rollout_engine.integrations.ray_calls import PoolCall, gather, lift_task_error, ray_module
+from rollout_engine.integrations.ray_calls import PoolCall, gather, ray_module
 from rollout_engine.integrations.ray_recovery import Recovery, Slot
 from rollout_engine.integrations.ray_routing import Router, Unit
+from rollout_engine.integrations.ray_generate import run_batch
 from rollout_engine.integrations.ray_streams import merge_streams
 from rollout_engine.outputs import RolloutOutput
 from rollout_engine.sampling_params import SamplingParams
@@ -181,42 +182,7 @@ class RolloutPool:
         return self._slots[index]
 
     def _run(self, batch: Batch, timeout_s: float | None) -> list[RolloutOutput]:
-        ray = ray_module()
-        deadline = self._deadline(timeout_s)
-        results: dict[int, list[RolloutOutput]] = {}
-        pending: dict[Any, tuple[Slot, str, list[Unit]]] = {}
-
-        def send(units: list[Unit]) -> None:
-            for r, part in self.dispatch(units, deadline).items():
-                slot = self._slots[r]
-                pending[slot.actor.generate.remote(*batch.part(part))] = (slot, slot.incarnation, part)
-
-        send(batch.units)
-        try:
-            while pending:
-                done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-                if not done:
-                    names = sorted({slot.index for slot, _, _ in pending.values()})
-                    raise TimeoutError(f"replica(s) {names} did not finish generate within the call's timeout "
-                                       f"({self.generate_timeout_s if timeout_s is None else timeout_s} s)")
-                slot, incarnation, units = pending.pop(done[0])
-                self.finished(slot.index, units)
-                try:
-                    outs = ray.get(done[0])
-                except ray.exceptions.RayActorError:
-                    self.recovery.lost(slot, incarnation)
-                    send(units)  # the same seeds elsewhere: the same samples
-                    continue
-                except ray.exceptions.RayTaskError as e:
-                    raise lift_task_error(e, slot.index) from None
-                it = iter(outs)
-                for u in units:
-                    results[u.index] = [next(it) for _ in range(batch.params[u.index].n)]
-        finally:
-            for slot, _, units in pending.values():  # an error or timeout: stop what still runs for this call
-                self.finished(slot.index, units)
-                slot.actor.call.remote("abort", batch.sample_ids())
-        return [o for i in range(len(batch.units)) for o in results[i]]
+        return run_batch(self, batch, self._deadline(timeout_s))
 
     # ---- RL controls -----------------------------------------------------------------
     @property
