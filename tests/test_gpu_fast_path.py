@@ -167,3 +167,38 @@ def test_graphs_stay_valid_after_a_weight_update(gpu_models, tmp_path):
     after = graphed.generate(input_ids=prompts, sampling_params=params)
     eager = RolloutEngine(folder_b, cuda_graph=False, **kw).generate(input_ids=prompts, sampling_params=params)
     assert [o.output_token_ids for o in after] == [o.output_token_ids for o in eager]
+
+
+def test_graph_capture_survives_another_thread_touching_the_device(gpu_models):
+    """Each engine captures on its own loop thread while other engines' threads
+    go on (one being stopped frees memory and synchronises). A capture must not
+    be invalidated by them, nor break their calls."""
+    import threading
+
+    _, folder = gpu_models[("qwen3", False)]
+    kw = dict(device="cuda", max_total_tokens=8192, cuda_graph_max_batch_size=16)
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    done, errors = threading.Event(), []
+
+    def hammer() -> None:  # what a stopping engine's thread does to the device
+        while not done.is_set():
+            try:
+                torch.cuda.synchronize()
+                torch.empty(1 << 20, device="cuda")
+                torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                return
+
+    other = threading.Thread(target=hammer, daemon=True)
+    other.start()
+    try:
+        engines = [RolloutEngine(folder, cuda_graph=True, **kw) for _ in range(2)]
+    finally:
+        done.set()
+        other.join(30)
+    assert not errors, errors
+    first = [e.generate(input_ids=PROMPTS, sampling_params=params) for e in engines]
+    assert [o.output_token_ids for o in first[0]] == [o.output_token_ids for o in first[1]]
+    for e in engines:
+        e.shutdown()

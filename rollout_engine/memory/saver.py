@@ -23,8 +23,14 @@ class MemorySaver(Protocol):
     def resume(self, tag: str) -> None: ...
 
 
+# Each engine captures on its own loop thread. "thread_local" keeps another
+# engine's thread (one stopping and freeing its memory, or synchronising) from
+# invalidating this capture, as the default "global" mode would.
+CAPTURE_ERROR_MODE = "thread_local"
+
+
 def plain_graph_capture(graph: torch.cuda.CUDAGraph, pool) -> ContextManager:
-    return torch.cuda.graph(graph, pool=pool)
+    return torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_ERROR_MODE)
 
 
 class NoSaver:
@@ -83,7 +89,7 @@ class TorchMemorySaver:
     def graph_capture(self, graph: torch.cuda.CUDAGraph, pool) -> ContextManager:
         if not self.pauses_graphs:
             return plain_graph_capture(graph, pool)
-        return self.tms.cuda_graph(graph, pool=pool, tag="cuda_graph")
+        return self.tms.cuda_graph(graph, pool=pool, tag="cuda_graph", capture_error_mode=CAPTURE_ERROR_MODE)
 
     def pause(self, tag: str) -> None:
         self.tms.pause(tag)
