@@ -180,7 +180,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("-n", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default: 1e-5 for arithmetic, a pretrained model; 3e-4 for token, "
+                        "which starts from random weights)")
     p.add_argument("--clip", type=float, default=0.2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the engine's dtype; the trainer keeps float32 weights (its optimizer's master copy)")
@@ -194,6 +196,10 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("steps", "prompts", "n", "max_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.lr is None:
+        args.lr = 3e-4 if args.task == "token" else 1e-5
+    if not args.lr > 0:
+        p.error("--lr must be > 0")
 
     from rollout_engine.model_zoo import resolve_model_path
 

@@ -1,29 +1,39 @@
 """Reward, train-inference mismatch and tokens/s against step, from the JSON
-log of examples/grpo_train.py (--log-json), into a PNG.
+log of examples/grpo_train.py (--log-json), into a PNG. Several logs are
+drawn on the same axes (e.g. one per learning rate), labelled by file name
+or by --labels.
 
     python examples/plot_run.py run.json run.png
+    python examples/plot_run.py a.json b.json --labels "lr 1e-4" "lr 3e-4" --png both.png
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
-def plot(rows: list[dict], out: str, title: str = "GRPO") -> None:
+def plot(runs: dict[str, list[dict]], out: str, title: str = "GRPO") -> None:
+    """runs: label -> the rows of one run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
-    axes[0].plot(steps, [r["reward_mean"] for r in rows], marker=".")
+    for label, rows in runs.items():
+        steps = [r["step"] for r in rows]
+        line, = axes[0].plot(steps, [r["reward_mean"] for r in rows], marker=".", label=label)
+        color = line.get_color()
+        axes[1].semilogy(steps, [max(r["mismatch_mean"], 1e-12) for r in rows], color=color,
+                         label=f"{label}: mean")
+        axes[1].semilogy(steps, [max(r["mismatch_max"], 1e-12) for r in rows], color=color, linestyle=":",
+                         label=f"{label}: max")
+        axes[2].plot(steps, [r.get("output_tokens_per_s", 0) for r in rows], color=color, marker=".")
     axes[0].set_ylabel("mean reward")
-    axes[1].semilogy(steps, [max(r["mismatch_mean"], 1e-12) for r in rows], marker=".", label="mean")
-    axes[1].semilogy(steps, [max(r["mismatch_max"], 1e-12) for r in rows], marker=".", label="max")
+    axes[0].legend()
     axes[1].set_ylabel("|engine - trainer| logprob")
-    axes[1].legend()
-    axes[2].plot(steps, [r.get("output_tokens_per_s", 0) for r in rows], marker=".")
+    axes[1].legend(fontsize="small", ncol=2)
     axes[2].set_ylabel("output tok/s")
     axes[2].set_xlabel("step")
     axes[0].set_title(title)
@@ -34,15 +44,30 @@ def plot(rows: list[dict], out: str, title: str = "GRPO") -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("log", help="the JSON list written by grpo_train.py --log-json")
-    p.add_argument("png", help="the picture to write")
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help="JSON lists written by grpo_train.py --log-json, then the PNG to write (unless --png)")
+    p.add_argument("--png", help="the picture to write")
+    p.add_argument("--labels", nargs="+", help="one per log (default: the file names)")
     p.add_argument("--title", default="GRPO")
     args = p.parse_args(argv)
-    with open(args.log) as f:
-        rows = json.load(f)
-    if not rows:
-        p.error(f"{args.log} holds no steps")
-    plot(rows, args.png, args.title)
+    logs, png = args.files, args.png
+    if png is None:
+        if len(logs) < 2 or not logs[-1].endswith(".png"):
+            p.error("give the PNG to write last, ending in .png, or as --png")
+        logs, png = logs[:-1], logs[-1]
+    if args.labels is not None and len(args.labels) != len(logs):
+        p.error(f"--labels: {len(args.labels)} labels for {len(logs)} logs")
+    runs = {}
+    for i, log in enumerate(logs):
+        try:
+            with open(log) as f:
+                rows = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            p.error(f"{log}: {e}")
+        if not isinstance(rows, list) or not rows:
+            p.error(f"{log} holds no steps")
+        runs[args.labels[i] if args.labels else os.path.basename(log)] = rows
+    plot(runs, png, args.title)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,15 @@ def test_two_grpo_steps_with_wandb_offline(smollm2_dir, tmp_path, monkeypatch):
 
     pytest.importorskip("matplotlib")
     png = tmp_path / "run.png"
-    _load("plot_run").main([str(log), str(png)])
+    plot_run = _load("plot_run")
+    plot_run.main([str(log), str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    both = tmp_path / "both.png"
+    plot_run.main([str(log), str(log), "--labels", "a", "b", "--png", str(both)])
+    assert both.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for bad in ([str(log), "--labels", "a", "b", "--png", str(both)], [str(log)]):
+        with pytest.raises(SystemExit):
+            plot_run.main(bad)
 
 
 def test_the_logger_is_a_no_op_without_a_run(smollm2_dir):
