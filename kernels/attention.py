@@ -4,7 +4,7 @@ causal). K/V are read through the request table (token -> slot), so any page
 size works. One torch reference (`paged_attention_ref`) serves both."""
 from __future__ import annotations
 
-import functools
+import importlib.util
 
 import torch
 
@@ -30,8 +30,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-@functools.cache
-def _kernels():
+if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the helpers
     import triton
     import triton.language as tl
 
@@ -115,6 +114,47 @@ def _kernels():
         tl.store(o_ptr + (q_start + mi)[:, None] * stride_qt + h * stride_qh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None])
 
+    @triton.jit
+    def invariant_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, lens_ptr, qo_indptr_ptr, table_stride,
+                         scale, stride_qt, stride_qh, stride_ks, stride_kh, GROUP: tl.constexpr,
+                         GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Decode and extend alike (deterministic mode): a tile holds BLOCK_T
+        query tokens x the GROUP heads of one KV head, and every query walks
+        the same key blocks from position 0 with the same tile shapes, so its
+        result does not depend on the other queries of its tile, on its batch,
+        or on whether its step was a decode or a prefill."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        tblock = tl.program_id(2)
+        q_start = tl.load(qo_indptr_ptr + b)
+        q_len = tl.load(qo_indptr_ptr + b + 1) - q_start
+        if tblock * BLOCK_T >= q_len:
+            return
+        row = tl.load(rows_ptr + b).to(tl.int64)
+        kv_len = tl.load(lens_ptr + b)
+        prefix = kv_len - q_len
+        r = tl.arange(0, BLOCK_T * GROUP_P)
+        t = tblock * BLOCK_T + r // GROUP_P
+        g = r % GROUP_P
+        ok = (t < q_len) & (g < GROUP)
+        head = kvh * GROUP + g
+        d = tl.arange(0, D)
+        q_off = (q_start + t).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=ok[:, None], other=0.0)
+        m = tl.full([BLOCK_T * GROUP_P], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_T * GROUP_P], tl.float32)
+        acc = tl.zeros([BLOCK_T * GROUP_P, D], tl.float32)
+        # Blocks past a query's own position are fully masked: they leave its
+        # running max, sum and output exactly as they were.
+        end = tl.minimum(kv_len, prefix + (tblock + 1) * BLOCK_T)
+        for start in range(0, end, BLOCK_N):
+            m, l, acc = attend_block(q, k_ptr, v_ptr, table_ptr, row, table_stride, start, kv_len, kvh, stride_ks,
+                                     stride_kh, scale, prefix + t, m, l, acc, D=D, BLOCK_N=BLOCK_N, CAUSAL=True)
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+def _kernels():
     return decode_kernel, extend_kernel
 
 
@@ -144,4 +184,23 @@ def extend_attention(q, k_cache, v_cache, table, rows, seq_lens, qo_indptr, max_
             q, k_cache, v_cache, out, table, rows, seq_lens, qo_indptr, table.stride(0), scale,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             GROUP=hq // hk, D=d, BLOCK_M=block_m, BLOCK_N=64)
+    return out
+
+
+def invariant_attention(q, k_cache, v_cache, table, rows, seq_lens, qo_indptr, max_q_len: int,
+                        scale: float) -> torch.Tensor:
+    """Batch-invariant paged attention (deterministic mode): one kernel for
+    decode (qo_indptr = 0, 1, ..., B) and extend. q: [T, Hq, D]."""
+    t, hq, d = q.shape
+    hk = k_cache.shape[1]
+    group = hq // hk
+    group_p = next_pow2(group)
+    block_t = max(1, 16 // group_p)  # at least 16 rows per tile, the smallest tensor-core tile
+    out = torch.empty_like(q)
+    bsz = rows.numel()
+    if t:
+        invariant_kernel[(bsz, hk, -(-max_q_len // block_t))](
+            q, k_cache, v_cache, out, table, rows, seq_lens, qo_indptr, table.stride(0), scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            GROUP=group, GROUP_P=group_p, D=d, BLOCK_T=block_t, BLOCK_N=64)
     return out

@@ -18,6 +18,7 @@ from rollout_engine.core.engine_core import start_core
 from rollout_engine.distributed.weight_sync import DEFAULT_BUCKET_BYTES
 from rollout_engine.memory.manager import TAGS
 from rollout_engine.outputs import RolloutOutput
+from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.tokenizer import chat_token_ids
 
@@ -171,12 +172,14 @@ class RolloutEngine:
         self.core.stop()
         self._closed = True
         parts = self.core.parts
-        if parts.runner.graphs is not None:
-            parts.runner.graphs.destroy()
-        self.core = self._controls = self._updater = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        with DEVICE_WIDE:  # freeing memory would break another engine's capture (runner/device_lock.py)
+            if parts.runner.graphs is not None:
+                parts.runner.graphs.destroy()
+            self.core = self._controls = self._updater = None
+            del parts
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     # ---- internals ---------------------------------------------------------------
     def _require_open(self) -> None:

@@ -169,36 +169,44 @@ def test_graphs_stay_valid_after_a_weight_update(gpu_models, tmp_path):
     assert [o.output_token_ids for o in after] == [o.output_token_ids for o in eager]
 
 
-def test_graph_capture_survives_another_thread_touching_the_device(gpu_models):
-    """Each engine captures on its own loop thread while other engines' threads
-    go on (one being stopped frees memory and synchronises). A capture must not
-    be invalidated by them, nor break their calls."""
+def test_graph_capture_waits_for_device_wide_work_on_other_threads(gpu_models):
+    """Each engine captures on its own loop thread while other engines'
+    threads go on: one shut down frees memory, others synchronise. Those
+    calls wait for the capture (runner/device_lock.py) instead of breaking
+    it, and their own calls succeed."""
     import threading
+
+    from rollout_engine.runner.device_lock import DEVICE_WIDE
 
     _, folder = gpu_models[("qwen3", False)]
     kw = dict(device="cuda", max_total_tokens=8192, cuda_graph_max_batch_size=16)
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     done, errors = threading.Event(), []
 
-    def hammer() -> None:  # what a stopping engine's thread does to the device
+    def hammer() -> None:  # device-wide work, as the engine's own threads do it
         while not done.is_set():
             try:
-                torch.cuda.synchronize()
-                torch.empty(1 << 20, device="cuda")
-                torch.cuda.empty_cache()
+                with DEVICE_WIDE:
+                    torch.cuda.synchronize()
+                    torch.empty(1 << 20, device="cuda")
+                    torch.cuda.empty_cache()
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(e)
                 return
 
-    other = threading.Thread(target=hammer, daemon=True)
-    other.start()
+    old = RolloutEngine(folder, cuda_graph=True, **kw)
+    expected = old.generate(input_ids=PROMPTS, sampling_params=params)
+    others = [threading.Thread(target=hammer, daemon=True), threading.Thread(target=old.shutdown, daemon=True)]
+    for t in others:
+        t.start()
     try:
         engines = [RolloutEngine(folder, cuda_graph=True, **kw) for _ in range(2)]
     finally:
         done.set()
-        other.join(30)
+        for t in others:
+            t.join(60)
     assert not errors, errors
-    first = [e.generate(input_ids=PROMPTS, sampling_params=params) for e in engines]
-    assert [o.output_token_ids for o in first[0]] == [o.output_token_ids for o in first[1]]
-    for e in engines:
-        e.shutdown()
+    for engine in engines:
+        got = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        assert [o.output_token_ids for o in got] == [o.output_token_ids for o in expected]
+        engine.shutdown()

@@ -1,4 +1,5 @@
-"""Batch-invariant attention (deterministic mode on the CPU).
+"""Batch-invariant attention (deterministic mode): on the CPU a loop over
+queries, on the GPU a Triton kernel (BatchInvariantTritonBackend below).
 
 Each query attends alone to its own context, keys 0 up to its position,
 with the same operations on tensors of the same shapes wherever it comes
@@ -13,6 +14,8 @@ import torch
 
 from rollout_engine.attention.base import AttentionBackend
 from rollout_engine.attention.torch_backend import context_slots
+from rollout_engine.attention.triton_backend import TritonAttentionBackend
+from rollout_engine.kernels.attention import invariant_attention
 
 if TYPE_CHECKING:
     from rollout_engine.forward_batch import ForwardBatch
@@ -43,3 +46,18 @@ class BatchInvariantAttentionBackend(AttentionBackend):
                 out[row + j] = torch.bmm(weights, v[:, :end].contiguous())[:, 0].to(q.dtype)
             row += q_len
         return out
+
+
+class BatchInvariantTritonBackend(TritonAttentionBackend):
+    """Batch-invariant attention on the GPU (deterministic mode): one Triton
+    kernel for decode and extend (kernels/attention.py, `invariant_attention`):
+    a query's result is the same in a decode step or a prompt, chunked or not,
+    after a cached prefix or not, whatever else runs. No split of the keys
+    across programs, so long contexts at small batches run below FlashInfer's
+    speed. Captured in CUDA graphs like the Triton backend."""
+
+    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
+        pool = fb.kv_pool
+        seq_lens, qo_indptr, max_q_len = fb.attn_metadata
+        return invariant_attention(q, pool.k[layer.layer_id], pool.v[layer.layer_id], fb.table.tensor,
+                                   fb.rows_device, seq_lens, qo_indptr, max_q_len, layer.scaling)

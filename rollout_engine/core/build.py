@@ -19,6 +19,7 @@ from rollout_engine.cache.req_table import ReqToTokenTable
 from rollout_engine.config import EngineConfig
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.distributed.tp_group import TPChannel, TPStepRunner
+from rollout_engine.kernels._triton import triton_available
 from rollout_engine.layers.invariant import make_batch_invariant
 from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens
 from rollout_engine.memory.controller import MemoryController
@@ -28,6 +29,7 @@ from rollout_engine.model_zoo import resolve_model_path
 from rollout_engine.models.decoder import DecoderForCausalLM
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.runner.model_loader import load_model, read_hf_config, resolve_device, resolve_dtype
+from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.runner.model_runner import ModelRunner
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -87,9 +89,9 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     """This rank's parts (`comm`: its place in a tensor-parallel group;
     `channel`: on rank 0, the way to the other ranks)."""
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype, resolve_device(cfg.device))
-    if cfg.deterministic and device.type != "cpu":
-        raise ValueError("deterministic=True runs on the CPU only so far (device='cpu'); "
-                         "the batch-invariant GPU kernels are not built yet")
+    if cfg.deterministic and device.type == "cuda" and not triton_available():
+        raise ValueError("deterministic=True on a GPU needs Triton (its batch-invariant kernels); "
+                         "install triton or use device='cpu'")
     comm = (comm or TPComm()).with_fast_all_reduce(dtype, device)
     free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     memory = MemoryManager(create_saver(cfg.enable_memory_saver, device))
@@ -148,12 +150,14 @@ def _runner(cfg: EngineConfig, model: DecoderForCausalLM, kv_pool: KVPool, table
                          batch_invariant=cfg.deterministic)
     backend = runner.backend
     if cfg.cuda_graph and backend.supports_cuda_graph:
-        torch.cuda.empty_cache()  # so that the difference below is the graph pool alone
-        before = torch.cuda.memory_reserved(device)
-        runner.capture_cuda_graphs(min(cfg.cuda_graph_max_batch_size, cfg.max_running_requests),
-                                   memory.saver.graph_capture)
-        torch.cuda.empty_cache()
-        memory.register("cuda_graph", extra_bytes=torch.cuda.memory_reserved(device) - before)
+        with DEVICE_WIDE:  # another engine's thread (on this GPU) waits: see runner/device_lock.py
+            torch.cuda.empty_cache()  # so that the difference below is the graph pool alone
+            before = torch.cuda.memory_reserved(device)
+            runner.capture_cuda_graphs(min(cfg.cuda_graph_max_batch_size, cfg.max_running_requests),
+                                       memory.saver.graph_capture)
+            torch.cuda.empty_cache()
+            graph_bytes = torch.cuda.memory_reserved(device) - before
+        memory.register("cuda_graph", extra_bytes=graph_bytes)
     return runner
 
 
@@ -172,7 +176,10 @@ def replica_runner(parts: EngineParts) -> ModelRunner:
 
 def _backend(cfg: EngineConfig, shape: AttentionShape):
     if cfg.deterministic:
-        from rollout_engine.attention.invariant_backend import BatchInvariantAttentionBackend
+        from rollout_engine.attention.invariant_backend import (BatchInvariantAttentionBackend,
+                                                                BatchInvariantTritonBackend)
 
+        if shape.device.type == "cuda":
+            return BatchInvariantTritonBackend(shape)
         return BatchInvariantAttentionBackend()
     return create_backend(cfg.attention_backend, shape)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout_engine.distributed.comm import TPComm
-from rollout_engine.layers.invariant import per_row
+from rollout_engine.layers.invariant import invariant_linear
 from rollout_engine.layers.weight_copy import copy_into
 
 
@@ -57,6 +57,6 @@ class ParallelLMHead(nn.Module):
     batch_invariant = False  # layers/invariant.py
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = per_row(F.linear, hidden, self.weight) if self.batch_invariant else F.linear(hidden, self.weight)
+        local = invariant_linear(hidden, self.weight) if self.batch_invariant else F.linear(hidden, self.weight)
         logits = self.comm.all_gather_last_dim(local)
         return logits[..., : self.vocab_size]

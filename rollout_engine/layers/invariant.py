@@ -1,17 +1,24 @@
-"""Batch invariance for the layers (deterministic mode on the CPU).
+"""Batch invariance for the layers (deterministic mode).
 
 A matrix product or a row reduction can take a different path, and round
 differently, when the number of rows changes. In deterministic mode the
-layers whose result could depend on it compute each row alone: the same
-shapes whatever else is batched, so the same bits. Element-wise operations
-need nothing. Modules that take part have a `batch_invariant` attribute,
-set per model by `make_batch_invariant`."""
+layers whose result could depend on it avoid that: on the GPU, matrix
+products run a kernel whose reduction order depends only on the weight's
+shape (kernels/invariant_matmul.py) and RMSNorm's kernel is one program
+per row already; on the CPU each row is computed alone, with the same shapes
+whatever else is batched. Element-wise operations need nothing. Modules that
+take part have a `batch_invariant` attribute, set per model by
+`make_batch_invariant`."""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from rollout_engine.kernels._triton import use_kernel
+from rollout_engine.kernels.invariant_matmul import invariant_matmul
 
 
 def per_row(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args) -> torch.Tensor:
@@ -19,6 +26,13 @@ def per_row(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args) -> torch.Te
     if x.shape[0] <= 1:
         return fn(x, *args)
     return torch.cat([fn(x[i: i + 1], *args) for i in range(x.shape[0])])
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b), each row's bits independent of the other rows."""
+    if use_kernel(x):
+        return invariant_matmul(x, weight, bias)
+    return per_row(F.linear, x, weight, bias)
 
 
 def make_batch_invariant(model: nn.Module) -> int:

@@ -14,7 +14,7 @@ from torch import nn
 
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels.gemv import linear
-from rollout_engine.layers.invariant import per_row
+from rollout_engine.layers.invariant import invariant_linear
 from rollout_engine.layers.weight_copy import copy_into
 
 
@@ -48,7 +48,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
-            return per_row(linear, x, self.weight, self.bias)
+            return invariant_linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -127,5 +127,5 @@ class RowParallelLinear(nn.Module):
     batch_invariant = False  # layers/invariant.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(per_row(linear, x, self.weight) if self.batch_invariant else linear(x, self.weight))
+        y = self.comm.all_reduce(invariant_linear(x, self.weight) if self.batch_invariant else linear(x, self.weight))
         return y if self.bias is None else y + self.bias

@@ -20,9 +20,10 @@ class RMSNorm(nn.Module):
     batch_invariant = False  # layers/invariant.py
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.batch_invariant and x.shape[0] > 1:
+        gpu = use_kernel(x)  # the kernel is one program per row: invariant as it is
+        if self.batch_invariant and not gpu and x.shape[0] > 1:
             return self._per_row(x, residual)
-        fn = rmsnorm if use_kernel(x) else rmsnorm_ref
+        fn = rmsnorm if gpu else rmsnorm_ref
         out, new_residual = fn(x, self.weight, self.eps, residual)
         return out if residual is None else (out, new_residual)
 

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from rollout_engine.memory.manager import RELEASED, RESIDENT, TAGS, MemoryManager
+from rollout_engine.runner.device_lock import DEVICE_WIDE
 
 GRAPH_MODES = ("pause", "keep", "recapture")
 TORCH_HOOK_GRAPH_MODE = "keep"
@@ -49,7 +50,8 @@ class MemoryController:
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            with DEVICE_WIDE:
+                torch.cuda.synchronize(self.device)
 
     def release(self, tags: Sequence[str], paused: bool) -> dict[str, int]:
         tags = self.manager.check(tags, RESIDENT, "release")
@@ -79,8 +81,9 @@ class MemoryController:
     def _free_bytes(self) -> int | None:
         if self.device.type != "cuda":
             return None
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.mem_get_info(self.device)[0]
+        with DEVICE_WIDE:
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.mem_get_info(self.device)[0]
 
     def _drop_graphs(self) -> int:
         """cuda_graph without a pausable pool: destroy or keep (see above)."""
@@ -88,9 +91,10 @@ class MemoryController:
         self.manager.mark("cuda_graph", RELEASED)
         if self.graph_mode == "keep" or self.runner.graphs is None:
             return 0
-        self.runner.graphs.destroy()
-        gc.collect()
-        torch.cuda.empty_cache()
+        with DEVICE_WIDE:
+            self.runner.graphs.destroy()
+            gc.collect()
+            torch.cuda.empty_cache()
         return held
 
     def resume(self, tags: Sequence[str]) -> None:

@@ -25,6 +25,7 @@ from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.forward_batch import ForwardBatch, TableMirror
 from rollout_engine.memory.saver import plain_graph_capture
 from rollout_engine.plan import StepPlan
+from rollout_engine.runner.device_lock import DEVICE_WIDE
 
 GraphContext = Callable[[torch.cuda.CUDAGraph, object], ContextManager]
 
@@ -68,8 +69,12 @@ class CudaGraphRunner:
             table=self.table, kv_pool=self.kv_pool, attn_backend=self.backend,
             is_decode=True)
 
-    @torch.inference_mode()
     def capture(self) -> None:
+        with DEVICE_WIDE:  # no other engine's thread synchronises the device meanwhile
+            self._capture()
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
         self.mempool = torch.cuda.graph_pool_handle()
         for buf in (self.input_ids, self.positions, self.out_cache_loc, self.rows):
             buf.zero_()

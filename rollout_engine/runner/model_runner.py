@@ -18,7 +18,9 @@ from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.forward_batch import ForwardBatch, TableMirror
 from rollout_engine.models.decoder import DecoderForCausalLM
 from rollout_engine.plan import StepOutput, StepPlan
-from rollout_engine.runner.sampler import SamplingBatch, raw_logprobs_per_row, sample, sample_per_row
+from rollout_engine.kernels._triton import use_kernel
+from rollout_engine.runner.device_lock import DEVICE_WIDE
+from rollout_engine.runner.sampler import INVARIANT_ROWS, SamplingBatch, raw_logprobs_per_row, sample, sample_per_row
 
 
 @dataclass
@@ -96,7 +98,8 @@ class ModelRunner:
     def settle(self) -> None:
         """Wait until every step launched here has finished on the device."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            with DEVICE_WIDE:
+                torch.cuda.synchronize(self.device)
 
     def run(self, plan: StepPlan, prev: StepHandle | None = None) -> tuple[StepOutput, StepHandle]:
         """Launch and collect one plan (the handle feeds a next plan's `prev`)."""
@@ -108,8 +111,10 @@ class ModelRunner:
         sampled = None
         if plan.sampling is not None:
             rows = logits if plan.samples_every_logit_row else logits[self._on_device(plan.sample_rows)]
-            if self.batch_invariant:
+            if self.batch_invariant and not use_kernel(rows):
                 sampled = sample_per_row(rows, plan.sampling, self.device)
+            elif self.batch_invariant:  # per-row kernels: the whole batch at once
+                sampled = sample(rows, SamplingBatch.build(plan.sampling, self.device), INVARIANT_ROWS)
             else:
                 sampled = sample(rows, SamplingBatch.build(plan.sampling, self.device))
             pieces += [sampled.tokens.double(), sampled.logprobs.double()]

@@ -17,6 +17,7 @@ import torch
 
 from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.greedy import argmax_logsumexp, argmax_logsumexp_ref
+from rollout_engine.kernels.row_scan import row_cumsum
 from rollout_engine.plan import SamplingPlan
 
 _MASK32 = 0xFFFFFFFF
@@ -73,19 +74,49 @@ class SampleResult:
     top_logprobs: torch.Tensor | None  # [B, k]
 
 
-def processed_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+class RowOps:
+    """The row reductions of sampling: torch's (fast; a row's bits can
+    depend on the batch's shape) or, with `invariant`, per-row kernels whose
+    bits do not (deterministic mode on the GPU)."""
+
+    def __init__(self, invariant: bool = False):
+        self.invariant = invariant
+
+    def softmax(self, z: torch.Tensor) -> torch.Tensor:
+        if not self.invariant:
+            return torch.softmax(z, dim=-1)
+        _, _, lse = argmax_logsumexp(z)
+        return torch.exp(z - lse[:, None])
+
+    def cumsum(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if not self.invariant:
+            return x.cumsum(dim=-1, dtype=dtype)
+        return row_cumsum(x, dtype)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, V] -> [B, 1]."""
+        if not self.invariant:
+            return x.sum(dim=-1, keepdim=True)
+        return row_cumsum(x)[:, -1:]
+
+
+TORCH_ROWS = RowOps()
+INVARIANT_ROWS = RowOps(invariant=True)
+
+
+def processed_probs(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH_ROWS) -> torch.Tensor:
     """The distribution each row samples from: softmax at its temperature (1
     for greedy rows), then top-k, top-p (over the top-k mass) and min-p,
     renormalised. Filtered tokens have probability exactly 0."""
     temps = torch.where(sb.temperatures > 0, sb.temperatures, torch.ones_like(sb.temperatures))
-    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    probs = ops.softmax(logits / temps[:, None])
     keep = None
     if sb.use_sort_filters:
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
         keep_sorted = (rank < sb.top_ks[:, None]) | (sb.top_ks[:, None] == 0)
         kept_p = sorted_p * keep_sorted
-        cum = kept_p.cumsum(dim=-1)
+        cum = ops.cumsum(kept_p)
         mass_before = (cum - kept_p) / cum[:, -1:]
         keep_sorted &= mass_before < sb.top_ps[:, None]
         keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
@@ -94,23 +125,25 @@ def processed_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         keep = above if keep is None else keep & above
     if keep is not None:
         probs = probs * keep
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = probs / ops.sum(probs)
     return probs
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
+def sample(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH_ROWS) -> SampleResult:
     """logits: [B, V] float32. Full [B, V] logprob tables are built only when
-    top logprobs are asked for; otherwise only the chosen tokens' logprobs."""
+    top logprobs are asked for; otherwise only the chosen tokens' logprobs.
+    With invariant row ops (GPU only) a row's results do not depend on the
+    batch."""
     if use_kernel(logits):
         greedy_tokens, row_max, log_norm = argmax_logsumexp(logits)
     else:
         greedy_tokens, row_max, log_norm = argmax_logsumexp_ref(logits)
     needs_processed = not sb.all_greedy or sb.use_sort_filters or sb.use_min_p
-    probs = processed_probs(logits, sb) if needs_processed else None
+    probs = processed_probs(logits, sb, ops) if needs_processed else None
     if sb.all_greedy:
         tokens = greedy_tokens
     else:
-        cdf = probs.double().cumsum(dim=-1)
+        cdf = ops.cumsum(probs, torch.float64)
         target = seeded_uniform(sb.seeds, sb.positions) * cdf[:, -1]
         drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
         drawn = drawn.clamp_(max=logits.shape[-1] - 1)
@@ -145,6 +178,9 @@ def raw_logprobs_per_row(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
     """Each row's raw logprob of its target, row by row, computed as `sample`
     computes a sampled token's raw logprob (deterministic mode: a prompt
     position scored equals the same token sampled there, bit for bit)."""
+    if use_kernel(logits):  # one program per row already: the batch changes nothing
+        _, _, log_norm = argmax_logsumexp(logits)
+        return logits.gather(-1, targets[:, None]).squeeze(1) - log_norm
     out = []
     for i in range(logits.shape[0]):
         row = logits[i: i + 1]

@@ -16,6 +16,7 @@ import torch
 from rollout_engine.distributed.weight_sync import specs_of
 from rollout_engine.layers.weight_copy import NonFiniteWeights
 from rollout_engine.memory.controller import MemoryController
+from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.weights.loader import WeightLoader, iter_safetensors, safetensors_shapes
 from rollout_engine.weights.receiver import WeightReceiver
 
@@ -48,7 +49,8 @@ class WeightUpdater:
             raise
         self.memory.missing_weights -= touched
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            with DEVICE_WIDE:
+                torch.cuda.synchronize(self.device)
         self.version = self.version + 1 if version is None else version
         if flush_cache:
             self.prefix_cache.flush()  # KV computed with the old weights

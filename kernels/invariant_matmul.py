@@ -1,0 +1,157 @@
+"""Batch-invariant matrix product (deterministic mode on the GPU):
+y = x W^T (+ b) whose every row has the same bits whatever the number of rows.
+
+A GEMM library picks its tiles and its split of the reduction by the shape,
+so one row can round differently in a batch of 1 and of 300. Here the
+reduction order of an output element depends only on (N, K): K is cut into
+fixed chunks (`chunk_k(N, K)`, never M), each chunk is accumulated over
+BLOCK_K slices in order from zero, and the chunk sums are added in order,
+in fp32, before the bias and the one rounding. Two launch shapes compute
+exactly that:
+
+- one program per output tile walks the chunks itself (enough tiles to fill
+  the GPU: prompts, large batches);
+- one program per (tile, chunk) writes fp32 partial sums that a second
+  launch adds in chunk order (few rows: decode, where the weight read must
+  be spread over the whole GPU).
+
+Both run the same tile code with the same constants, so they give the same
+bits, and the choice between them may depend on M."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
+WARPS, STAGES = 4, 3
+MIN_CHUNK = 4 * BLOCK_K
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter (tests on the CPU): an H100's count
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def chunk_k(n: int, k: int, sms: int) -> int:
+    """The reduction's chunk length: from (N, K) and the GPU only. Enough
+    chunks that one row block of tiles, split by chunk, fills the GPU twice."""
+    want = max(1, _cdiv(2 * sms, _cdiv(n, BLOCK_N)))
+    chunk = _cdiv(_cdiv(k, want), BLOCK_K) * BLOCK_K
+    return min(max(chunk, MIN_CHUNK), _cdiv(k, BLOCK_K) * BLOCK_K)
+
+
+if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the helpers
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def chunk_sum(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, k_start,
+                  CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """fp32 sum over k in [k_start, k_start + CHUNK) of x[rm, k] * w[rn, k]."""
+        acc = tl.zeros([rm.shape[0], rn.shape[0]], tl.float32)
+        for kk in range(0, CHUNK, BLOCK_K):
+            k = k_start + kk + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            a = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm < M)[:, None] & k_ok[None, :],
+                        other=0.0)
+            b = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(rn < N)[:, None] & k_ok[None, :],
+                        other=0.0)
+            if IEEE:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+        return acc
+
+    @triton.jit(do_not_specialize=["M"])
+    def tile_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, NUM_CHUNKS,
+                    HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for c in range(0, NUM_CHUNKS):
+            total += chunk_sum(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, c * CHUNK,
+                               CHUNK=CHUNK, BLOCK_K=BLOCK_K, IEEE=IEEE)
+        if HAS_BIAS:
+            total += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty),
+                 mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+    @triton.jit(do_not_specialize=["M"])
+    def split_kernel(x_ptr, w_ptr, p_ptr, M, N, K, stride_xm, stride_wn,
+                     CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     IEEE: tl.constexpr):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        c = tl.program_id(2)
+        acc = chunk_sum(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, c * CHUNK,
+                        CHUNK=CHUNK, BLOCK_K=BLOCK_K, IEEE=IEEE)
+        tl.store(p_ptr + (c * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc,
+                 mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+    @triton.jit(do_not_specialize=["M"])
+    def reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, NUM_CHUNKS, HAS_BIAS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < M * N
+        row, col = (i // N).to(tl.int64), i % N
+        total = tl.zeros([BLOCK], tl.float32)
+        for c in range(0, NUM_CHUNKS):  # in chunk order, as tile_kernel adds them
+            total += tl.load(p_ptr + c * M * N + i, mask=ok, other=0.0)
+        if HAS_BIAS:
+            total += tl.load(b_ptr + col, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + col, total.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _kernels():
+    return tile_kernel, split_kernel, reduce_kernel
+
+
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     split: bool | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias [N]). `split` forces a launch
+    shape (tests); by default the split one when the tiles alone would
+    leave most of the GPU idle."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    m, k = x2.shape
+    n = w.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*shape[:-1], n)
+    device = x.device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    sms = _sm_count(device)
+    chunk = chunk_k(n, k, sms)
+    chunks = _cdiv(k, chunk)
+    tiles_m, tiles_n = _cdiv(m, BLOCK_M), _cdiv(n, BLOCK_N)
+    if split is None:
+        split = chunks > 1 and tiles_m * tiles_n < sms
+    ieee = x.dtype == torch.float32
+    tile_kernel, split_kernel, reduce_kernel = _kernels()
+    b = bias if bias is not None else y
+    if split:
+        partial = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device)
+        split_kernel[(tiles_m, tiles_n, chunks)](x2, w, partial, m, n, k, x2.stride(0), w.stride(0), CHUNK=chunk,
+                                                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=ieee,
+                                                 num_warps=WARPS, num_stages=STAGES)
+        block = 1024
+        reduce_kernel[(_cdiv(m * n, block),)](partial, b, y, m, n, y.stride(0), chunks, HAS_BIAS=bias is not None,
+                                             BLOCK=block)
+    else:
+        tile_kernel[(tiles_m, tiles_n)](x2, w, b, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0), chunks,
+                                        HAS_BIAS=bias is not None, CHUNK=chunk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                        BLOCK_K=BLOCK_K, IEEE=ieee, num_warps=WARPS, num_stages=STAGES)
+    return y.reshape(*shape[:-1], n)

@@ -1,0 +1,145 @@
+"""Deterministic (batch-invariant) mode on the GPU, bf16, CUDA graphs on: a
+seeded sampled request gives bitwise the same tokens and logprobs alone,
+among 255 others, with chunked prefill, with part of its prompt from the
+prefix cache and after retraction; fidelity.score equals the engine's
+logprobs bitwise. The kernels underneath are checked row by row first."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from models import make_hf_model, save_model
+from rollout_engine import RolloutEngine, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+TARGET = SamplingParams(max_new_tokens=48, temperature=1.0, top_p=0.9, seed=123, ignore_eos=True, logprobs=True,
+                        top_logprobs=3)
+# Three GQA groupings (8 query heads over 1, 2 and 8 KV heads: groups of 8, 4 and 1) and a bias (qwen2).
+SHAPES = {"llama": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1376),
+          "qwen2": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=1, intermediate_size=1376),
+          "qwen3": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, head_dim=64,
+                        intermediate_size=1376)}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def folder(request, tmp_path_factory):
+    hf = make_hf_model(request.param, seed=1, num_hidden_layers=3, vocab_size=1000, initializer_range=0.06,
+                       max_position_embeddings=1024,
+                       **SHAPES[request.param])
+    return save_model(hf, tmp_path_factory.mktemp("gdet"))
+
+
+def test_matmul_rows_do_not_depend_on_the_batch():
+    from rollout_engine.kernels.invariant_matmul import invariant_matmul
+
+    torch.manual_seed(0)
+    for n, k, bias in [(1376, 512, False), (512, 1376, True), (151936 // 8, 1024, False), (3072, 4096, True)]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+        x = torch.randn(300, k, device="cuda", dtype=torch.bfloat16)
+        full = invariant_matmul(x, w, b)
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        torch.testing.assert_close(full.float(), ref, atol=3e-2, rtol=3e-2)
+        for split in (True, False):
+            for m in (1, 3, 64, 65, 200):
+                part = invariant_matmul(x[:m], w, b, split=split)
+                assert torch.equal(part, full[:m]), (n, k, m, split)
+            assert torch.equal(invariant_matmul(x[17:18], w, b, split=split)[0], full[17])
+
+
+def test_row_scan_and_attention_rows_do_not_depend_on_the_batch():
+    from rollout_engine.kernels.attention import invariant_attention, paged_attention_ref
+    from rollout_engine.kernels.row_scan import row_cumsum
+
+    torch.manual_seed(0)
+    p = torch.rand(256, 151936, device="cuda")
+    full = row_cumsum(p, torch.float64)
+    assert torch.equal(row_cumsum(p[7:8], torch.float64)[0], full[7])
+    torch.testing.assert_close(full, p.double().cumsum(-1))
+    hq, hk, d, slots = 28, 4, 128, 8192  # groups of 7: padded to 8 rows
+    kc = torch.randn(slots, hk, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(slots, hk, d, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(slots, device="cuda").int()[: 4 * 2000].view(4, 2000)
+    i32 = lambda x: torch.tensor(x, device="cuda", dtype=torch.int32)  # noqa: E731
+    rows, lens, ext = [2, 0, 3], [1, 1500, 700], [1, 300, 64]
+    q = torch.randn(sum(ext), hq, d, device="cuda", dtype=torch.bfloat16)
+    qo = torch.tensor([0] + ext, device="cuda").cumsum(0).int()
+    got = invariant_attention(q, kc, vc, table, i32(rows), i32(lens), qo, max(ext), d ** -0.5)
+    ref = paged_attention_ref(q, kc, vc, table, rows, lens, ext, d ** -0.5)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    # The last prompt token of sequence 1, as a decode step among others.
+    last = 1 + 300 - 1
+    dec = invariant_attention(torch.cat([q[last: last + 1], q[:1]]), kc, vc, table, i32([0, 2]), i32([1500, 1]),
+                              i32([0, 1, 2]), 1, d ** -0.5)
+    assert torch.equal(dec[0], got[last])
+
+
+def _prompts(count: int, seed: int = 0):
+    rng = random.Random(seed)
+    target = [rng.randrange(1, 1000) for _ in range(60)]
+    others = [[rng.randrange(1, 1000) for _ in range(rng.randint(3, 300))] for _ in range(count)]
+    params = [SamplingParams(max_new_tokens=rng.randint(1, 64), temperature=rng.choice([0, 0.7, 1.0]),
+                             top_k=rng.choice([0, 20]), top_p=rng.choice([1.0, 0.8]), seed=rng.randrange(1000),
+                             ignore_eos=True) for _ in others]
+    return target, others, params
+
+
+def _engine(folder, **kw):
+    return RolloutEngine(folder, device="cuda", dtype="bfloat16", deterministic=True, cuda_graph=True,
+                         **{"max_total_tokens": 65536, "cuda_graph_max_batch_size": 256, **kw})
+
+
+def _target_output(folder, batch, params, **kw):
+    engine = _engine(folder, **kw)
+    try:
+        outs = engine.generate(input_ids=batch, sampling_params=params)
+        return outs[0], engine.cache_stats()
+    finally:
+        engine.shutdown()
+
+
+def _same(a, b) -> None:
+    assert a.output_token_ids == b.output_token_ids
+    assert a.output_logprobs == b.output_logprobs  # bitwise
+    assert a.top_logprobs == b.top_logprobs
+
+
+def test_alone_crowded_chunked_cached_retracted_all_equal(folder):
+    target, others, params = _prompts(255)
+    alone, _ = _target_output(folder, [target], [TARGET])
+    crowded, _ = _target_output(folder, [target] + others, [TARGET] + params)
+    _same(alone, crowded)
+    chunked, _ = _target_output(folder, [target] + others[:32], [TARGET] + params[:32], max_prefill_tokens=7)
+    _same(alone, chunked)
+    engine = _engine(folder)
+    try:
+        engine.generate(input_ids=[target[:41]], sampling_params=SamplingParams(max_new_tokens=3, temperature=0))
+        cached = engine.generate(input_ids=[target] + others[:64], sampling_params=[TARGET] + params[:64])[0]
+    finally:
+        engine.shutdown()
+    assert cached.num_cached_tokens >= 40
+    _same(alone, cached)
+    long = [SamplingParams(max_new_tokens=200, temperature=1.0, seed=i, ignore_eos=True) for i in range(32)]
+    squeezed, stats = _target_output(folder, [target] + others[:32], [TARGET] + long, max_total_tokens=2500)
+    assert stats["retractions"] > 0
+    _same(alone, squeezed)
+
+
+def test_fidelity_score_equals_the_engines_logprobs_bitwise(folder):
+    from rollout_engine import fidelity
+
+    target, others, _ = _prompts(63, seed=3)
+    params = SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.9, seed=5, n=2, ignore_eos=True,
+                            logprob_mode="raw")
+    engine = _engine(folder)
+    try:
+        outs = engine.generate(input_ids=[target] + others, sampling_params=params)
+        scores = fidelity.score(engine, outs)
+    finally:
+        engine.shutdown()
+    assert scores == [o.output_logprobs for o in outs]  # bitwise
+    gap = fidelity.hf_gap(folder, outs[:8], scores[:8], dtype=torch.bfloat16, device="cuda")
+    assert gap["mean_abs"] < 3e-2
