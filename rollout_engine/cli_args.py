@@ -43,8 +43,8 @@ FIELD_HELP: dict[str, str] = {
     "tp_size": "tensor-parallel degree: GPUs per engine",
     "seed": "seed of dummy weights and of the sampling seeds drawn for requests",
     "overlap_schedule": "schedule decode step N+1 while step N runs on the device",
-    "deterministic": "batch-invariant mode (CPU): a seeded request gives the same tokens and logprobs whatever "
-                     "else is batched, chunked or cached; several times slower",
+    "deterministic": "batch-invariant mode: a seeded request gives the same tokens and logprobs whatever else "
+                     "is batched, chunked or cached (GPU: Triton kernels; CPU: row by row, several times slower)",
 }
 
 # Fields whose allowed values config.py lists as a tuple.
