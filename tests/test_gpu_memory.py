@@ -41,6 +41,10 @@ COMMON = textwrap.dedent("""
                 gc.collect()
                 marks.append(mark())
         return marks, same
+""")
+# Under a main guard: a tp_size=2 engine spawns its worker, which imports this
+# script again (as multiprocessing's spawn does) and must not run the job.
+MAIN = textwrap.dedent("""
     torch.zeros(1, device="cuda")  # the CUDA context is not the engine's
     used0 = used()
 """)
@@ -49,7 +53,8 @@ COMMON = textwrap.dedent("""
 def _job(body: str, tmp_path, preload: bool = False, limit: int = 840) -> dict:
     pytest.importorskip("torch_memory_saver")
     script = tmp_path / "job.py"
-    script.write_text(COMMON + textwrap.dedent(body))
+    script.write_text(COMMON + 'if __name__ == "__main__":\n'
+                      + textwrap.indent(MAIN + textwrap.dedent(body), "    "))
     cmd = [sys.executable, str(script), str(limit)]
     if preload:
         cmd = [sys.executable, "-m", "rollout_engine.cli", "run", "--"] + cmd

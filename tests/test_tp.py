@@ -261,3 +261,19 @@ def test_a_group_name_used_before_on_any_rank_skips_the_one_shot_setup():
     for p in procs:
         p.start()
     assert sorted(_gather(procs, out, 2)) == [(0, False, True, False), (1, False, True, False)]
+
+
+def test_a_script_without_a_main_guard_gets_an_error_not_a_hang(tmp_path_factory, tmp_path):
+    """Workers start with multiprocessing's spawn, which imports the main
+    script again; without `if __name__ == "__main__":` the worker fails on
+    its way in, and the engine says so at once instead of waiting for it."""
+    import subprocess
+    import sys
+
+    folder = _folder(tmp_path_factory, "llama")
+    script = tmp_path / "no_guard.py"
+    script.write_text("from rollout_engine import RolloutEngine\n"
+                      f"RolloutEngine({str(folder)!r}, device='cpu', tp_size=2, max_total_tokens=512)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert "worker 1 exited" in proc.stderr and '__name__ == "__main__"' in proc.stderr

@@ -16,6 +16,7 @@ import ctypes
 import os
 import signal
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -210,14 +211,37 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def join_group(rank: int, size: int, port: int, device: torch.device) -> tuple[TPComm, Any]:
-    """Join the engine's process group; returns the TP comm and the control group."""
+def join_group(rank: int, size: int, port: int, device: torch.device, procs=()) -> tuple[TPComm, Any]:
+    """Join the engine's process group; returns the TP comm and the control
+    group. Rank 0 hosts the rendezvous and, before forming the group, waits
+    for every worker (`procs`) to check in, so that a worker that dies on the
+    way is reported instead of waited for."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=TIMEOUT,
+                          wait_for_workers=False)
+    if rank == 0:
+        _wait_for_workers(store, procs)
+    else:
+        store.set(f"checked-in/{rank}", "1")
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else dist.group.WORLD
     return TPComm(rank, size, dist.group.WORLD), control
+
+
+def _wait_for_workers(store, procs) -> None:
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    for rank, proc in enumerate(procs, start=1):
+        while not store.check([f"checked-in/{rank}"]):
+            if not proc.is_alive():
+                raise RuntimeError(
+                    f"tensor-parallel worker {rank} exited (code {proc.exitcode}) before joining the engine's "
+                    "group; its error is printed above. Workers are started with multiprocessing's spawn, which "
+                    "imports the main script again: a script that builds an engine with tp_size > 1 must do "
+                    "it under `if __name__ == \"__main__\":`")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel worker {rank} did not join within {TIMEOUT}")
+            time.sleep(0.05)
 
 
 def spawn_workers(cfg, device: torch.device, worker_main) -> TPChannel:
@@ -235,7 +259,12 @@ def spawn_workers(cfg, device: torch.device, worker_main) -> TPChannel:
                         name=f"rollout-engine-tp{rank}")
         p.start()
         procs.append(p)
-    comm, control = join_group(0, k, port, device)
+    try:
+        comm, control = join_group(0, k, port, device, procs)
+    except BaseException:
+        for p in procs:
+            p.terminate()
+        raise
     return channel_of(comm, control, procs, embedded=False)
 
 
