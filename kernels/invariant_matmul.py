@@ -21,12 +21,25 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
-WARPS, STAGES = 4, 3
-MIN_CHUNK = 4 * BLOCK_K
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch constants. They fix the reduction order, so they may depend on
+    the weight's shape and the GPU but never on the number of rows."""
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    warps: int = 4
+    stages: int = 3
+    min_chunk_blocks: int = 4  # a chunk spans at least this many BLOCK_K slices
+
+
+TILES = Tiles()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -40,12 +53,13 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def chunk_k(n: int, k: int, sms: int) -> int:
+def chunk_k(n: int, k: int, sms: int, tiles: Tiles = TILES) -> int:
     """The reduction's chunk length: from (N, K) and the GPU only. Enough
     chunks that one row block of tiles, split by chunk, fills the GPU twice."""
-    want = max(1, _cdiv(2 * sms, _cdiv(n, BLOCK_N)))
-    chunk = _cdiv(_cdiv(k, want), BLOCK_K) * BLOCK_K
-    return min(max(chunk, MIN_CHUNK), _cdiv(k, BLOCK_K) * BLOCK_K)
+    bk = tiles.block_k
+    want = max(1, _cdiv(2 * sms, _cdiv(n, tiles.block_n)))
+    chunk = _cdiv(_cdiv(k, want), bk) * bk
+    return min(max(chunk, tiles.min_chunk_blocks * bk), _cdiv(k, bk) * bk)
 
 
 if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the helpers
@@ -111,15 +125,11 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         tl.store(y_ptr + row * stride_ym + col, total.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _kernels():
-    return tile_kernel, split_kernel, reduce_kernel
-
-
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     split: bool | None = None) -> torch.Tensor:
+                     split: bool | None = None, tiles: Tiles = TILES) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias [N]). `split` forces a launch
     shape (tests); by default the split one when the tiles alone would
-    leave most of the GPU idle."""
+    leave most of the GPU idle. `tiles`: other launch constants (benchmarks)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -134,24 +144,21 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     sms = _sm_count(device)
-    chunk = chunk_k(n, k, sms)
+    chunk = chunk_k(n, k, sms, tiles)
     chunks = _cdiv(k, chunk)
-    tiles_m, tiles_n = _cdiv(m, BLOCK_M), _cdiv(n, BLOCK_N)
+    tiles_m, tiles_n = _cdiv(m, tiles.block_m), _cdiv(n, tiles.block_n)
     if split is None:
         split = chunks > 1 and tiles_m * tiles_n < sms
-    ieee = x.dtype == torch.float32
-    tile_kernel, split_kernel, reduce_kernel = _kernels()
+    consts = dict(CHUNK=chunk, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                  IEEE=x.dtype == torch.float32, num_warps=tiles.warps, num_stages=tiles.stages)
     b = bias if bias is not None else y
     if split:
         partial = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device)
-        split_kernel[(tiles_m, tiles_n, chunks)](x2, w, partial, m, n, k, x2.stride(0), w.stride(0), CHUNK=chunk,
-                                                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=ieee,
-                                                 num_warps=WARPS, num_stages=STAGES)
+        split_kernel[(tiles_m, tiles_n, chunks)](x2, w, partial, m, n, k, x2.stride(0), w.stride(0), **consts)
         block = 1024
         reduce_kernel[(_cdiv(m * n, block),)](partial, b, y, m, n, y.stride(0), chunks, HAS_BIAS=bias is not None,
                                              BLOCK=block)
     else:
         tile_kernel[(tiles_m, tiles_n)](x2, w, b, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0), chunks,
-                                        HAS_BIAS=bias is not None, CHUNK=chunk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                        BLOCK_K=BLOCK_K, IEEE=ieee, num_warps=WARPS, num_stages=STAGES)
+                                        HAS_BIAS=bias is not None, **consts)
     return y.reshape(*shape[:-1], n)
