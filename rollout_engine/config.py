@@ -63,3 +63,6 @@ class EngineConfig:
             bad("seed", "must be a non-negative integer")
         if not isinstance(self.deterministic, bool):
             bad("deterministic", "must be True or False")
+        if self.deterministic and self.attention_backend != "auto":
+            bad("attention_backend", "deterministic=True uses its own batch-invariant attention; leave "
+                                     "attention_backend='auto'")

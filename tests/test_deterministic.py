@@ -82,9 +82,11 @@ def test_after_retraction_equals_alone(folder):
     _same(alone, squeezed)
 
 
-def test_deterministic_must_be_a_bool():
+def test_deterministic_must_be_a_bool_and_picks_its_own_attention():
     with pytest.raises(ValueError, match="deterministic"):
         RolloutEngine("unused", deterministic="yes")
+    with pytest.raises(ValueError, match="attention_backend"):
+        RolloutEngine("unused", deterministic=True, attention_backend="flashinfer")
 
 
 def test_fidelity_score_equals_the_engines_logprobs_bitwise(folder):
