@@ -17,8 +17,13 @@ from rollout_engine.kernels.invariant_matmul import Tiles, invariant_matmul
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}  # qwen2.5-7b
 ROWS = [1, 32, 128, 256, 1024, 4096, 8192]
-CANDIDATES = [Tiles(64, 128, 64, 4, 3), Tiles(128, 128, 64, 8, 3), Tiles(128, 256, 64, 8, 3),
-              Tiles(64, 256, 64, 4, 3), Tiles(128, 128, 64, 4, 4), Tiles(128, 128, 128, 8, 3)]
+CANDIDATES = [Tiles(64, 128, 64, 4, 3), Tiles(128, 128, 128, 8, 3), Tiles(64, 128, 64, 4, 3, tma=True),
+              Tiles(128, 128, 64, 8, 3, tma=True), Tiles(128, 256, 64, 8, 3, tma=True),
+              Tiles(128, 128, 128, 8, 3, tma=True), Tiles(128, 128, 64, 4, 4, tma=True)]
+
+
+def label_of(t: Tiles) -> str:
+    return f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" + ("tma" if t.tma else "")
 
 
 def time_ms(fn, reps: int = 20) -> float:
@@ -46,30 +51,33 @@ def main() -> None:
             base = time_ms(lambda: F.linear(x[:m], w))
             row = {"shape": name, "m": m, "cublas_ms": round(base, 4)}
             for t in CANDIDATES:
-                label = f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}"
+                label = label_of(t)
                 try:
                     row[label] = round(time_ms(lambda: invariant_matmul(x[:m], w, tiles=t)) / base, 3)
                 except Exception as e:  # noqa: BLE001 - a config the GPU cannot run
-                    row[label] = f"error: {type(e).__name__}"
+                    row[label] = f"error: {type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
     same = {}
     w = torch.randn(3584, 3584, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(300, 3584, device="cuda", dtype=torch.bfloat16)
     for t in CANDIDATES:
-        label = f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}"
+        label = label_of(t)
         try:
             full = invariant_matmul(x, w, tiles=t, split=False)
             same[label] = all(torch.equal(invariant_matmul(x[:m], w, tiles=t, split=s), full[:m])
                               for m in (1, 77, 300) for s in (True, False))
         except Exception as e:  # noqa: BLE001
-            same[label] = f"error: {type(e).__name__}"
+            same[label] = f"error: {type(e).__name__}: {str(e)[:300]}"
     print("split == tiled:", same)
     # Summary: time relative to cuBLAS, summed over the shapes, at decode (256 rows) and prefill (8192 rows).
     for m in (1, 256, 8192):
         base = sum(r["cublas_ms"] for r in rows if r["m"] == m)
         print(f"m={m}:", {lab: round(sum(r[lab] * r["cublas_ms"] for r in rows if r["m"] == m) / base, 3)
                           for lab in rows[0] if "x" in lab and all(isinstance(r[lab], float) for r in rows)})
+    errors = {label_of(t): r[label_of(t)] for r in rows for t in CANDIDATES if isinstance(r[label_of(t)], str)}
+    if errors:
+        print("errors:", errors)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"rows": rows, "split_equals_tiled": same}, f, indent=1)

@@ -37,6 +37,7 @@ class Tiles:
     warps: int = 4
     stages: int = 3
     min_chunk_blocks: int = 4  # a chunk spans at least this many BLOCK_K slices
+    tma: bool = False  # load tiles through tensor descriptors (Hopper's TMA)
 
 
 TILES = Tiles()
@@ -68,16 +69,23 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 
     @triton.jit
     def chunk_sum(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, k_start,
-                  CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        """fp32 sum over k in [k_start, k_start + CHUNK) of x[rm, k] * w[rn, k]."""
+                  CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+        """fp32 sum over k in [k_start, k_start + CHUNK) of x[rm, k] * w[rn, k].
+        With TMA, x_ptr and w_ptr are tensor descriptors (out-of-range
+        elements read as zero, as the masked loads give)."""
         acc = tl.zeros([rm.shape[0], rn.shape[0]], tl.float32)
+        off_m, off_n = tl.min(rm, axis=0), tl.min(rn, axis=0)  # the tile's first row and column
         for kk in range(0, CHUNK, BLOCK_K):
-            k = k_start + kk + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            a = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm < M)[:, None] & k_ok[None, :],
-                        other=0.0)
-            b = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(rn < N)[:, None] & k_ok[None, :],
-                        other=0.0)
+            if TMA:
+                a = x_ptr.load([off_m, k_start + kk])
+                b = w_ptr.load([off_n, k_start + kk])
+            else:
+                k = k_start + kk + tl.arange(0, BLOCK_K)
+                k_ok = k < K
+                a = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm < M)[:, None] & k_ok[None, :],
+                            other=0.0)
+                b = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(rn < N)[:, None] & k_ok[None, :],
+                            other=0.0)
             if IEEE:
                 acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             else:
@@ -87,13 +95,13 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     @triton.jit(do_not_specialize=["M"])
     def tile_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, NUM_CHUNKS,
                     HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for c in range(0, NUM_CHUNKS):
             total += chunk_sum(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, c * CHUNK,
-                               CHUNK=CHUNK, BLOCK_K=BLOCK_K, IEEE=IEEE)
+                               CHUNK=CHUNK, BLOCK_K=BLOCK_K, IEEE=IEEE, TMA=TMA)
         if HAS_BIAS:
             total += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty),
@@ -102,12 +110,12 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     @triton.jit(do_not_specialize=["M"])
     def split_kernel(x_ptr, w_ptr, p_ptr, M, N, K, stride_xm, stride_wn,
                      CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     IEEE: tl.constexpr, TMA: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         c = tl.program_id(2)
         acc = chunk_sum(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, c * CHUNK,
-                        CHUNK=CHUNK, BLOCK_K=BLOCK_K, IEEE=IEEE)
+                        CHUNK=CHUNK, BLOCK_K=BLOCK_K, IEEE=IEEE, TMA=TMA)
         tl.store(p_ptr + (c * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc,
                  mask=(rm < M)[:, None] & (rn < N)[None, :])
 
@@ -150,15 +158,21 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if split is None:
         split = chunks > 1 and tiles_m * tiles_n < sms
     consts = dict(CHUNK=chunk, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                  IEEE=x.dtype == torch.float32, num_warps=tiles.warps, num_stages=tiles.stages)
+                  IEEE=x.dtype == torch.float32, TMA=tiles.tma, num_warps=tiles.warps, num_stages=tiles.stages)
     b = bias if bias is not None else y
+    xa, wa = x2, w
+    if tiles.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xa = TensorDescriptor.from_tensor(x2, [tiles.block_m, tiles.block_k])
+        wa = TensorDescriptor.from_tensor(w, [tiles.block_n, tiles.block_k])
     if split:
         partial = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device)
-        split_kernel[(tiles_m, tiles_n, chunks)](x2, w, partial, m, n, k, x2.stride(0), w.stride(0), **consts)
+        split_kernel[(tiles_m, tiles_n, chunks)](xa, wa, partial, m, n, k, x2.stride(0), w.stride(0), **consts)
         block = 1024
         reduce_kernel[(_cdiv(m * n, block),)](partial, b, y, m, n, y.stride(0), chunks, HAS_BIAS=bias is not None,
                                              BLOCK=block)
     else:
-        tile_kernel[(tiles_m, tiles_n)](x2, w, b, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0), chunks,
+        tile_kernel[(tiles_m, tiles_n)](xa, wa, b, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0), chunks,
                                         HAS_BIAS=bias is not None, **consts)
     return y.reshape(*shape[:-1], n)
