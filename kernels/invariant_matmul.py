@@ -15,8 +15,10 @@ exactly that:
   launch adds in chunk order (few rows: decode, where the weight read must
   be spread over the whole GPU).
 
-Both run the same tile code with the same constants, so they give the same
-bits, and the choice between them may depend on M."""
+Both run the same code per BLOCK_K slice and add the same chunks in the same
+order, so they give the same bits, and the choice between them may depend on
+M; so may the tile sizes (`Tiles`): small tiles for decode, large ones read
+through TMA for prompts."""
 from __future__ import annotations
 
 import functools
@@ -26,23 +28,30 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class Tiles:
-    """Launch constants. They fix the reduction order, so they may depend on
-    the weight's shape and the GPU but never on the number of rows."""
+    """Launch constants of one kernel shape. The bits of a result depend
+    only on BLOCK_K and the chunks (`chunk_k`, from the weight's shape), not
+    on the tile or warp counts: configurations that agree on block_k give
+    the same bits (measured, and checked by the GPU tests), so the tiles may
+    change with the number of rows."""
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
     warps: int = 4
     stages: int = 3
-    min_chunk_blocks: int = 4  # a chunk spans at least this many BLOCK_K slices
     tma: bool = False  # load tiles through tensor descriptors (Hopper's TMA)
 
 
-# Measured on H200 (benchmarks/invariant_matmul.py): the fastest of the
-# candidates at prefill sizes, 1.2x cuBLAS's time at 8,192 rows.
-TILES = Tiles(block_m=128, block_n=256, block_k=64, warps=8, stages=3, tma=True)
+# Measured on H200 (benchmarks/invariant_matmul.py): small tiles with plain
+# loads decode best (up to 256 rows, inside CUDA graphs); 128x256 tiles
+# through TMA are the fastest at prefill sizes (1.2x cuBLAS's time at 8,192
+# rows, against 1.9x for the small tiles).
+DECODE_TILES = Tiles()
+PREFILL_TILES = Tiles(block_m=128, block_n=256, block_k=64, warps=8, stages=3, tma=True)
+DECODE_MAX_ROWS = 256
+CHUNK_BASIS_N = 128  # chunk_k counts output tiles of this width, whatever the launch's tiles
+MIN_CHUNK_BLOCKS = 4  # a chunk spans at least this many BLOCK_K slices
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -56,13 +65,13 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def chunk_k(n: int, k: int, sms: int, tiles: Tiles = TILES) -> int:
-    """The reduction's chunk length: from (N, K) and the GPU only. Enough
-    chunks that one row block of tiles, split by chunk, fills the GPU twice."""
-    bk = tiles.block_k
-    want = max(1, _cdiv(2 * sms, _cdiv(n, tiles.block_n)))
-    chunk = _cdiv(_cdiv(k, want), bk) * bk
-    return min(max(chunk, tiles.min_chunk_blocks * bk), _cdiv(k, bk) * bk)
+def chunk_k(n: int, k: int, sms: int, block_k: int) -> int:
+    """The reduction's chunk length: from (N, K), BLOCK_K and the GPU only.
+    Enough chunks that a row block of 128-wide tiles, split by chunk, fills
+    the GPU twice."""
+    want = max(1, _cdiv(2 * sms, _cdiv(n, CHUNK_BASIS_N)))
+    chunk = _cdiv(_cdiv(k, want), block_k) * block_k
+    return min(max(chunk, MIN_CHUNK_BLOCKS * block_k), _cdiv(k, block_k) * block_k)
 
 
 if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the helpers
@@ -136,7 +145,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     split: bool | None = None, tiles: Tiles = TILES) -> torch.Tensor:
+                     split: bool | None = None, tiles: Tiles | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias [N]). `split` forces a launch
     shape (tests); by default the split one when the tiles alone would
     leave most of the GPU idle. `tiles`: other launch constants (benchmarks)."""
@@ -154,7 +163,9 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     sms = _sm_count(device)
-    chunk = chunk_k(n, k, sms, tiles)
+    if tiles is None:
+        tiles = DECODE_TILES if m <= DECODE_MAX_ROWS else PREFILL_TILES
+    chunk = chunk_k(n, k, sms, tiles.block_k)
     chunks = _cdiv(k, chunk)
     tiles_m, tiles_n = _cdiv(m, tiles.block_m), _cdiv(n, tiles.block_n)
     if split is None:

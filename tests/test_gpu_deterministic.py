@@ -33,21 +33,26 @@ def folder(request, tmp_path_factory):
 
 
 def test_matmul_rows_do_not_depend_on_the_batch():
-    from rollout_engine.kernels.invariant_matmul import invariant_matmul
+    """Every launch shape and tile configuration gives the same bits per row:
+    decode tiles (up to 256 rows), prompt tiles through TMA (above), split or
+    tiled."""
+    from rollout_engine.kernels.invariant_matmul import DECODE_TILES, PREFILL_TILES, invariant_matmul
 
     torch.manual_seed(0)
     for n, k, bias in [(1376, 512, False), (512, 1376, True), (151936 // 8, 1024, False), (3072, 4096, True)]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
-        x = torch.randn(300, k, device="cuda", dtype=torch.bfloat16)
-        full = invariant_matmul(x, w, b)
+        x = torch.randn(600, k, device="cuda", dtype=torch.bfloat16)
+        full = invariant_matmul(x, w, b)  # 600 rows: the prompt tiles
         ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
         torch.testing.assert_close(full.float(), ref, atol=3e-2, rtol=3e-2)
-        for split in (True, False):
-            for m in (1, 3, 64, 65, 200):
-                part = invariant_matmul(x[:m], w, b, split=split)
-                assert torch.equal(part, full[:m]), (n, k, m, split)
-            assert torch.equal(invariant_matmul(x[17:18], w, b, split=split)[0], full[17])
+        for m in (1, 3, 64, 65, 200, 256, 257, 300):
+            assert torch.equal(invariant_matmul(x[:m], w, b), full[:m]), (n, k, m)
+            for tiles in (DECODE_TILES, PREFILL_TILES):
+                for split in (True, False):
+                    assert torch.equal(invariant_matmul(x[:m], w, b, split=split, tiles=tiles), full[:m]), \
+                        (n, k, m, tiles, split)
+        assert torch.equal(invariant_matmul(x[17:18], w, b)[0], full[17])
 
 
 def test_row_scan_and_attention_rows_do_not_depend_on_the_batch():
