@@ -16,7 +16,8 @@ import time
 from typing import Any, NoReturn
 
 from rollout_engine.cli_args import (INPUT_IDS_HELP, UsageError, add_engine_args, add_sampling_args, build_config,
-                                     build_sampling, check_engine_args, has_tokenizer, input_ids, positive_int)
+                                     build_sampling, check_engine_args, has_tokenizer, input_ids, positive_int,
+                                     unit_fraction)
 from rollout_engine.config import EngineConfig
 from rollout_engine.model_zoo import ZOO
 
@@ -27,8 +28,8 @@ DEMO_PROMPTS = [
     "Give me three tips for learning to program.",
     "Explain what a prime number is in one sentence.",
 ]
-BENCH_WORKLOADS = ["grpo", "offline", "decode", "prefill", "weights", "memory", "serve"]
-CPU_WORKLOADS = ("grpo", "weights", "serve")  # the others measure the device with torch.cuda
+BENCH_WORKLOADS = ["grpo", "offline", "decode", "prefill", "weights", "memory", "serve", "longtail"]
+CPU_WORKLOADS = ("grpo", "weights", "serve", "longtail")  # the others measure the device with torch.cuda
 # Engine fields that bench/run.py's engine factory passes on; other engine
 # flags would be accepted and silently ignored, so bench does not offer them.
 BENCH_ENGINE_FIELDS = ("model", "load_format", "attention_backend", "max_total_tokens", "seed", "cuda_graph",
@@ -145,6 +146,8 @@ def _memory_saver_installed() -> bool:
 def cmd_bench(args: argparse.Namespace) -> int:
     check_engine_args(build_config(args))
     _check_bench_args(args)
+    if args.n is None:
+        args.n = 16 if args.workload == "longtail" else 8
     args.no_cuda_graph = not args.cuda_graph  # the name bench/run.py reads
     from rollout_engine.bench.run import main as bench_main
 
@@ -233,7 +236,7 @@ def _add_bench(sub: Any) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=positive_int, default=64,
                    help="grpo: prompts; offline, serve: requests; prefill: prompts")
-    g.add_argument("-n", type=positive_int, default=8, help="grpo: samples per prompt")
+    g.add_argument("-n", type=positive_int, default=None, help="grpo, longtail: samples per prompt (8, 16)")
     g.add_argument("--prompt-min", type=positive_int, default=256, help="grpo, serve: shortest prompt in tokens")
     g.add_argument("--prompt-max", type=positive_int, default=1024, help="grpo, serve: longest prompt; prefill: prompt length")
     g.add_argument("--output-len", type=positive_int, default=1024, help="grpo: tokens generated per sample; serve: longest output")
@@ -249,6 +252,9 @@ def _add_bench(sub: Any) -> None:
     g.add_argument("--bucket-mb", type=positive_int, default=512, help="weights --nccl: bucket size in MiB")
     g.add_argument("--cycles", type=positive_int, default=5, help="memory: release/resume cycles timed")
     g.add_argument("--concurrency", type=positive_int, default=64, help="serve: requests in flight at a time")
+    g.add_argument("--scale", type=unit_fraction, default=1.0,
+                   help="longtail: in (0, 1]; round(64 * scale) prompts, lengths times sqrt(scale) "
+                        "(0.25: 16 prompts, tails of 8k tokens)")
     g.add_argument("--replicas", type=positive_int, default=1,
                    help="grpo: run through a Ray RolloutPool of this many replicas, against one replica "
                         "(needs the ray extra)")

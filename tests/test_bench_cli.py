@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rollout_engine.cli import main
 
 
@@ -52,3 +54,43 @@ def test_bench_serve_measures_in_process_and_http_on_the_same_requests(llama, tm
     assert res["requests"] == 12 and res["concurrency"] == 4
     assert res["http"]["output_tokens"] == res["in_process"]["output_tokens"] > 0
     assert res["http_over_in_process"] > 0
+
+
+def test_longtail_workload_shape():
+    from rollout_engine.bench.workloads import longtail
+
+    wl = longtail(50000, scale=0.25)
+    assert len(wl.input_ids) == 16 * 16 and len({tuple(x) for x in wl.input_ids}) == 16
+    assert {len(x) for x in wl.input_ids} == {512}
+    lens = [p.max_new_tokens for p in wl.params]
+    assert max(lens) == 8192 and min(lens) >= 512  # tails of 8k at a quarter scale
+    assert 0.6 < sum(1 for n in lens if n <= 2048) / len(lens) < 0.8  # 70% in U[1k, 4k] * 0.5
+    capped = longtail(50000, scale=0.25, context=4096)
+    assert max(p.max_new_tokens for p in capped.params) == 4096 - 512
+    with pytest.raises(ValueError, match="scale"):
+        longtail(50000, scale=0)
+
+
+def test_longtail_summary_counts_low_occupancy_time():
+    from rollout_engine.bench.longtail import summarize
+
+    rows = [(0.5, 40, 0, 100), (1.0, 40, 0, 300), (2.0, 10, 0, 700), (3.0, 2, 0, 800)]
+    res = summarize(rows, 4.0, 900)
+    assert res["share_of_time_below_32_running"] == 0.5  # from t=2 to the end
+    assert res["output_tok_per_s"] == 225.0 and len(res["tok_per_s_by_twentieth"]) == 20
+    assert res["max_running_by_twentieth"][0] == 40 and res["max_running_by_twentieth"][-1] == 2
+
+
+def test_bench_longtail_end_to_end(tmp_path):
+    from models import make_hf_model, save_model
+
+    folder = save_model(make_hf_model("llama", seed=1, max_position_embeddings=4096), tmp_path / "m")
+    out = tmp_path / "lt.json"
+    assert main(["bench", "--workload", "longtail", "--model", str(folder), "--load-format", "auto",
+                 "--scale", "0.002", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert res["requests"] == 16 and res["prompts"] == 1
+    assert res["share_of_time_below_32_running"] == 1.0  # 16 requests: always below 32
+    assert res["output_tokens"] > 16 * 40 and res["makespan_s"] > 0
+    running = res["max_running_by_twentieth"]
+    assert max(running[:2]) == 16 and running[-1] <= 2  # the batch drains to its longest samples

@@ -180,12 +180,14 @@ def bench_prefill(args) -> dict[str, Any]:
 
 
 def _workloads():
+    from rollout_engine.bench.longtail import bench_longtail
     from rollout_engine.bench.memory import bench_memory
     from rollout_engine.bench.serve import bench_serve
     from rollout_engine.bench.weights import bench_weights
 
     return {"grpo": bench_grpo, "offline": bench_offline, "decode": bench_decode, "prefill": bench_prefill,
-            "weights": bench_weights, "memory": bench_memory, "serve": bench_serve}
+            "weights": bench_weights, "memory": bench_memory, "serve": bench_serve,
+            "longtail": bench_longtail}
 
 
 def main(args) -> int:

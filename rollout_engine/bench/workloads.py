@@ -45,3 +45,33 @@ def offline(vocab: int, num_requests: int = 256, in_min: int = 100, in_max: int 
     params = [SamplingParams(max_new_tokens=rng.randint(out_min, out_max), temperature=0.6, ignore_eos=True)
               for _ in range(num_requests)]
     return Workload("offline", ids, params)
+
+
+def longtail(vocab: int, scale: float = 1.0, n: int = 16, seed: int = 0, context: int | None = None) -> Workload:
+    """BENCH.md's long tail: 64 prompts of 1,024 tokens x n samples, each
+    sample with its own length: 70% U[1k, 4k], 25% U[4k, 12k], 5% 16k.
+    `scale` in (0, 1] shrinks it to fit one run: round(64 * scale) prompts,
+    lengths times sqrt(scale) (0.25: 16 prompts, tails of 8k). Samples are
+    separate requests with the same prompt (the prefix cache shares it).
+    `context`: the model's, to which prompt + output lengths are capped."""
+    if not 0 < scale <= 1:
+        raise ValueError(f"scale: must be in (0, 1], got {scale}")
+    rng = random.Random(seed)
+    f = scale ** 0.5
+    num_prompts = max(1, round(64 * scale))
+    prompt_len = max(8, round(1024 * f))
+
+    def length() -> int:
+        u = rng.random()
+        lo, hi = (1024, 4096) if u < 0.70 else (4096, 12288) if u < 0.95 else (16384, 16384)
+        out = max(1, round(rng.randint(lo, hi) * f))
+        return out if context is None else max(1, min(out, context - prompt_len))
+
+    ids, params = [], []
+    for i in range(num_prompts):
+        prompt = _random_ids(rng, prompt_len, vocab)
+        for j in range(n):
+            ids.append(prompt)
+            params.append(SamplingParams(max_new_tokens=length(), temperature=1.0, ignore_eos=True,
+                                         seed=seed + 1000 * i + j))
+    return Workload("longtail", ids, params)
