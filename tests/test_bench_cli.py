@@ -94,3 +94,17 @@ def test_bench_longtail_end_to_end(tmp_path):
     assert res["output_tokens"] > 16 * 40 and res["makespan_s"] > 0
     running = res["max_running_by_twentieth"]
     assert max(running[:2]) == 16 and running[-1] <= 2  # the batch drains to its longest samples
+
+
+def test_workload_roofline_counts_only_computed_prompt_tokens():
+    from rollout_engine.bench.roofline import DeviceLimits, ModelCosts, workload_roofline
+
+    costs = ModelCosts(weight_bytes_per_step=1e9, kv_bytes_per_token=1e5, flops_per_token=1e9)
+    limits = DeviceLimits(bandwidth=1e12, flops=1e14)
+    inputs, outputs = [1000] * 8, [100] * 8
+    every = workload_roofline(costs, limits, inputs, outputs, 8)
+    # 8 samples of one prompt: an ideal cache computes it once; decode still reads each sample's context.
+    once = workload_roofline(costs, limits, inputs, outputs, 8, prefill_tokens=1000)
+    decode_s = sum((1e9 + 8 * (1000 + t) * 1e5) / 1e12 for t in range(100))
+    assert abs(once - 800 / (1000 * 1e9 / 1e14 + decode_s)) < 1e-6 * once
+    assert abs(every - 800 / (8000 * 1e9 / 1e14 + decode_s)) < 1e-6 * every

@@ -70,10 +70,13 @@ def prefill_ceiling(costs: ModelCosts, limits: DeviceLimits) -> float:
 
 
 def workload_roofline(costs: ModelCosts, limits: DeviceLimits, input_lens: list[int], output_lens: list[int],
-                      max_batch: int) -> float:
+                      max_batch: int, prefill_tokens: int | None = None) -> float:
     """Output tokens/s of an ideal run: prompts at the compute ceiling, then
-    decode steps at the bandwidth floor with up to `max_batch` running."""
-    prefill_s = sum(input_lens) / prefill_ceiling(costs, limits)
+    decode steps at the bandwidth floor with up to `max_batch` running.
+    `prefill_tokens`: the prompt tokens an ideal prefix cache computes
+    (default: every prompt's)."""
+    computed = sum(input_lens) if prefill_tokens is None else prefill_tokens
+    prefill_s = computed / prefill_ceiling(costs, limits)
     pending = sorted(zip(input_lens, output_lens), key=lambda x: -x[1])
     decode_s, tokens = 0.0, sum(output_lens)
     while pending:
