@@ -31,16 +31,17 @@ COMMON = textwrap.dedent("""
     def result(**kw):
         print("RESULT " + json.dumps(kw), flush=True)
     def fifty_cycles(engine, reference, mark):
-        # release and resume 50 times: (marks at cycles 2 and 49, whether outputs stayed the same)
-        marks, same = [], True
+        # release and resume 50 times: (marks at cycles 2 and 49, the first cycle whose outputs changed or None)
+        marks, first_change = [], None
         for cycle in range(50):
             engine.release_memory()
             engine.resume_memory()
-            same &= tokens(engine) == reference
+            if tokens(engine) != reference and first_change is None:
+                first_change = cycle
             if cycle in (2, 49):
                 gc.collect()
                 marks.append(mark())
-        return marks, same
+        return marks, first_change
 """)
 # Under a main guard: a tp_size=2 engine spawns its worker, which imports this
 # script again (as multiprocessing's spawn does) and must not run the job.
@@ -50,7 +51,7 @@ MAIN = textwrap.dedent("""
 """)
 
 
-def _job(body: str, tmp_path, preload: bool = False, limit: int = 840) -> dict:
+def _job(body: str, tmp_path, preload: bool = False, limit: int = 840, env: dict | None = None) -> dict:
     pytest.importorskip("torch_memory_saver")
     script = tmp_path / "job.py"
     script.write_text(COMMON + 'if __name__ == "__main__":\n'
@@ -58,7 +59,7 @@ def _job(body: str, tmp_path, preload: bool = False, limit: int = 840) -> dict:
     cmd = [sys.executable, str(script), str(limit)]
     if preload:
         cmd = [sys.executable, "-m", "rollout_engine.cli", "run", "--"] + cmd
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
@@ -95,8 +96,8 @@ def test_fifty_cycles_do_not_grow_memory_and_keep_outputs(tmp_path):
     r = _job("""
         engine = RolloutEngine("qwen3-0.6b", load_format="dummy", enable_memory_saver=True,
                                weights_cpu_backup=True, max_total_tokens=131072, cuda_graph_max_batch_size=16)
-        marks, same = fifty_cycles(engine, tokens(engine), lambda: (used(), rss()))
-        result(marks=marks, same=same)
+        marks, first_change = fifty_cycles(engine, tokens(engine), lambda: (used(), rss()))
+        result(marks=marks, same=first_change is None, first_change=first_change)
     """, tmp_path)
     (gpu_a, rss_a), (gpu_b, rss_b) = r["marks"]
     assert r["same"]
@@ -105,10 +106,14 @@ def test_fifty_cycles_do_not_grow_memory_and_keep_outputs(tmp_path):
 
 
 @pytest.mark.multigpu
-def test_tp2_fifty_cycles_release_both_gpus_without_growth(tmp_path):
+@pytest.mark.parametrize("allreduce", ["auto", "nccl"])
+def test_tp2_fifty_cycles_release_both_gpus_without_growth(tmp_path, allreduce):
     """A standalone TP=2 engine (rank 1 in its own process on GPU 1): each
     release frees most of what the engine holds on both GPUs, and fifty
-    cycles neither grow memory on either GPU nor change the outputs."""
+    cycles neither grow memory on either GPU nor change the outputs. With
+    the one-shot all-reduce for small messages and with NCCL alone; the
+    result also says whether outputs hold between two calls without a
+    release in between (`stable`) and at which cycle they first changed."""
     import torch
 
     if torch.cuda.device_count() < 2:
@@ -122,15 +127,18 @@ def test_tp2_fifty_cycles_release_both_gpus_without_growth(tmp_path):
         engine = RolloutEngine("qwen3-0.6b", load_format="dummy", enable_memory_saver=True, tp_size=2,
                                weights_cpu_backup=True, max_total_tokens=131072, cuda_graph_max_batch_size=16)
         reference = tokens(engine)
+        engine.flush_cache()
+        stable = tokens(engine) == reference  # no release in between
+        engine.flush_cache()
         held = [used_on(0) - base[0], used_on(1) - base[1]]
         engine.release_memory()
         freed = [held[0] + base[0] - used_on(0), held[1] + base[1] - used_on(1)]
         engine.resume_memory()
-        marks, same = fifty_cycles(engine, reference, lambda: [used_on(0), used_on(1)])
-        same &= tokens(engine) == reference
+        marks, first_change = fifty_cycles(engine, reference, lambda: [used_on(0), used_on(1)])
+        same = first_change is None and tokens(engine) == reference
         engine.shutdown()
-        result(held=held, freed=freed, marks=marks, same=same)
-    """, tmp_path, limit=180)
+        result(held=held, freed=freed, marks=marks, same=same, stable=stable, first_change=first_change)
+    """, tmp_path, limit=180, env={"ROLLOUT_ENGINE_ALLREDUCE": allreduce})
     assert r["same"], r
     for gpu in (0, 1):
         assert r["freed"][gpu] >= 0.85 * r["held"][gpu], (gpu, r)  # GPU 1 also holds rank 1's CUDA context
