@@ -60,6 +60,16 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         return m_new, l, acc
 
     @triton.jit
+    def sequence_of(qo_indptr_ptr, rows_ptr, lens_ptr, b):
+        """Sequence b of an extend step: (first query, number of queries,
+        request-table row, keys in all, keys before the first query)."""
+        q_start = tl.load(qo_indptr_ptr + b)
+        q_len = tl.load(qo_indptr_ptr + b + 1) - q_start
+        row = tl.load(rows_ptr + b).to(tl.int64)
+        kv_len = tl.load(lens_ptr + b)
+        return q_start, q_len, row, kv_len, kv_len - q_len
+
+    @triton.jit
     def decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, lens_ptr, table_stride, scale,
                       stride_qt, stride_qh, stride_ks, stride_kh,
                       GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -89,13 +99,9 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         b = tl.program_id(0)
         h = tl.program_id(1)
         mblock = tl.program_id(2)
-        q_start = tl.load(qo_indptr_ptr + b)
-        q_len = tl.load(qo_indptr_ptr + b + 1) - q_start
+        q_start, q_len, row, kv_len, prefix = sequence_of(qo_indptr_ptr, rows_ptr, lens_ptr, b)
         if mblock * BLOCK_M >= q_len:
             return
-        row = tl.load(rows_ptr + b).to(tl.int64)
-        kv_len = tl.load(lens_ptr + b)
-        prefix = kv_len - q_len
         kvh = h // GROUP
         mi = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
         m_valid = mi < q_len
@@ -126,13 +132,9 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         tblock = tl.program_id(2)
-        q_start = tl.load(qo_indptr_ptr + b)
-        q_len = tl.load(qo_indptr_ptr + b + 1) - q_start
+        q_start, q_len, row, kv_len, prefix = sequence_of(qo_indptr_ptr, rows_ptr, lens_ptr, b)
         if tblock * BLOCK_T >= q_len:
             return
-        row = tl.load(rows_ptr + b).to(tl.int64)
-        kv_len = tl.load(lens_ptr + b)
-        prefix = kv_len - q_len
         r = tl.arange(0, BLOCK_T * GROUP_P)
         t = tblock * BLOCK_T + r // GROUP_P
         g = r % GROUP_P

@@ -208,22 +208,20 @@ def input_ids(text: str) -> list[list[int]]:
     return prompts
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, kind: type, ok, requirement: str):
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {requirement}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 1, "an integer >= 1")
 
 
 def unit_fraction(text: str) -> float:
     """A float in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
+    return _number(text, float, lambda v: 0 < v <= 1, "in (0, 1]")

@@ -33,6 +33,11 @@ def _prompts(seed: int = 0):
 
 def _target_output(folder, batch, params, **engine_kw):
     engine = RolloutEngine(folder, device="cpu", deterministic=True, **{"max_total_tokens": 16384, **engine_kw})
+    return first_output(engine, batch, params)
+
+
+def first_output(engine, batch, params):
+    """The first request's output and the engine's cache counters; the engine is shut down."""
     try:
         outs = engine.generate(input_ids=batch, sampling_params=params)
         return outs[0], engine.cache_stats()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from models import make_hf_model, save_model
+from test_deterministic import _same, first_output
 from rollout_engine import RolloutEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -98,18 +99,7 @@ def _engine(folder, **kw):
 
 
 def _target_output(folder, batch, params, **kw):
-    engine = _engine(folder, **kw)
-    try:
-        outs = engine.generate(input_ids=batch, sampling_params=params)
-        return outs[0], engine.cache_stats()
-    finally:
-        engine.shutdown()
-
-
-def _same(a, b) -> None:
-    assert a.output_token_ids == b.output_token_ids
-    assert a.output_logprobs == b.output_logprobs  # bitwise
-    assert a.top_logprobs == b.top_logprobs
+    return first_output(_engine(folder, **kw), batch, params)
 
 
 def test_alone_crowded_chunked_cached_retracted_all_equal(folder):
