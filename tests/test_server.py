@@ -270,6 +270,37 @@ def test_abuse_gets_4xx_never_500_and_the_server_stays_up(server):
     assert server.post("/generate", good).status_code == 200
 
 
+def test_an_idle_keep_alive_connection_stays_usable(server):
+    """A pooled client connection idle past uvicorn's default keep-alive (5 s)
+    is still open: the next request on it gets its answer, not a read error."""
+    from urllib.parse import urlparse
+
+    url = urlparse(server.url)
+    request = (f"GET /health HTTP/1.1\r\nHost: {url.hostname}\r\nConnection: keep-alive\r\n\r\n").encode()
+
+    def response(sock) -> bytes:  # one whole response: headers, then Content-Length bytes of body
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data  # the server closed the connection
+            data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        while len(body) < length:
+            body += sock.recv(65536)
+        return head
+
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        for attempt in range(2):
+            sock.sendall(request)
+            head = response(sock)
+            assert head.startswith(b"HTTP/1.1 200"), (attempt, head[:100])
+            if attempt == 0:
+                time.sleep(7)
+
+
 def test_a_disconnected_stream_frees_its_kv(server):
     long = {"text": PROMPTS, "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
     with httpx.stream("POST", server.url + "/generate", json=long, timeout=60) as r:

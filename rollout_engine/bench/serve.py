@@ -45,11 +45,13 @@ async def _over_http(url: str, wl: workloads.Workload, concurrency: int) -> int:
 def _start_server(engine, port: int):
     import uvicorn
 
+    from rollout_engine.server import KEEP_ALIVE_S
     from rollout_engine.server.app import build_app
     from rollout_engine.server.config import ServerConfig
 
     cfg = ServerConfig(port=port, max_queued_requests=1 << 20)
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, cfg), host=cfg.host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, cfg), host=cfg.host, port=port, log_level="warning",
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     thread = threading.Thread(target=server.run, daemon=True, name="bench-server")
     thread.start()
     deadline = time.monotonic() + 60

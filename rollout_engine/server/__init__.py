@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+# Idle keep-alive connections stay open this long (uvicorn's default is 5 s).
+# Clients with connection pools (RL frameworks, routers) reuse a connection
+# after pauses; a server that closed it just before gets the request on a
+# dead socket, which the client sees as a read error.
+KEEP_ALIVE_S = 75
+
 
 def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
           **server_options) -> None:
@@ -44,7 +50,8 @@ def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api
                 captured.clear()
 
     server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                                   timeout_graceful_shutdown=3, limit_concurrency=None))
+                                   timeout_graceful_shutdown=3, limit_concurrency=None,
+                                   timeout_keep_alive=KEEP_ALIVE_S))
     try:
         server.run()
     finally:
