@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
+import sys
 import time
 
 import torch
@@ -198,13 +200,20 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.lr is None:
         args.lr = 3e-4 if args.task == "token" else 1e-5
-    if not args.lr > 0:
-        p.error("--lr must be > 0")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        p.error("--lr must be a finite number > 0")
+    if not (args.clip > 0 and math.isfinite(args.clip)):
+        p.error("--clip must be a finite number > 0")
+    if args.log_json and not os.path.isdir(os.path.dirname(os.path.abspath(args.log_json))):
+        p.error(f"--log-json: the folder of {args.log_json!r} does not exist")
 
     from rollout_engine.model_zoo import resolve_model_path
 
     torch.manual_seed(args.seed)
-    folder = resolve_model_path(args.model, args.load_format)
+    try:
+        folder = resolve_model_path(args.model, args.load_format)
+    except ValueError as e:
+        p.error(f"--model: {e}")
     gpu = torch.cuda.is_available() and args.device != "cpu"
     rank, world, engine_device = 0, 1, args.device
     if args.fsdp:
@@ -282,12 +291,19 @@ def main(argv: list[str] | None = None) -> dict:
         # rank when FSDP synced one set of weights into every engine.
         probe = engine.generate(input_ids=[list(range(1, 9))],
                                 sampling_params=SamplingParams(max_new_tokens=8, temperature=0))[0].output_token_ids
+    except KeyboardInterrupt:
+        if rank == 0:
+            print(f"interrupted after {len(rows)} steps" + (f"; their rows are in {args.log_json}"
+                                                             if args.log_json else ""), file=sys.stderr)
+        raise SystemExit(130) from None
     finally:
-        logger.finish()
-        if args.log_json and rank == 0:
-            with open(args.log_json, "w") as f:
-                json.dump(rows, f, indent=1)
-        engine.shutdown()
+        try:
+            logger.finish()
+            if args.log_json and rank == 0:
+                with open(args.log_json, "w") as f:
+                    json.dump(rows, f, indent=1)
+        finally:
+            engine.shutdown()
         if args.fsdp:
             import torch.distributed as dist
 

@@ -55,10 +55,20 @@ def main(argv: list[str] | None = None) -> None:
         if len(logs) < 2 or not logs[-1].endswith(".png"):
             p.error("give the PNG to write last, ending in .png, or as --png")
         logs, png = logs[:-1], logs[-1]
+    if not png.endswith(".png"):
+        p.error(f"--png: {png!r} does not end in .png")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(png))):
+        p.error(f"the folder of {png!r} does not exist")
     if args.labels is not None and len(args.labels) != len(logs):
         p.error(f"--labels: {len(args.labels)} labels for {len(logs)} logs")
+    labels = args.labels
+    if labels is None:  # file names, or whole paths where two logs share a name
+        names = [os.path.basename(log) for log in logs]
+        labels = names if len(set(names)) == len(names) else list(logs)
+    if len(set(labels)) != len(labels):
+        p.error("each log needs its own label (--labels, or logs at different paths)")
     runs = {}
-    for i, log in enumerate(logs):
+    for label, log in zip(labels, logs):
         try:
             with open(log) as f:
                 rows = json.load(f)
@@ -66,7 +76,11 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"{log}: {e}")
         if not isinstance(rows, list) or not rows:
             p.error(f"{log} holds no steps")
-        runs[args.labels[i] if args.labels else os.path.basename(log)] = rows
+        missing = {"step", "reward_mean", "mismatch_mean", "mismatch_max"} - set(rows[0]) if isinstance(rows[0], dict) \
+            else {"step"}
+        if missing:
+            p.error(f"{log} is not a grpo_train.py --log-json log (no {', '.join(sorted(missing))})")
+        runs[label] = rows
     plot(runs, png, args.title)
 
 

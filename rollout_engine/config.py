@@ -64,5 +64,5 @@ class EngineConfig:
         if not isinstance(self.deterministic, bool):
             bad("deterministic", "must be True or False")
         if self.deterministic and self.attention_backend != "auto":
-            bad("attention_backend", "deterministic=True uses its own batch-invariant attention; leave "
-                                     "attention_backend='auto'")
+            bad("attention_backend", "must stay 'auto' with deterministic=True (which uses its own "
+                                     "batch-invariant attention)")

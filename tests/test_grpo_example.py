@@ -149,3 +149,35 @@ def test_fsdp_over_two_ranks_trains_one_policy_into_both_engines(tmp_path):
     finally:
         engine.shutdown()
     assert before != probe0
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--lr", "inf"], "--lr"), (["--lr", "0"], "--lr"), (["--clip", "-1"], "--clip"), (["--steps", "0"], "--steps"),
+    (["--log-json", "/no/such/folder/run.json"], "--log-json"), (["--model", "no-such-model"], "--model"),
+])
+def test_bad_arguments_are_one_line_errors_before_any_work(flags, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        _load("grpo_train").main(flags)
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_plot_run_keeps_every_run_apart(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot_run = _load("plot_run")
+    row = {"step": 0, "reward_mean": 0.5, "mismatch_mean": 1e-3, "mismatch_max": 1e-2, "output_tokens_per_s": 1.0}
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "run.json").write_text(json.dumps([row]))
+    logs = [str(tmp_path / "a" / "run.json"), str(tmp_path / "b" / "run.json")]
+    runs = {}
+    plot_run.plot = lambda r, png, title: runs.update(r)  # what would be drawn
+    plot_run.main(logs + ["--png", str(tmp_path / "both.png")])
+    assert sorted(runs) == sorted(logs)  # same file names: whole paths as labels, no run dropped
+    for bad in (logs + ["--labels", "x", "x", "--png", str(tmp_path / "p.png")],
+                logs + ["--png", str(tmp_path / "p.jpg")], [logs[0], str(tmp_path / "nope" / "p.png")]):
+        with pytest.raises(SystemExit):
+            plot_run.main(bad)
+    (tmp_path / "other.json").write_text('[{"a": 1}]')
+    with pytest.raises(SystemExit):
+        plot_run.main([str(tmp_path / "other.json"), str(tmp_path / "p.png")])
+    assert "not a grpo_train.py" in capsys.readouterr().err

@@ -67,12 +67,20 @@ def check_tp_size(cfg: EngineConfig) -> None:
         return
     hf, eos = read_hf_config(resolve_model_path(cfg.model, cfg.load_format))
     mc = ModelConfig.from_hf(hf, eos)
+    problem = _tp_problem(mc, k)
+    if problem:
+        fits = [t for t in range(1, mc.num_heads + 1) if not _tp_problem(mc, t)]
+        raise ValueError(f"tp_size {k} {problem}; this model splits into tp_size {', '.join(map(str, fits))}")
+
+
+def _tp_problem(mc: ModelConfig, k: int) -> str | None:
     if mc.num_heads % k:
-        raise ValueError(f"tp_size {k} must divide the model's attention heads ({mc.num_heads})")
+        return f"must divide the model's attention heads ({mc.num_heads})"
     if mc.num_kv_heads % k and k % mc.num_kv_heads:
-        raise ValueError(f"tp_size {k} and the model's KV heads ({mc.num_kv_heads}) must divide one another")
+        return f"and the model's KV heads ({mc.num_kv_heads}) must divide one another"
     if mc.intermediate_size % k:
-        raise ValueError(f"tp_size {k} must divide the model's intermediate size ({mc.intermediate_size})")
+        return f"must divide the model's intermediate size ({mc.intermediate_size})"
+    return None
 
 
 def engine_cuda_index(cfg: EngineConfig) -> int | None:
