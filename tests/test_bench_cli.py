@@ -108,3 +108,20 @@ def test_workload_roofline_counts_only_computed_prompt_tokens():
     decode_s = sum((1e9 + 8 * (1000 + t) * 1e5) / 1e12 for t in range(100))
     assert abs(once - 800 / (1000 * 1e9 / 1e14 + decode_s)) < 1e-6 * once
     assert abs(every - 800 / (8000 * 1e9 / 1e14 + decode_s)) < 1e-6 * every
+
+
+def test_step_breakdown_sums_kernels_by_kind_and_idle_time():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "step_breakdown.py")
+    spec = importlib.util.spec_from_file_location("step_breakdown", path)
+    sb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sb)
+    assert sb.busy_time([(0, 10), (5, 12), (20, 30)]) == 22  # overlaps counted once
+    events = [("sm90_xmma_gemm_bf16", 0, 600), ("BatchDecodeWithPagedKVCacheKernel", 600, 200),
+              ("ncclDevKernel_AllReduce_Sum_bf16", 800, 100), ("argmax_logsumexp partial_kernel", 900, 50),
+              ("rmsnorm_kernel", 950, 50)]
+    res = sb.breakdown(events, wall_us=2000, steps=2)
+    assert res["busy_share"] == 0.5 and res["idle_ms_per_step"] == 0.5
+    assert res["ms_by_kind"] == {"matmul": 0.6, "attention": 0.2, "all_reduce": 0.1, "sampling": 0.1, "norm": 0.1}

@@ -1,0 +1,119 @@
+"""Where a rollout's time goes: GPU busy vs idle, and GPU time by kind of
+kernel (matmul, attention, sampling, all-reduce, norms and the rest), over
+one run of the grpo or offline workload, from a torch.profiler trace of the
+whole process (every thread's launches land on the device timeline).
+
+    bash .gpu/enter.sh python3 benchmarks/step_breakdown.py --workload grpo --model qwen2.5-7b \\
+        --num-prompts 16 -n 8 --output-len 256 --out breakdown.json [--deterministic] [--trace trace.json]
+
+Needs a CUDA GPU: the device timeline holds the kernels of every thread,
+while the profiler would see only this thread's CPU operators (the engine
+runs its steps on a thread of its own).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from rollout_engine import RolloutEngine
+from rollout_engine.bench import workloads
+
+KINDS = [  # first match wins, on the lower-cased kernel or operator name
+    ("all_reduce", ("nccl", "all_reduce", "allreduce", "one_shot")),
+    ("attention", ("attention", "flashinfer", "prefill", "decode", "attend", "invariant_kernel", "extend_kernel")),
+    ("sampling", ("argmax", "logsumexp", "softmax", "sort", "cumsum", "scan", "topk", "searchsorted", "partial_kernel",
+                  "combine_kernel", "row_cumsum")),
+    ("matmul", ("gemm", "gemv", "matmul", "sm90", "cutlass", "cublas", "tile_kernel", "split_kernel", "reduce_kernel",
+                "addmm", "aten::mm", "linear")),
+    ("norm", ("rmsnorm", "norm")),
+    ("rope_activation", ("rope", "rotary", "silu", "act_and_mul")),
+    ("copy_index", ("copy", "index", "gather", "scatter", "fill", "cat", "kv_indices", "page_indices")),
+]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def breakdown(events, wall_us: float, steps: int) -> dict:
+    """events: (name, start_us, duration_us) of the device's kernels."""
+    by_kind: dict[str, float] = {}
+    for name, _, dur in events:
+        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + dur
+    busy = busy_time([(s, s + d) for _, s, d in events])
+    total = sum(by_kind.values()) or 1.0
+    return {
+        "wall_ms": round(wall_us / 1e3, 1), "steps": steps,
+        "busy_ms": round(busy / 1e3, 1), "busy_share": round(busy / wall_us, 4),
+        "idle_ms_per_step": round((wall_us - busy) / 1e3 / max(steps, 1), 4),
+        "busy_ms_per_step": round(busy / 1e3 / max(steps, 1), 4),
+        "share_by_kind": {k: round(v / total, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "ms_by_kind": {k: round(v / 1e3, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=["grpo", "offline"], default="grpo")
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("-n", type=int, default=8)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--out", help="write the breakdown here (JSON)")
+    p.add_argument("--trace", help="also write the Chrome trace here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (see the module's docstring)")
+    engine = RolloutEngine(args.model, load_format=args.load_format, deterministic=args.deterministic)
+    vocab = engine.model_config.vocab_size
+    if args.workload == "grpo":
+        wl = workloads.grpo(vocab, args.num_prompts, args.n, 256, 1024, args.output_len)
+    else:
+        wl = workloads.offline(vocab, args.num_prompts, out_max=args.output_len)
+    warm = workloads.grpo(vocab, 2, 2, 16, 32, 8, seed=99)
+    engine.generate(input_ids=warm.input_ids, sampling_params=warm.params)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    steps_before = engine.cache_stats()["steps"]
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        engine.generate(input_ids=wl.input_ids, sampling_params=wl.params)
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    steps = engine.cache_stats()["steps"] - steps_before
+    engine.shutdown()
+    events = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA]
+    res = {"workload": args.workload, "model": args.model, "deterministic": args.deterministic,
+           "device": torch.cuda.get_device_name(), **breakdown(events, wall_us, steps)}
+    print(json.dumps(res, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+
+
+if __name__ == "__main__":
+    main()
