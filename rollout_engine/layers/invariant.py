@@ -36,7 +36,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def make_batch_invariant(model: nn.Module) -> int:
-    """Switch every taking-part module of `model` to per-row computation;
+    """Switch every taking-part module of `model` to batch-invariant computation;
     returns how many."""
     count = 0
     for module in model.modules():
