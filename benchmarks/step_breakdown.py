@@ -1,10 +1,15 @@
 """Where a rollout's time goes: GPU busy vs idle, and GPU time by kind of
 kernel (matmul, attention, sampling, all-reduce, norms and the rest), over
-one run of the grpo or offline workload, from a torch.profiler trace of the
+one run of the grpo, offline or decode workload (decode: a batch of short
+prompts generating many tokens, so nearly every step is a decode step), from a torch.profiler trace of the
 whole process (every thread's launches land on the device timeline).
 
     bash .gpu/enter.sh python3 benchmarks/step_breakdown.py --workload grpo --model qwen2.5-7b \\
         --num-prompts 16 -n 8 --output-len 256 --out breakdown.json [--deterministic] [--trace trace.json]
+    bash .gpu/enter.sh python3 benchmarks/step_breakdown.py --workload decode --batch-size 1 --tp 2 ...
+
+With --tp k the trace is rank 0's (its GPU's kernels); the other ranks run
+the same steps.
 
 Needs a CUDA GPU: the device timeline holds the kernels of every thread,
 while the profiler would see only this thread's CPU operators (the engine
@@ -18,7 +23,7 @@ import time
 
 import torch
 
-from rollout_engine import RolloutEngine
+from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.bench import workloads
 
 KINDS = [  # first match wins, on the lower-cased kernel or operator name
@@ -62,6 +67,10 @@ def breakdown(events, wall_us: float, steps: int) -> dict:
         by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + dur
     busy = busy_time([(s, s + d) for _, s, d in events])
     total = sum(by_kind.values()) or 1.0
+    by_name: dict[str, float] = {}
+    for name, _, dur in events:
+        by_name[name] = by_name.get(name, 0.0) + dur
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     return {
         "wall_ms": round(wall_us / 1e3, 1), "steps": steps,
         "busy_ms": round(busy / 1e3, 1), "busy_share": round(busy / wall_us, 4),
@@ -69,29 +78,39 @@ def breakdown(events, wall_us: float, steps: int) -> dict:
         "busy_ms_per_step": round(busy / 1e3 / max(steps, 1), 4),
         "share_by_kind": {k: round(v / total, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "ms_by_kind": {k: round(v / 1e3, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "us_per_step_by_kernel": {n[:120]: round(v / max(steps, 1), 1) for n, v in top},
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", choices=["grpo", "offline"], default="grpo")
+    p.add_argument("--workload", choices=["grpo", "offline", "decode"], default="grpo")
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("-n", type=int, default=8)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32, help="decode: requests in the batch")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--out", help="write the breakdown here (JSON)")
     p.add_argument("--trace", help="also write the Chrome trace here")
     args = p.parse_args()
+    if min(args.num_prompts, args.n, args.output_len, args.batch_size, args.tp) < 1:
+        p.error("--num-prompts, -n, --output-len, --batch-size and --tp must be >= 1")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (see the module's docstring)")
-    engine = RolloutEngine(args.model, load_format=args.load_format, deterministic=args.deterministic)
+    engine = RolloutEngine(args.model, load_format=args.load_format, deterministic=args.deterministic,
+                           tp_size=args.tp)
     vocab = engine.model_config.vocab_size
     if args.workload == "grpo":
         wl = workloads.grpo(vocab, args.num_prompts, args.n, 256, 1024, args.output_len)
-    else:
+    elif args.workload == "offline":
         wl = workloads.offline(vocab, args.num_prompts, out_max=args.output_len)
+    else:
+        wl = workloads.grpo(vocab, args.batch_size, 1, 16, 16, args.output_len)
+        wl = workloads.Workload("decode", wl.input_ids, [SamplingParams(max_new_tokens=args.output_len, temperature=0,
+                                                                        ignore_eos=True)] * args.batch_size)
     warm = workloads.grpo(vocab, 2, 2, 16, 32, 8, seed=99)
     engine.generate(input_ids=warm.input_ids, sampling_params=warm.params)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -105,7 +124,7 @@ def main() -> None:
     engine.shutdown()
     events = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA]
-    res = {"workload": args.workload, "model": args.model, "deterministic": args.deterministic,
+    res = {"workload": args.workload, "model": args.model, "deterministic": args.deterministic, "tp": args.tp,
            "device": torch.cuda.get_device_name(), **breakdown(events, wall_us, steps)}
     print(json.dumps(res, indent=1))
     if args.out:

@@ -113,7 +113,12 @@ def test_tp2_fifty_cycles_release_both_gpus_without_growth(tmp_path, allreduce):
     cycles neither grow memory on either GPU nor change the outputs. With
     the one-shot all-reduce for small messages and with NCCL alone; the
     result also says whether outputs hold between two calls without a
-    release in between (`stable`) and at which cycle they first changed."""
+    release in between (`stable`) and at which cycle they first changed.
+    Every call computes its prompts afresh (a release drops the cache): with
+    random weights the top two logits are often exactly tied in bf16, and a
+    cache hit, which changes the prefill's shape, may pick the other one (it
+    does at TP=1 too); tests/test_gpu_deterministic.py checks cache hits
+    under TP bit for bit."""
     import torch
 
     if torch.cuda.device_count() < 2:
@@ -131,17 +136,19 @@ def test_tp2_fifty_cycles_release_both_gpus_without_growth(tmp_path, allreduce):
         stable = tokens(engine) == reference  # no release in between
         engine.flush_cache()
         held = [used_on(0) - base[0], used_on(1) - base[1]]
-        engine.release_memory()
+        reported = sum(engine.release_memory().values())  # rank 0's; rank 1 holds the same shapes
         freed = [held[0] + base[0] - used_on(0), held[1] + base[1] - used_on(1)]
         engine.resume_memory()
         marks, first_change = fifty_cycles(engine, reference, lambda: [used_on(0), used_on(1)])
-        same = first_change is None and tokens(engine) == reference
         engine.shutdown()
-        result(held=held, freed=freed, marks=marks, same=same, stable=stable, first_change=first_change)
+        result(held=held, reported=reported, freed=freed, marks=marks, same=first_change is None, stable=stable,
+               first_change=first_change)
     """, tmp_path, limit=180, env={"ROLLOUT_ENGINE_ALLREDUCE": allreduce})
-    assert r["same"], r
+    assert r["stable"] and r["same"], r
+    # What stays is not the engine's to release: NCCL's buffers, loaded kernels, and on GPU 1 rank 1's CUDA context.
+    assert r["reported"] >= 0.8 * r["held"][0], r
     for gpu in (0, 1):
-        assert r["freed"][gpu] >= 0.85 * r["held"][gpu], (gpu, r)  # GPU 1 also holds rank 1's CUDA context
+        assert r["freed"][gpu] >= 0.97 * r["reported"], (gpu, r)  # what rank 0 reports leaves both GPUs
         assert r["marks"][1][gpu] - r["marks"][0][gpu] <= 64 << 20, (gpu, r)
 
 
