@@ -123,6 +123,19 @@ def test_alone_crowded_chunked_cached_retracted_all_equal(folder):
     _same(alone, squeezed)
 
 
+@pytest.mark.parametrize("target", [SamplingParams(max_new_tokens=32, temperature=1.0, seed=7, top_logprobs=3,
+                                                   ignore_eos=True),
+                                    SamplingParams(max_new_tokens=32, temperature=0, top_logprobs=3, ignore_eos=True)])
+def test_a_request_without_filters_ignores_its_neighbours_filters(folder, target):
+    """A request with no top-k/top-p/min-p (sampled, or greedy) alone and
+    among 63 others that filter: bitwise the same (the batched sampler
+    neither renormalises nor re-derives its row)."""
+    prompt, others, params = _prompts(63, seed=11)
+    alone, _ = _target_output(folder, [prompt], [target])
+    crowded, _ = _target_output(folder, [prompt] + others, [target] + params)
+    _same(alone, crowded)
+
+
 def test_fidelity_score_equals_the_engines_logprobs_bitwise(folder):
     from rollout_engine import fidelity
 
@@ -172,3 +185,32 @@ def test_tp2_one_long_lived_engine_alone_crowded_cached_retracted_all_equal(tmp_
                                      tp_size=2)
     assert stats["retractions"] > 0
     _same(alone, squeezed)
+
+
+def _compiled(*kernels) -> int:
+    """Kernels Triton holds compiled for these JIT functions, on every device."""
+    caches = [getattr(k, "device_caches", None) for k in kernels]
+    if any(c is None for c in caches):
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    return sum(len(entry[0]) for c in caches for entry in c.values())
+
+
+def test_the_first_long_prompt_compiles_no_matmul(tmp_path):
+    """The engine compiles the prompt-sized matrix-product kernels at start:
+    a prompt past DECODE_MAX_ROWS tokens, then a batch of them, find every
+    kernel ready (a compile inside a rollout cost the first long prompt
+    about half a second per weight shape)."""
+    from rollout_engine.kernels.invariant_matmul import DECODE_MAX_ROWS, split_kernel, tile_kernel
+
+    hf = make_hf_model("qwen2", seed=1, num_hidden_layers=2, vocab_size=1000, initializer_range=0.06,
+                       max_position_embeddings=4096, **SHAPES["qwen2"])
+    engine = _engine(save_model(hf, tmp_path))
+    try:
+        before = _compiled(split_kernel, tile_kernel)
+        long = [[(7 * i + j) % 997 + 1 for j in range(DECODE_MAX_ROWS + 44)] for i in range(9)]
+        engine.generate(input_ids=long[:1], sampling_params=SamplingParams(max_new_tokens=4, temperature=0))
+        engine.generate(input_ids=long, sampling_params=SamplingParams(max_new_tokens=4, temperature=0.7, seed=1))
+        after = _compiled(split_kernel, tile_kernel)
+    finally:
+        engine.shutdown()
+    assert before > 0 and after == before, (before, after)

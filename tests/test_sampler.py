@@ -8,7 +8,7 @@ import torch
 
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.scheduler.plan_builder import sampling_plan
-from rollout_engine.runner.sampler import SamplingBatch, processed_probs, sample, seeded_uniform
+from rollout_engine.runner.sampler import RowOps, SamplingBatch, processed_probs, sample, seeded_uniform
 
 V = 50
 DRAWS = 4000
@@ -122,3 +122,44 @@ def test_engine_seed_makes_unseeded_runs_repeatable(llama):
     a = RolloutEngine(folder, max_total_tokens=2048, seed=3).generate(input_ids=[[1, 2]] * 3, sampling_params=params)
     b = RolloutEngine(folder, max_total_tokens=2048, seed=3).generate(input_ids=[[1, 2]] * 3, sampling_params=params)
     assert [o.output_token_ids for o in a] == [o.output_token_ids for o in b]
+
+
+class _RowByRow(RowOps):
+    """Row reductions computed one row at a time: invariant on the CPU, as
+    the per-row kernels are on the GPU (deterministic mode's batched path)."""
+
+    def __init__(self):
+        super().__init__(invariant=False)
+
+    def softmax(self, z):
+        return torch.cat([torch.softmax(z[i: i + 1], dim=-1) for i in range(len(z))])
+
+    def cumsum(self, x, dtype=None):
+        return torch.cat([x[i: i + 1].cumsum(dim=-1, dtype=dtype) for i in range(len(x))])
+
+    def sum(self, x):
+        return torch.cat([x[i: i + 1].sum(dim=-1, keepdim=True) for i in range(len(x))])
+
+
+@pytest.mark.parametrize("target", [SamplingParams(temperature=0, top_logprobs=3),
+                                    SamplingParams(temperature=1.0, top_logprobs=3),
+                                    SamplingParams(temperature=0.7, top_logprobs=3),
+                                    SamplingParams(temperature=0.7, top_p=0.9, top_logprobs=3)])
+def test_a_row_does_not_see_its_neighbours_filters(target):
+    """With row-invariant reductions, a row's token, logprob and top
+    logprobs are bitwise the same alone and next to rows that filter (top-k,
+    top-p, min-p) or sample: the batch-wide flags must not renormalise,
+    trim or re-derive a row that does not ask for it."""
+    ops = _RowByRow()
+    logits = torch.stack([_logits(s) for s in range(4)]) * 3
+
+    def first(params):
+        plan = sampling_plan(params, [5] * len(params), [9] * len(params))
+        out = sample(logits[: len(params)], SamplingBatch.build(plan, torch.device("cpu")), ops)
+        return out.tokens[0], out.logprobs[0], out.top_logprobs[0], out.top_ids[0]
+
+    alone = first([target])
+    for others in ([SamplingParams(temperature=0.7, top_p=0.8)], [SamplingParams(temperature=0, min_p=0.1)],
+                   [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0)]):
+        crowded = first([target] + others)
+        assert all(torch.equal(a, b) for a, b in zip(alone, crowded)), (target, others)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout_engine.kernels._triton import use_kernel
-from rollout_engine.kernels.invariant_matmul import invariant_matmul
+from rollout_engine.kernels.invariant_matmul import DECODE_MAX_ROWS, invariant_matmul
 
 
 def per_row(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args) -> torch.Tensor:
@@ -44,3 +44,25 @@ def make_batch_invariant(model: nn.Module) -> int:
             module.batch_invariant = True
             count += 1
     return count
+
+
+def compile_prompt_kernels(model: nn.Module) -> int:
+    """Compile the matrix-product kernels of prompt-sized batches (more than
+    DECODE_MAX_ROWS rows, both launch shapes) for every weight shape of a
+    batch-invariant `model` on the GPU, so that the first long prompt does
+    not wait for Triton (about half a second per shape; decode shapes are
+    compiled by the CUDA-graph capture). Returns how many shapes."""
+    seen = set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not getattr(module, "batch_invariant", False) or weight is None or weight.dim() != 2:
+            continue
+        bias = getattr(module, "bias", None)
+        key = (tuple(weight.shape), weight.dtype, bias is not None)
+        if key in seen or not use_kernel(weight):
+            continue
+        seen.add(key)
+        x = torch.zeros(DECODE_MAX_ROWS + 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        for split in (True, False):
+            invariant_matmul(x, weight, bias, split=split)
+    return len(seen)

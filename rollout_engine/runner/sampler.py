@@ -111,6 +111,9 @@ def processed_probs(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH
     temps = torch.where(sb.temperatures > 0, sb.temperatures, torch.ones_like(sb.temperatures))
     probs = ops.softmax(logits / temps[:, None])
     keep = None
+    # The batch's flags say whether any row filters; a row that does not
+    # keeps its softmax untouched (not renormalised, no tail token dropped
+    # by rounding), so its bits do not depend on its neighbours' filters.
     if sb.use_sort_filters:
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
@@ -124,9 +127,15 @@ def processed_probs(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH
         above = probs >= sb.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
         keep = above if keep is None else keep & above
     if keep is not None:
-        probs = probs * keep
-        probs = probs / ops.sum(probs)
+        filtered = filters_of(sb)[:, None]
+        kept = probs * keep
+        probs = torch.where(filtered, kept / ops.sum(kept), probs)
     return probs
+
+
+def filters_of(sb: SamplingBatch) -> torch.Tensor:
+    """[B] bool: rows with top-k, top-p or min-p."""
+    return (sb.top_ks > 0) | (sb.top_ps < 1.0) | (sb.min_ps > 0)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH_ROWS) -> SampleResult:
@@ -150,17 +159,21 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH_ROWS) ->
         # Rounding at the very top of the CDF must not pick a filtered token.
         drawn = torch.where(probs.gather(-1, drawn[:, None]).squeeze(1) > 0, drawn, probs.argmax(dim=-1))
         tokens = torch.where(sb.temperatures > 0, drawn, greedy_tokens)
+    # Greedy rows without filters sample from the raw distribution at
+    # temperature 1: their processed logprobs are the raw ones, computed as
+    # raw ones whatever else the batch holds.
+    plain = (sb.temperatures == 0) & ~filters_of(sb)
     if probs is None and sb.all_greedy:  # every token is its row's argmax; raw == processed
         logprobs = row_max - log_norm
     else:
         raw = logits.gather(-1, tokens[:, None]).squeeze(1) - log_norm
-        # Greedy rows without filters sample from the raw distribution at temperature 1.
         processed = raw if probs is None else torch.log(probs.gather(-1, tokens[:, None]).squeeze(1))
-        logprobs = torch.where(sb.raw_logprobs, raw, processed)
+        logprobs = torch.where(sb.raw_logprobs | plain, raw, processed)
     top_ids = top_lps = None
     if sb.max_top_logprobs:
         raw_table = logits - log_norm[:, None]
-        table = raw_table if probs is None else torch.where(sb.raw_logprobs[:, None], raw_table, torch.log(probs))
+        table = raw_table if probs is None else torch.where((sb.raw_logprobs | plain)[:, None], raw_table,
+                                                            torch.log(probs))
         top_lps, top_ids = table.topk(min(sb.max_top_logprobs, logits.shape[-1]), dim=-1)
     return SampleResult(tokens, logprobs, top_ids, top_lps)
 
