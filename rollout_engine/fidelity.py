@@ -1,7 +1,8 @@
 """Scoring sequences with the engine's own model and kernels (trainer side).
 
-`score` gives the per-token logprobs of given sequences in one forward-only
-pass per sequence, through the engine: the trainer can check the engine's
+`score` gives the per-token logprobs of given sequences (raw, or processed
+under given sampling parameters) in one forward-only pass per sequence,
+through the engine: the trainer can check the engine's
 rollout logprobs against it, or use it as its reference. With a
 `deterministic=True` engine the scores equal the logprobs the engine
 reported when it sampled those tokens, bit for bit (both are the same
@@ -35,31 +36,32 @@ def _pairs(sequences: Sequences) -> list[tuple[list[int], list[int]]]:
 
 def score(engine_or_model, sequences: Sequences, sampling_params: SamplingParams | None = None,
           **engine_kwargs) -> list[list[float]]:
-    """Per sequence, the raw logprob of each output token given everything
-    before it. `engine_or_model`: a RolloutEngine, or a model (name or
-    folder) for a temporary engine built with `engine_kwargs`.
-    `sampling_params`: only raw logprobs are scored so far, so it must
-    leave them unprocessed (logprob_mode="raw", or temperature 1 without
-    top-k/top-p/min-p); anything else raises ValueError."""
+    """Per sequence, the logprob of each output token given everything
+    before it: raw (the model's log-softmax) without `sampling_params`, or
+    as a token sampled under them is reported (their temperature, top-k,
+    top-p, min-p and `logprob_mode`). `engine_or_model`: a RolloutEngine,
+    or a model (name or folder) for a temporary engine built with
+    `engine_kwargs`. With a deterministic engine the scores equal the
+    logprobs it reported when it sampled those tokens, bit for bit."""
     from rollout_engine.engine import RolloutEngine
 
-    if sampling_params is not None and not _raw_equals_processed(sampling_params):
-        raise ValueError("sampling_params: fidelity.score computes raw logprobs; give logprob_mode='raw' or "
-                         "temperature=1 with no top_k/top_p/min_p")
+    if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
     pairs = _pairs(sequences)
     own = not isinstance(engine_or_model, RolloutEngine)
     engine = RolloutEngine(engine_or_model, **engine_kwargs) if own else engine_or_model
-    try:
+    if sampling_params is None or sampling_params.logprob_mode == "raw":
         params = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=True)
+    else:
+        p = sampling_params
+        params = SamplingParams(max_new_tokens=1, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                min_p=p.min_p, seed=0, prompt_logprobs=True, prompt_logprob_mode="processed")
+    try:
         outs = engine.generate(input_ids=[p + o for p, o in pairs], sampling_params=params)
     finally:
         if own:
             engine.shutdown()
     return [list(out.prompt_logprobs[len(p):]) for out, (p, _) in zip(outs, pairs)]
-
-
-def _raw_equals_processed(p: SamplingParams) -> bool:
-    return p.logprob_mode == "raw" or (p.temperature == 1.0 and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0)
 
 
 def hf_gap(model_folder: str, sequences: Sequences, scores: list[list[float]], dtype: torch.dtype = torch.float32,

@@ -37,7 +37,10 @@ class SamplingPlan:
 
     def row(self, i: int) -> "SamplingPlan":
         """Row i alone (its own filter flags, as if sampled by itself)."""
-        return SamplingPlan(**{name: value[i: i + 1] for name, value in vars(self).items()})
+        return self.rows(i, i + 1)
+
+    def rows(self, start: int, end: int) -> "SamplingPlan":
+        return SamplingPlan(**{name: value[start: end] for name, value in vars(self).items()})
 
     @property
     def all_greedy(self) -> bool:
@@ -80,6 +83,9 @@ class StepPlan:
     prompt_targets: np.ndarray  # the token each prompt row scores
     sampling: SamplingPlan | None
     is_decode: bool
+    # Per prompt row, when some request of the step wants processed prompt
+    # logprobs (prompt_logprob_mode): its parameters (raw rows marked raw).
+    prompt_sampling: SamplingPlan | None = None
 
     @property
     def batch_size(self) -> int:

@@ -17,7 +17,10 @@ class SamplingParams:
     sampled from (after temperature, top-k, top-p and min-p, renormalised); at
     temperature 0 (greedy) that distribution is taken at temperature 1 with the
     same filters. `"raw"` reports the model's unmodified log-softmax.
-    Prompt logprobs are always raw.
+    `prompt_logprob_mode` does the same for prompt logprobs (default "raw"):
+    "processed" scores each prompt token under this request's temperature
+    and filters, as a sampled token would be reported (rollout_engine.fidelity
+    uses it to score sequences under sampling parameters).
     """
 
     max_new_tokens: int = 128
@@ -34,6 +37,7 @@ class SamplingParams:
     top_logprobs: int = 0
     logprob_mode: str = "processed"
     prompt_logprobs: bool = False
+    prompt_logprob_mode: str = "raw"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -69,8 +73,9 @@ class SamplingParams:
             bad("stop", "must be a list of non-empty strings")
         if not _is_int(self.top_logprobs) or self.top_logprobs < 0:
             bad("top_logprobs", "must be an integer >= 0")
-        if self.logprob_mode not in LOGPROB_MODES:
-            bad("logprob_mode", f"must be one of {LOGPROB_MODES}")
+        for mode in ("logprob_mode", "prompt_logprob_mode"):
+            if getattr(self, mode) not in LOGPROB_MODES:
+                bad(mode, f"must be one of {LOGPROB_MODES}")
         for flag in ("ignore_eos", "logprobs", "prompt_logprobs"):
             if not isinstance(getattr(self, flag), bool):
                 bad(flag, "must be a bool")

@@ -112,7 +112,38 @@ def test_fidelity_score_equals_the_engines_logprobs_bitwise(folder):
     # A temporary engine from the model's folder scores the same.
     assert fidelity.score(folder, outs[:2], device="cpu", deterministic=True) == scores[:2]
     with pytest.raises(ValueError, match="sampling_params"):
-        fidelity.score(folder, outs[:1], SamplingParams(temperature=0.5))
+        fidelity.score(folder, outs[:1], {"temperature": 0.5})
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=20, seed=5, n=2, ignore_eos=True),
+    SamplingParams(max_new_tokens=24, temperature=1.3, min_p=0.05, seed=6, ignore_eos=True),
+    SamplingParams(max_new_tokens=24, temperature=0, top_k=5, ignore_eos=True),  # greedy, scored with its filter
+    SamplingParams(max_new_tokens=24, temperature=0.6, seed=7, ignore_eos=True)])
+def test_fidelity_score_under_sampling_params_equals_processed_logprobs_bitwise(folder, params):
+    """Processed logprobs (the distribution sampled from): scoring the
+    sequences under the same parameters gives the engine's logprobs bit for
+    bit, with rows of other modes in the same steps; raw scores differ."""
+    from rollout_engine import fidelity
+
+    target, others, _ = _prompts()
+    engine = RolloutEngine(folder, device="cpu", deterministic=True, max_total_tokens=16384)
+    try:
+        outs = engine.generate(input_ids=[target] + others[:7], sampling_params=params)
+        scores = fidelity.score(engine, outs, params)
+        raw = fidelity.score(engine, outs)
+        # Processed and raw prompt rows in one step: each keeps its own mode.
+        mixed = engine.generate(input_ids=[o.prompt_token_ids + o.output_token_ids for o in outs[:2]],
+                                sampling_params=[SamplingParams(max_new_tokens=1, prompt_logprobs=True,
+                                                                prompt_logprob_mode=m, temperature=params.temperature,
+                                                                top_k=params.top_k, top_p=params.top_p,
+                                                                min_p=params.min_p) for m in ("processed", "raw")])
+    finally:
+        engine.shutdown()
+    assert scores == [o.output_logprobs for o in outs]  # bitwise
+    assert raw != scores
+    cut = [len(o.prompt_token_ids) for o in outs[:2]]
+    assert mixed[0].prompt_logprobs[cut[0]:] == scores[0] and mixed[1].prompt_logprobs[cut[1]:] == raw[1]
 
 
 def test_tensor_parallel_two_ranks_stays_batch_invariant(tmp_path):

@@ -17,11 +17,13 @@ from rollout_engine.attention.base import AttentionBackend
 from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.forward_batch import ForwardBatch, TableMirror
 from rollout_engine.models.decoder import DecoderForCausalLM
-from rollout_engine.plan import StepOutput, StepPlan
+from rollout_engine.plan import SamplingPlan, StepOutput, StepPlan
 from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.runner.device_lock import DEVICE_WIDE
-from rollout_engine.runner.sampler import INVARIANT_ROWS, SamplingBatch, raw_logprobs_per_row, sample, sample_per_row
+from rollout_engine.runner.sampler import (INVARIANT_ROWS, TORCH_ROWS, SamplingBatch, raw_logprobs_per_row, sample,
+                                           sample_per_row, score)
 
+SCORE_ROWS = 256  # processed prompt logprobs: rows per block (a [rows, vocab] distribution each)
 
 @dataclass
 class StepHandle:
@@ -123,12 +125,25 @@ class ModelRunner:
         if len(plan.prompt_rows):
             prompt_logits = logits[self._on_device(plan.prompt_rows)]
             targets = self._on_device(plan.prompt_targets)
-            if self.batch_invariant:  # row by row, by the sampler's own formula: the bits of a sampled token's
+            if plan.prompt_sampling is not None:  # some request scores its prompt under its sampling parameters
+                pieces.append(self._score_processed(prompt_logits, targets, plan.prompt_sampling).double())
+            elif self.batch_invariant:  # row by row, by the sampler's own formula: the bits of a sampled token's
                 pieces.append(raw_logprobs_per_row(prompt_logits, targets).double())  # raw logprob
             else:
                 lps = torch.log_softmax(prompt_logits, dim=-1)
                 pieces.append(lps.gather(-1, targets[:, None]).squeeze(1).double())
         return sampled, torch.cat(pieces)
+
+    def _score_processed(self, logits: torch.Tensor, targets: torch.Tensor, sp: SamplingPlan) -> torch.Tensor:
+        """Prompt logprobs in each row's mode, SCORE_ROWS rows at a time (a
+        [rows, vocab] distribution per block); in deterministic mode one row
+        at a time on the CPU, per-row kernels on the GPU."""
+        per_row = self.batch_invariant and not use_kernel(logits)
+        ops = INVARIANT_ROWS if self.batch_invariant and not per_row else TORCH_ROWS
+        step = 1 if per_row else SCORE_ROWS
+        parts = [score(logits[a: a + step], targets[a: a + step], SamplingBatch.build(sp.rows(a, a + step), self.device),
+                       ops) for a in range(0, len(logits), step)]
+        return torch.cat(parts)
 
     def _on_device(self, values) -> torch.Tensor:
         """An index tensor on the device without waiting for the device

@@ -166,9 +166,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH_ROWS) ->
     if probs is None and sb.all_greedy:  # every token is its row's argmax; raw == processed
         logprobs = row_max - log_norm
     else:
-        raw = logits.gather(-1, tokens[:, None]).squeeze(1) - log_norm
-        processed = raw if probs is None else torch.log(probs.gather(-1, tokens[:, None]).squeeze(1))
-        logprobs = torch.where(sb.raw_logprobs | plain, raw, processed)
+        logprobs = _logprobs_of(logits, tokens, log_norm, probs, sb.raw_logprobs | plain)
     top_ids = top_lps = None
     if sb.max_top_logprobs:
         raw_table = logits - log_norm[:, None]
@@ -176,6 +174,23 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH_ROWS) ->
                                                             torch.log(probs))
         top_lps, top_ids = table.topk(min(sb.max_top_logprobs, logits.shape[-1]), dim=-1)
     return SampleResult(tokens, logprobs, top_ids, top_lps)
+
+
+def _logprobs_of(logits, tokens, log_norm, probs, raw_rows) -> torch.Tensor:
+    """Each row's logprob of `tokens`: raw where `raw_rows`, else from `probs`."""
+    raw = logits.gather(-1, tokens[:, None]).squeeze(1) - log_norm
+    processed = raw if probs is None else torch.log(probs.gather(-1, tokens[:, None]).squeeze(1))
+    return torch.where(raw_rows, raw, processed)
+
+
+def score(logits: torch.Tensor, targets: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH_ROWS) -> torch.Tensor:
+    """Each row's logprob of its target token in the row's logprob mode,
+    computed as `sample` computes a sampled token's (processed prompt
+    logprobs: a scored token equals the same token sampled there, bit for
+    bit, in deterministic mode)."""
+    _, _, log_norm = argmax_logsumexp(logits) if use_kernel(logits) else argmax_logsumexp_ref(logits)
+    plain = (sb.temperatures == 0) & ~filters_of(sb)
+    return _logprobs_of(logits, targets, log_norm, processed_probs(logits, sb, ops), sb.raw_logprobs | plain)
 
 
 def sample_per_row(logits: torch.Tensor, plan: SamplingPlan, device: torch.device) -> SampleResult:

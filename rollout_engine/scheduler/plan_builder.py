@@ -41,6 +41,7 @@ def build_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None = No
     sample_rows: list[int] = []
     prompt_rows: list[int] = []
     targets: list[int] = []
+    prompt_reqs: list[tuple[Request, int]] = []  # (request, prompt rows) in row order
     offset = 0
     for i, s in enumerate(batch.seqs):
         num_prompt = s.prompt_logprob_end - s.start
@@ -49,6 +50,7 @@ def build_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None = No
             prompt_rows.extend(range(len(logit_rows), len(logit_rows) + num_prompt))
             logit_rows.extend(range(offset, offset + num_prompt))
             targets.extend(s.req.tokens(s.start + 1, s.prompt_logprob_end + 1))
+            prompt_reqs.append((s.req, num_prompt))
         if s.samples:
             index.sample_seq.append(i)
             index.sample_reqs.append(s.req)
@@ -75,7 +77,7 @@ def build_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None = No
         prev_rows=prev_rows, table_writes=table.drain_writes(),
         logit_rows=i64(logit_rows), sample_rows=i64(sample_rows), prompt_rows=i64(prompt_rows),
         prompt_targets=i64(targets), sampling=_sampling(index.sample_reqs),
-        is_decode=batch.is_decode)
+        is_decode=batch.is_decode, prompt_sampling=_prompt_sampling(prompt_reqs))
     return plan, index
 
 
@@ -83,6 +85,17 @@ def _sampling(reqs: list[Request]) -> SamplingPlan | None:
     if not reqs:
         return None
     return sampling_plan([r.params for r in reqs], [r.seed for r in reqs], [r.seq_len for r in reqs])
+
+
+def _prompt_sampling(prompt_reqs: list[tuple[Request, int]]) -> SamplingPlan | None:
+    """Each prompt row's parameters, when any of them is processed (else
+    None: every prompt row is raw, the common case)."""
+    if not any(r.params.prompt_logprob_mode == "processed" for r, _ in prompt_reqs):
+        return None
+    params = [r.params for r, num in prompt_reqs for _ in range(num)]
+    plan = sampling_plan(params, [0] * len(params), [0] * len(params))
+    plan.raw_logprobs = np.array([p.prompt_logprob_mode == "raw" for p in params], dtype=bool)
+    return plan
 
 
 def sampling_plan(params: list[SamplingParams], seeds: list[int], positions: list[int]) -> SamplingPlan:
