@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,13 +91,28 @@ def test_low_temperature_equals_greedy():
 
 
 def test_uniforms_depend_only_on_seed_and_position():
-    seeds = torch.tensor([1, 2, 3, 1])
-    pos = torch.tensor([10, 10, 10, 10])
+    seeds = np.array([1, 2, 3, 1])
+    pos = np.array([10, 10, 10, 10])
     u = seeded_uniform(seeds, pos)
     assert u[0] == u[3] and len(set(u.tolist())) == 3
     assert ((u > 0) & (u < 1)).all()
-    many = seeded_uniform(torch.arange(100000), torch.full((100000,), 5))
-    assert abs(many.mean().item() - 0.5) < 0.01  # roughly uniform
+    many = seeded_uniform(np.arange(100000), np.full(100000, 5))
+    assert abs(many.mean() - 0.5) < 0.01  # roughly uniform
+    # The stream is part of what a seed means: these values are fixed.
+    top = seeded_uniform(np.array([0, 7, (1 << 63) - 1]), np.array([0, 123, (1 << 40) + 5]))
+    assert top.tolist() == FIXED_UNIFORMS
+
+
+FIXED_UNIFORMS = [0.744951528380625, 0.8509465359384194, 0.8883778561139479]  # as the device computed them before
+
+
+def test_uniforms_reach_the_device_unchanged():
+    """The float64 uniforms travel as int64 bits with the step's other
+    integers: the device gets exactly the host's values."""
+    plan = sampling_plan([SamplingParams(temperature=1.0)] * 3, [0, 7, (1 << 63) - 1], [0, 123, (1 << 40) + 5])
+    sb = SamplingBatch.build(plan, torch.device("cpu"))
+    assert sb.uniforms.dtype == torch.float64
+    assert sb.uniforms.tolist() == seeded_uniform(plan.seeds, plan.positions).tolist()
 
 
 def test_seeded_requests_reproduce_whatever_the_batch(llama):

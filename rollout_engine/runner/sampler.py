@@ -24,18 +24,21 @@ _MASK32 = 0xFFFFFFFF
 _HASH_MUL = 0x45D9F3B  # < 2**31, so products of 32-bit values fit in int64
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
+def _hash32(x: np.ndarray) -> np.ndarray:
     x = (((x >> 16) ^ x) * _HASH_MUL) & _MASK32
     x = (((x >> 16) ^ x) * _HASH_MUL) & _MASK32
     return (x >> 16) ^ x
 
 
-def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One float64 in (0, 1) per row, a pure function of (seed, position)."""
+def seeded_uniform(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """One float64 in (0, 1) per row, a pure function of (seed, position):
+    int64 arrays in, computed on the host when the step's sampling inputs
+    are built (a few microseconds, against a dozen small device kernels)."""
+    seeds, positions = np.asarray(seeds, dtype=np.int64), np.asarray(positions, dtype=np.int64)
     h = _hash32(_hash32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32))
     h = _hash32(h ^ (positions & _MASK32))
     h = _hash32(h ^ 0x2545F491)
-    return (h.double() + 0.5) / 4294967296.0
+    return (h.astype(np.float64) + 0.5) / 4294967296.0
 
 
 @dataclass
@@ -46,6 +49,7 @@ class SamplingBatch:
     min_ps: torch.Tensor  # [B] float32
     seeds: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64: position of the token being sampled
+    uniforms: torch.Tensor  # [B] float64: seeded_uniform(seeds, positions), each row's draw
     raw_logprobs: torch.Tensor  # [B] bool: logprob_mode == "raw"
     use_sort_filters: bool
     use_min_p: bool
@@ -55,12 +59,16 @@ class SamplingBatch:
     @staticmethod
     def build(plan: SamplingPlan, device: torch.device, max_top_logprobs: int | None = None) -> "SamplingBatch":
         # Two host tensors, two asynchronous copies: the step never waits here.
+        # The uniforms travel as the bits of their float64s in the int64 block.
+        uniforms = np.zeros(len(plan)) if plan.all_greedy else seeded_uniform(plan.seeds, plan.positions)
         floats = torch.from_numpy(np.stack([plan.temperatures, plan.top_ps, plan.min_ps])).to(device, non_blocking=True)
-        ints = torch.from_numpy(np.stack([plan.top_ks, plan.seeds, plan.positions, plan.raw_logprobs.astype(np.int64)]))
+        ints = torch.from_numpy(np.stack([plan.top_ks, plan.seeds, plan.positions, plan.raw_logprobs.astype(np.int64),
+                                          uniforms.view(np.int64)]))
         ints = ints.to(device, non_blocking=True)
         return SamplingBatch(
             temperatures=floats[0], top_ps=floats[1], min_ps=floats[2],
-            top_ks=ints[0], seeds=ints[1], positions=ints[2], raw_logprobs=ints[3].bool(),
+            top_ks=ints[0], seeds=ints[1], positions=ints[2], uniforms=ints[4].view(torch.float64),
+            raw_logprobs=ints[3].bool(),
             use_sort_filters=plan.use_sort_filters, use_min_p=plan.use_min_p, all_greedy=plan.all_greedy,
             max_top_logprobs=plan.max_top_logprobs if max_top_logprobs is None else max_top_logprobs,
         )
@@ -153,7 +161,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH_ROWS) ->
         tokens = greedy_tokens
     else:
         cdf = ops.cumsum(probs, torch.float64)
-        target = seeded_uniform(sb.seeds, sb.positions) * cdf[:, -1]
+        target = sb.uniforms * cdf[:, -1]
         drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
         drawn = drawn.clamp_(max=logits.shape[-1] - 1)
         # Rounding at the very top of the CDF must not pick a filtered token.
