@@ -149,3 +149,29 @@ def test_overlap_schedule_changes_nothing_but_timing(llama, page_size):
         engine.flush_cache()
         assert engine.core.scheduler.kv.allocator.num_free_pages == engine.core.scheduler.kv.allocator.num_pages
     assert outs[True] == outs[False]
+
+
+def test_decode_steps_are_scheduled_ahead_while_requests_wait_for_a_slot(llama):
+    """With every running slot taken, waiting requests cannot join before a
+    running one finishes: decode goes on overlapping meanwhile. A freed slot
+    is filled one step later, so a request may meet other neighbours than
+    without overlap: deterministic mode makes the outputs comparable."""
+    _, folder = llama
+    prompts = _prompts(8, seed=5)
+    params = [SamplingParams(max_new_tokens=n, temperature=t, seed=9, stop_token_ids=[7])
+              for n, t in zip(range(12, 44, 4), [0, 1.0] * 4)]
+    outs, ahead = {}, {}
+    for overlap in (True, False):
+        engine = RolloutEngine(folder, max_total_tokens=4096, max_running_requests=2, overlap_schedule=overlap,
+                               deterministic=True)
+        reqs = submit_manual(engine, None, prompts, params, None)
+        run_checked(engine, reqs)
+        sched = engine.core.scheduler
+        outs[overlap] = [(r.output_ids, r.output_logprobs, r.finish_reason) for r in reqs]
+        ahead[overlap] = (sched.num_ahead_steps, sched.num_steps)
+        engine.shutdown()
+    assert outs[True] == outs[False]
+    ahead_steps, steps = ahead[True]
+    # Only the last two requests decode with nobody waiting: most steps of
+    # the first six run ahead too.
+    assert ahead_steps > 0.6 * steps, ahead

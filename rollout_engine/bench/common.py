@@ -13,14 +13,22 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+# Engine fields a benchmark passes on when its flags set them.
+OPTIONAL_FIELDS = ("tp_size", "deterministic", "page_size", "max_running_requests", "cuda_graph_max_batch_size")
+
+
+def engine_kwargs(args) -> dict:
+    """RolloutEngine keyword arguments (all but the model) from the bench flags."""
+    kw = dict(load_format=args.load_format, attention_backend=args.attention_backend,
+              max_total_tokens=args.max_total_tokens, seed=args.seed, cuda_graph=not args.no_cuda_graph)
+    kw.update({f: getattr(args, f) for f in OPTIONAL_FIELDS if hasattr(args, f)})
+    return kw
+
+
 def make_engine(args, **overrides):
     from rollout_engine import RolloutEngine
 
-    kw = dict(load_format=args.load_format, attention_backend=args.attention_backend,
-              max_total_tokens=args.max_total_tokens, seed=args.seed, cuda_graph=not args.no_cuda_graph,
-              tp_size=getattr(args, "tp_size", 1), deterministic=getattr(args, "deterministic", False))
-    kw.update(overrides)
-    return RolloutEngine(args.model, **kw)
+    return RolloutEngine(args.model, **{**engine_kwargs(args), **overrides})
 
 
 def timed(fn) -> float:

@@ -7,12 +7,7 @@ import time
 from typing import Any
 
 from rollout_engine.bench import workloads
-
-
-def _engine_kwargs(args) -> dict[str, Any]:
-    return dict(load_format=args.load_format, attention_backend=args.attention_backend,
-                max_total_tokens=args.max_total_tokens, seed=args.seed, cuda_graph=not args.no_cuda_graph,
-                deterministic=getattr(args, "deterministic", False))
+from rollout_engine.bench.common import engine_kwargs
 
 
 def _run(pool, wl: workloads.Workload) -> dict[str, Any]:
@@ -32,8 +27,8 @@ def bench_grpo_pool(args) -> dict[str, Any]:
 
     results: dict[str, Any] = {}
     for replicas in (1, args.replicas):
-        with RolloutPool(args.model, num_replicas=replicas, tp_size=getattr(args, "tp_size", 1),
-                         **_engine_kwargs(args)) as pool:
+        kw = {**engine_kwargs(args), "tp_size": getattr(args, "tp_size", 1)}
+        with RolloutPool(args.model, num_replicas=replicas, **kw) as pool:
             vocab = pool.model_config.vocab_size
             warm = workloads.grpo(vocab, 2 * replicas, 2, 16, 32, 8, seed=99)
             pool.generate(input_ids=warm.input_ids, sampling_params=warm.params)

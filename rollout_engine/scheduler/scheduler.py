@@ -140,7 +140,7 @@ class Scheduler:
         applied. A request that finishes in step N computed one token too many
         in step N+1; that result is dropped."""
         finished: list[Request] = []
-        if self._pending is not None and (self.waiting or self._abort_marked):
+        if self._pending is not None and (self._may_admit() or self._abort_marked):
             finished += self._collect_pending()  # admissions and aborts see settled state
         finished += self._apply_aborts()
         if self._pending is None:
@@ -183,7 +183,7 @@ class Scheduler:
         `batch` that surely go on (no length stop), or None where only the
         settled state can decide. Each such request gets a placeholder for the
         token `batch` is sampling; `batch`'s result fills it."""
-        if not (self.cfg.overlap and batch.is_decode and not self.waiting and all(s.samples for s in batch.seqs)):
+        if not (self.cfg.overlap and batch.is_decode and not self._may_admit() and all(s.samples for s in batch.seqs)):
             return None
         seqs = [s for s in batch.seqs if not s.req.finished and not s.req.fork_siblings
                 and len(s.req.output_ids) + 1 < s.req.params.max_new_tokens
@@ -201,6 +201,13 @@ class Scheduler:
             req.kv_len += 1
         self.num_ahead_steps += 1
         return ahead
+
+    def _may_admit(self) -> bool:
+        """Whether a waiting request could join now. With every running slot
+        taken it cannot, until a running request is known to have finished:
+        decode steps go on being scheduled ahead meanwhile (a slot freed in
+        step N is then filled after step N+1, one step later)."""
+        return bool(self.waiting) and len(self.running) < self.cfg.max_running_requests
 
     def _schedule(self) -> Batch:
         batch = Batch(weight_version=self.weight_version)
