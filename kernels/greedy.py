@@ -25,7 +25,7 @@ def _kernels():
 
     @triton.jit
     def partial_kernel(x_ptr, stride, V, CHUNK, m_ptr, s_ptr, i_ptr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 at ~14k rows of a 152k vocabulary
         part = tl.program_id(1)
         lo = part * CHUNK
         m = tl.full([BLOCK], float("-inf"), tl.float32)

@@ -6,7 +6,9 @@ of the token being sampled) and inverts the CDF of its processed
 distribution. The draw depends on nothing else in the batch, so a seeded
 request reproduces whatever it is batched with, and a request resumed after
 preemption samples the same tokens. Everything is tensor ops on the device
-(no host RNG), so it can run inside a CUDA graph.
+(no host RNG), so it can run inside a CUDA graph. On CUDA, a step whose rows
+sample at a temperature without filters or top logprobs takes two fused
+kernels instead (kernels/draw.py: no [B, V] tables written).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from rollout_engine.kernels._triton import use_kernel
+from rollout_engine.kernels.draw import draw
 from rollout_engine.kernels.greedy import argmax_logsumexp, argmax_logsumexp_ref
 from rollout_engine.kernels.row_scan import row_cumsum
 from rollout_engine.plan import SamplingPlan
@@ -153,6 +156,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH_ROWS) ->
     batch."""
     if use_kernel(logits):
         greedy_tokens, row_max, log_norm = argmax_logsumexp(logits)
+        if _fused_draw_applies(sb, ops):
+            return _sample_fused(logits, sb, greedy_tokens, row_max, log_norm)
     else:
         greedy_tokens, row_max, log_norm = argmax_logsumexp_ref(logits)
     needs_processed = not sb.all_greedy or sb.use_sort_filters or sb.use_min_p
@@ -182,6 +187,23 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH_ROWS) ->
                                                             torch.log(probs))
         top_lps, top_ids = table.topk(min(sb.max_top_logprobs, logits.shape[-1]), dim=-1)
     return SampleResult(tokens, logprobs, top_ids, top_lps)
+
+
+def _fused_draw_applies(sb: SamplingBatch, ops: RowOps) -> bool:
+    """Rows that sample at a temperature and none that filters or asks for
+    top logprobs: the draw kernels (kernels/draw.py) take the whole step.
+    Not in deterministic mode, whose row operations are fixed separately."""
+    return not (ops.invariant or sb.all_greedy or sb.use_sort_filters or sb.use_min_p or sb.max_top_logprobs)
+
+
+def _sample_fused(logits, sb: SamplingBatch, greedy_tokens, row_max, log_norm) -> SampleResult:
+    sampling = sb.temperatures > 0
+    temps = torch.where(sampling, sb.temperatures, torch.ones_like(sb.temperatures))
+    drawn, processed = draw(logits, temps, row_max, greedy_tokens, sb.uniforms)
+    tokens = torch.where(sampling, drawn, greedy_tokens)
+    raw = logits.gather(-1, tokens[:, None]).squeeze(1) - log_norm
+    # Greedy rows (no filters here) report raw logprobs, as in `sample`.
+    return SampleResult(tokens, torch.where(sb.raw_logprobs | ~sampling, raw, processed), None, None)
 
 
 def _logprobs_of(logits, tokens, log_norm, probs, raw_rows) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""FlashInfer's paged decode attention alone, for the shapes of a model, at
+a few batch sizes and contexts: the CUDA-core kernel against the
+tensor-core one, for page sizes 1 and 16, as achieved KV read bandwidth
+(bytes of K and V read / kernel time). Tells which kernel the backend
+should pick for a head layout.
+
+    python3 benchmarks/decode_attention.py --model qwen3-0.6b --out attn.json
+
+Needs a CUDA GPU and flashinfer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from rollout_engine.models.presets import PRESETS
+
+
+def time_ms(fn, reps: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def run_case(fi, heads: int, kv_heads: int, dim: int, batch: int, context: int, page: int, tensor_cores: bool) -> float:
+    dev = torch.device("cuda")
+    pages_per_seq = -(-context // page)
+    num_pages = batch * pages_per_seq
+    k = torch.randn(num_pages, page, kv_heads, dim, dtype=torch.bfloat16, device=dev)
+    v = torch.randn_like(k)
+    # Pages of one sequence scattered over the pool, as after many requests came and went.
+    indices = torch.randperm(num_pages, device=dev, dtype=torch.int64).to(torch.int32)
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq
+    last = torch.full((batch,), context - (pages_per_seq - 1) * page, dtype=torch.int32)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores, backend="fa2")
+    w.plan(indptr, indices, last, heads, kv_heads, dim, page, q_data_type=torch.bfloat16,
+           kv_data_type=torch.bfloat16)
+    q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=dev)
+    return time_ms(lambda: w.run(q, (k, v)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(PRESETS))
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128, 256])
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 4096])
+    p.add_argument("--out")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_attention.py: needs a CUDA GPU")
+    if min(args.batch_sizes + args.contexts) < 1:
+        p.error("--batch-sizes and --contexts must be >= 1")
+    import flashinfer
+
+    mc = PRESETS[args.model]
+    heads, kv_heads = mc["num_attention_heads"], mc["num_key_value_heads"]
+    dim = mc.get("head_dim", mc["hidden_size"] // heads)
+    rows = []
+    for batch in args.batch_sizes:
+        for context in args.contexts:
+            kv_bytes = 2 * batch * context * kv_heads * dim * 2
+            for page in (1, 16):
+                for tc in (False, True):
+                    ms = run_case(flashinfer, heads, kv_heads, dim, batch, context, page, tc)
+                    row = {"batch": batch, "context": context, "page_size": page, "tensor_cores": tc,
+                           "us": round(ms * 1e3, 1), "kv_TBps": round(kv_bytes / ms / 1e9, 3)}
+                    rows.append(row)
+                    print(row, flush=True)
+    res = {"model": args.model, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+           "device": torch.cuda.get_device_name(), "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Temperature sampling without filters, from the logits, in two small
+launches: no [B, V] probability table, no float64 prefix sums over the
+vocabulary (the sampler's general path writes both, and at large batches
+that is most of the sampling time).
+
+Per row, with m the row's maximum logit (argmax_logsumexp gives it) and T
+its temperature, the weights exp((x - m) / T) are those of softmax(x / T)
+times a constant. The first launch sums them over each of SPLITS chunks of
+the vocabulary; the second finds the chunk where the running sum passes
+u * total (u: the row's seeded uniform), scans that chunk in blocks for the
+first token where it does (a token of weight 0 never is that token), and
+writes the token and its logprob, (x - m) / T - log(total). Where rounding
+leaves the target unreached, the chunk's last token of positive weight.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+SPLITS = 32
+BLOCK = 1024
+
+
+def draw_ref(logits: torch.Tensor, temps: torch.Tensor, row_max: torch.Tensor, greedy: torch.Tensor,
+             uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' result computed with torch ops (float64 prefix sums):
+    tokens [B] int64 and their logprobs [B] float32 at temperature `temps`."""
+    w = torch.exp((logits - row_max[:, None]) / temps[:, None])
+    cum = w.double().cumsum(-1)
+    total = cum[:, -1]
+    target = uniforms.double() * total
+    idx = torch.searchsorted(cum, target[:, None], right=True).squeeze(1)
+    vocab = logits.shape[-1]
+    last = vocab - 1 - (w > 0).flip(-1).int().argmax(-1)  # the last token of positive weight
+    tokens = torch.where(idx < vocab, idx, torch.where(w.gather(-1, last[:, None]).squeeze(1) > 0, last, greedy))
+    x = logits.gather(-1, tokens[:, None]).squeeze(1)
+    return tokens, (x - row_max) / temps - torch.log(total.float())
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def chunk_sums_kernel(x_ptr, stride, V, CHUNK, m_ptr, t_ptr, s_ptr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
+        m = tl.load(m_ptr + row)
+        inv_t = 1.0 / tl.load(t_ptr + row)
+        lo = part * CHUNK
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, CHUNK, BLOCK):
+            local = start + tl.arange(0, BLOCK)
+            offs = lo + local
+            x = tl.load(x_ptr + row * stride + offs, mask=(offs < V) & (local < CHUNK), other=float("-inf"))
+            acc += tl.exp((x - m) * inv_t)
+        tl.store(s_ptr + row * SPLITS + part, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def pick_kernel(x_ptr, stride, V, CHUNK, m_ptr, t_ptr, s_ptr, u_ptr, g_ptr, tok_ptr, lp_ptr,
+                    SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        m = tl.load(m_ptr + row)
+        inv_t = 1.0 / tl.load(t_ptr + row)
+        p = tl.arange(0, SPLITS)
+        sums = tl.load(s_ptr + row * SPLITS + p)
+        total = tl.sum(sums, axis=0)
+        target = tl.load(u_ptr + row).to(tl.float32) * total
+        cum = tl.cumsum(sums, axis=0)
+        # The first chunk whose running sum passes the target (the last one
+        # if rounding leaves it unpassed).
+        part = tl.minimum(tl.min(tl.where(cum > target, p, SPLITS), axis=0), SPLITS - 1)
+        before = tl.sum(tl.where(p < part, sums, 0.0), axis=0)
+        lo = part * CHUNK
+        found = V
+        last = -1  # the chunk's last token of positive weight
+        carry = before
+        for start in range(0, CHUNK, BLOCK):
+            local = start + tl.arange(0, BLOCK)
+            offs = lo + local
+            ok = (offs < V) & (local < CHUNK)
+            x = tl.load(x_ptr + row * stride + offs, mask=ok, other=float("-inf"))
+            w = tl.exp((x - m) * inv_t)
+            c = tl.cumsum(w, axis=0) + carry
+            found = tl.minimum(found, tl.min(tl.where(ok & (c > target), offs, V), axis=0))
+            last = tl.maximum(last, tl.max(tl.where(ok & (w > 0), offs, -1), axis=0))
+            carry = tl.max(c, axis=0)  # the running sum after this block (weights >= 0)
+        # Summed in another order than the chunk sums, the scan may end a
+        # rounding short of the target: then the chunk's last positive token.
+        tok = tl.where(found < V, found, tl.where(last >= 0, last, tl.load(g_ptr + row).to(tl.int32)))
+        x_tok = tl.load(x_ptr + row * stride + tok)
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(lp_ptr + row, (x_tok - m) * inv_t - tl.log(total))
+
+    return chunk_sums_kernel, pick_kernel
+
+
+def draw(logits: torch.Tensor, temps: torch.Tensor, row_max: torch.Tensor, greedy: torch.Tensor,
+         uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32 (unit stride in a row); temps [B] float32 > 0;
+    row_max [B] float32 and greedy [B] int64 from argmax_logsumexp;
+    uniforms [B] float64 in (0, 1). Returns (tokens int64, logprobs float32)."""
+    rows, vocab = logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    dev = logits.device
+    tokens = torch.empty(rows, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
+    if rows:
+        chunk = -(-vocab // SPLITS)
+        sums = torch.empty((rows, SPLITS), dtype=torch.float32, device=dev)
+        chunk_sums, pick = _kernels()
+        chunk_sums[(rows, SPLITS)](logits, logits.stride(0), vocab, chunk, row_max, temps, sums,
+                                   SPLITS=SPLITS, BLOCK=BLOCK)
+        pick[(rows,)](logits, logits.stride(0), vocab, chunk, row_max, temps, sums, uniforms, greedy, tokens,
+                      logprobs, SPLITS=SPLITS, BLOCK=BLOCK)
+    return tokens, logprobs
