@@ -94,3 +94,41 @@ def test_backend_resolution_respects_head_size():
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         resolve_backend_name("triton", shape(96))
     assert resolve_backend_name("triton", shape(64)) == "triton"
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_alloc_decode_takes_what_one_slot_per_request_takes(page_size):
+    """The batched decode allocation gives each request the slot a one-token
+    extend would give it (its last page's next slot, or a fresh page), writes
+    the same table cells, reports them for the device mirror, and takes
+    nothing when too few pages are free."""
+    def setup():
+        kv = _manager(num_pages=40, page_size=page_size)
+        kv.table.track_writes()
+        reqs = [_req(n) for n in (3, 4, 5, 8)]
+        for r in reqs:
+            kv.admit(r)
+            kv.alloc_extend(r, len(r.all_ids))
+            r.kv_len = len(r.all_ids)
+        kv.table.drain_writes()
+        return kv, reqs
+
+    one, reqs_one = setup()
+    each = np.concatenate([one.alloc_extend(r, 1) for r in reqs_one])
+    many, reqs_many = setup()
+    batched = many.alloc_decode(reqs_many)
+    assert batched.tolist() == each.tolist()
+    assert (many.table.table == one.table.table).all()
+    assert many.allocator.num_free_pages == one.allocator.num_free_pages
+    drained = many.table.drain_writes()
+    assert sorted(map(tuple, drained.T.tolist())) == sorted(map(tuple, one.table.drain_writes().T.tolist()))
+    for r in reqs_many:
+        r.kv_len += 1
+    many.check_integrity(reqs_many)
+
+    full, reqs_full = setup()
+    full.allocator.alloc(full.allocator.num_free_pages)
+    table_before = full.table.table.copy()
+    needs_page = any(r.kv_len % page_size == 0 for r in reqs_full)
+    assert needs_page and full.alloc_decode(reqs_full) is None
+    assert (full.table.table == table_before).all() and full.table.drain_writes() is None

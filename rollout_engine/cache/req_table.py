@@ -16,6 +16,7 @@ class ReqToTokenTable:
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._tracking = False
         self._touched: list[tuple[int, int, int]] = []  # (row, start, length) of each write
+        self._touched_cells: list[tuple[np.ndarray, np.ndarray]] = []  # (rows, columns) of each write_cells
 
     def track_writes(self) -> None:
         """Start recording written cells for `drain_writes` (a table without
@@ -35,6 +36,12 @@ class ReqToTokenTable:
         if self._tracking:
             self._touched.append((row, start, len(slots)))
 
+    def write_cells(self, rows: np.ndarray, cols: np.ndarray, slots: np.ndarray) -> None:
+        """One cell per entry (a decode step: each request's next position)."""
+        self.table[rows, cols] = slots
+        if self._tracking:
+            self._touched_cells.append((rows, cols))
+
     def slots(self, row: int, start: int, end: int) -> np.ndarray:
         return self.table[row, start:end]
 
@@ -47,9 +54,11 @@ class ReqToTokenTable:
         and a device scatter applies duplicate indices in no defined order.
         So every entry carries the cell's value now, never a past one: the
         duplicates agree and any order of applying them gives the host table."""
-        if not self._touched:
+        if not (self._touched or self._touched_cells):
             return None
-        rows = np.concatenate([np.full(n, r, dtype=np.int64) for r, _, n in self._touched])
-        cols = np.concatenate([np.arange(c, c + n, dtype=np.int64) for _, c, n in self._touched])
+        rows = [np.full(n, r, dtype=np.int64) for r, _, n in self._touched] + [r for r, _ in self._touched_cells]
+        cols = [np.arange(c, c + n, dtype=np.int64) for _, c, n in self._touched] + [c for _, c in self._touched_cells]
         self._touched.clear()
+        self._touched_cells.clear()
+        rows, cols = np.concatenate(rows), np.concatenate(cols)
         return np.stack([rows, cols, self.table[rows, cols]])

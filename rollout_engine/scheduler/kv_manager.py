@@ -84,6 +84,26 @@ class KVManager:
         self.table.write(req.row, pos, slots)
         return slots
 
+    def alloc_decode(self, reqs: list[Request]) -> np.ndarray | None:
+        """One slot each for the next position of `reqs` (a decode step),
+        written to their table rows in one go; None (nothing taken) when too
+        few pages are free. Evicts nothing. Does not advance kv_len."""
+        p, n = self.page_size, len(reqs)
+        rows = np.fromiter((r.row for r in reqs), np.int64, n)
+        pos = np.fromiter((r.kv_len for r in reqs), np.int64, n)
+        fresh = pos % p == 0  # the position starts a page
+        slots = np.empty(n, dtype=np.int64)
+        num_fresh = int(fresh.sum())
+        if num_fresh:
+            pages = self.allocator.alloc(num_fresh)
+            if pages is None:
+                return None
+            slots[fresh] = np.asarray(pages, dtype=np.int64) * p
+        if num_fresh < n:  # room left in the request's own last page
+            slots[~fresh] = self.table.table[rows[~fresh], pos[~fresh] - 1] + 1
+        self.table.write_cells(rows, pos, slots)
+        return slots
+
     def cache_prefix(self, req: Request) -> None:
         """Put the request's computed KV (whole pages) into the prefix cache
         while it keeps running, so requests sharing the prefix (its n-sample

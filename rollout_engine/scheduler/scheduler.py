@@ -188,16 +188,16 @@ class Scheduler:
         seqs = [s for s in batch.seqs if not s.req.finished and not s.req.fork_siblings
                 and len(s.req.output_ids) + 1 < s.req.params.max_new_tokens
                 and s.req.seq_len + 1 < self.stop.max_context]
-        if not seqs or self.kv.allocator.num_free_pages < len(seqs):
+        slots = self.kv.alloc_decode([s.req for s in seqs]) if seqs else None
+        if slots is None:
             return None
         ahead = Batch(weight_version=self.weight_version)
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             req = seq.req
             seq.fill_index = len(req.output_ids)
             req.output_ids.append(PLACEHOLDER)
             req.pending_tokens += 1
-            slots = self.kv.alloc_extend(req, 1)
-            ahead.seqs.append(ScheduledSeq(req, req.kv_len, 1, slots))
+            ahead.seqs.append(ScheduledSeq(req, req.kv_len, 1, slots[i: i + 1]))
             req.kv_len += 1
         self.num_ahead_steps += 1
         return ahead
