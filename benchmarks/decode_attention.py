@@ -1,6 +1,7 @@
 """FlashInfer's paged decode attention alone, for the shapes of a model, at
-a few batch sizes and contexts: the CUDA-core kernel against the
-tensor-core one, for page sizes 1 and 16, as achieved KV read bandwidth
+a few batch sizes and contexts (equal or ragged lengths): the CUDA-core
+kernel against the tensor-core one, page sizes 1 and 16, called directly or
+replayed in a CUDA graph as the engine does, as achieved KV read bandwidth
 (bytes of K and V read / kernel time). Tells which kernel the backend
 should pick for a head layout.
 
@@ -31,22 +32,45 @@ def time_ms(fn, reps: int = 30) -> float:
     return start.elapsed_time(end) / reps
 
 
-def run_case(fi, heads: int, kv_heads: int, dim: int, batch: int, context: int, page: int, tensor_cores: bool) -> float:
+def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: int, tensor_cores: bool,
+             graph: bool) -> float:
+    """Milliseconds of one decode attention call over sequences of `lens`
+    tokens; `graph`: planned and replayed as the engine's CUDA graphs are."""
     dev = torch.device("cuda")
-    pages_per_seq = -(-context // page)
-    num_pages = batch * pages_per_seq
+    batch = len(lens)
+    pages = -(-lens // page)
+    indptr = torch.zeros(batch + 1, dtype=torch.int32)
+    indptr[1:] = pages.cumsum(0)
+    num_pages = int(indptr[-1])
     k = torch.randn(num_pages, page, kv_heads, dim, dtype=torch.bfloat16, device=dev)
     v = torch.randn_like(k)
     # Pages of one sequence scattered over the pool, as after many requests came and went.
     indices = torch.randperm(num_pages, device=dev, dtype=torch.int64).to(torch.int32)
-    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq
-    last = torch.full((batch,), context - (pages_per_seq - 1) * page, dtype=torch.int32)
+    last = (lens - (pages - 1) * page).to(torch.int32)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores, backend="fa2")
-    w.plan(indptr, indices, last, heads, kv_heads, dim, page, q_data_type=torch.bfloat16,
-           kv_data_type=torch.bfloat16)
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=dev)
-    return time_ms(lambda: w.run(q, (k, v)))
+    kw = {}
+    if graph:
+        kw = dict(use_cuda_graph=True, paged_kv_indptr_buffer=indptr.to(dev), paged_kv_indices_buffer=indices,
+                  paged_kv_last_page_len_buffer=last.to(dev))
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores, backend="fa2", **kw)
+
+    def plan(indptr, last):
+        w.plan(indptr, indices, last, heads, kv_heads, dim, page, q_data_type=torch.bfloat16,
+               kv_data_type=torch.bfloat16)
+
+    if not graph:
+        plan(indptr, last)
+        return time_ms(lambda: w.run(q, (k, v)))
+    # As the engine does: captured over a one-token-per-sequence plan, planned
+    # again for the real lengths before each replay.
+    plan(torch.arange(batch + 1, dtype=torch.int32), torch.ones(batch, dtype=torch.int32))
+    w.run(q, (k, v))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(q, (k, v))
+    plan(indptr, last)
+    return time_ms(g.replay)
 
 
 def main() -> None:
@@ -66,16 +90,23 @@ def main() -> None:
     heads, kv_heads = mc["num_attention_heads"], mc["num_key_value_heads"]
     dim = mc.get("head_dim", mc["hidden_size"] // heads)
     rows = []
+    gen = torch.Generator().manual_seed(0)
     for batch in args.batch_sizes:
         for context in args.contexts:
-            kv_bytes = 2 * batch * context * kv_heads * dim * 2
-            for page in (1, 16):
-                for tc in (False, True):
-                    ms = run_case(flashinfer, heads, kv_heads, dim, batch, context, page, tc)
-                    row = {"batch": batch, "context": context, "page_size": page, "tensor_cores": tc,
-                           "us": round(ms * 1e3, 1), "kv_TBps": round(kv_bytes / ms / 1e9, 3)}
-                    rows.append(row)
-                    print(row, flush=True)
+            for ragged in (False, True):
+                # ragged: lengths spread over [context / 4, 7 context / 4), mean `context`
+                lens = (torch.randint(context // 4, 7 * context // 4, (batch,), generator=gen) if ragged
+                        else torch.full((batch,), context))
+                kv_bytes = 2 * int(lens.sum()) * kv_heads * dim * 2
+                for page in (1, 16):
+                    for tc in (False, True):
+                        for graph in (False, True):
+                            ms = run_case(flashinfer, heads, kv_heads, dim, lens, page, tc, graph)
+                            row = {"batch": batch, "context": context, "ragged": ragged, "page_size": page,
+                                   "tensor_cores": tc, "graph": graph, "us": round(ms * 1e3, 1),
+                                   "kv_TBps": round(kv_bytes / ms / 1e9, 3)}
+                            rows.append(row)
+                            print(row, flush=True)
     res = {"model": args.model, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
            "device": torch.cuda.get_device_name(), "rows": rows}
     if args.out:

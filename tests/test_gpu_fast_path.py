@@ -77,6 +77,24 @@ def test_flashinfer_bf16_parity(gpu_models, kind, tie, cuda_graph):
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_flashinfer_large_decode_batch_of_a_two_head_group(gpu_models, cuda_graph):
+    """Two query heads per KV head take the tensor-core decode kernel from
+    TENSOR_CORE_MIN_BATCH rows on (eager and in the graph buckets): parity
+    with HF holds there too."""
+    from rollout_engine.attention.flashinfer_backend import TENSOR_CORE_MIN_BATCH
+
+    hf, folder = gpu_models[("qwen2", False)]
+    engine = RolloutEngine(folder, device="cuda", attention_backend="flashinfer", cuda_graph=cuda_graph,
+                           max_total_tokens=65536, cuda_graph_max_batch_size=256)
+    backend = engine.core.parts.runner.backend
+    assert not backend.tensor_cores(TENSOR_CORE_MIN_BATCH - 1) and backend.tensor_cores(TENSOR_CORE_MIN_BATCH)
+    prompts = [[(t + 13 * i) % 500 + 1 for t in p] for i in range(40) for p in PROMPTS]  # 160 requests
+    gap, _ = _gap_vs_hf(engine, hf, prompts)
+    assert gap < 2e-2
+    engine.check_integrity()
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_flashinfer_over_cached_prefixes(gpu_models, page_size):
     hf, folder = gpu_models[("qwen3", False)]

@@ -1,7 +1,7 @@
 """FlashInfer paged attention: fa2 prefill over cached prefix + new tokens,
-fa2 decode (tensor cores when 4+ query heads share a KV head). Planned once
-per step for all layers; page indices are built on the GPU from the device
-request table. Decode wrappers for CUDA graphs plan into fixed buffers."""
+fa2 decode (tensor cores when 4+ query heads share a KV head, or from 128
+rows on). Planned once per step for all layers; page indices are built on
+the GPU from the device request table. Decode wrappers for CUDA graphs plan into fixed buffers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from rollout_engine.forward_batch import ForwardBatch
 
 WORKSPACE_BYTES = 256 << 20
+TENSOR_CORE_MIN_BATCH = 128
 
 
 @dataclass
@@ -47,11 +48,23 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=shape.device)
         # Tensor cores whenever 4+ query heads share a KV head: at every batch
         # size measured (1 to 256) as fast or faster than the CUDA-core kernel.
-        self.use_tensor_cores = shape.num_heads // shape.num_kv_heads >= 4
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend="fa2")
+        # With 2-3 they are from TENSOR_CORE_MIN_BATCH rows on (at 256 rows of
+        # ragged lengths, 9% more KV bandwidth; benchmarks/decode_attention.py).
+        group = shape.num_heads // shape.num_kv_heads
+        self.tensor_core_min_batch = 1 if group >= 4 else TENSOR_CORE_MIN_BATCH
+        self._decode: dict[bool, object] = {}  # eager decode wrappers, by tensor cores
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self._plan_copied: torch.cuda.Event | None = None
+
+    def tensor_cores(self, batch: int) -> bool:
+        return batch >= self.tensor_core_min_batch
+
+    def decode_wrapper(self, batch: int):
+        tc = self.tensor_cores(batch)
+        if tc not in self._decode:
+            self._decode[tc] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=tc, backend="fa2")
+        return self._decode[tc]
 
     # ---- planning --------------------------------------------------------------
     def page_indices(self, fb: "ForwardBatch", pt: PageTable, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,8 +96,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         pt = PageTable.of(fb.seq_lens, s.page_size)
         indices = self.page_indices(fb, pt)
         if fb.is_decode:
-            self.plan_decode(self.decode, pt, indices)
-            fb.attn_metadata = self.decode
+            wrapper = self.decode_wrapper(fb.batch_size)
+            self.plan_decode(wrapper, pt, indices)
+            fb.attn_metadata = wrapper
             return
         qo_indptr = np.zeros(fb.batch_size + 1, dtype=np.int32)
         np.cumsum(fb.extend_lens, out=qo_indptr[1:])
@@ -108,7 +122,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def graph_metadata(self, bs: int, fb: "ForwardBatch"):
         wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores(bs),
             paged_kv_indptr_buffer=self.indptr_buf[: bs + 1], paged_kv_indices_buffer=self.indices_buf,
             paged_kv_last_page_len_buffer=self.last_page_len_buf[:bs], backend="fa2")
         self.indices_buf[:bs].zero_()
