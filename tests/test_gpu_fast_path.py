@@ -84,7 +84,7 @@ def test_flashinfer_large_decode_batch_of_a_two_head_group(gpu_models, cuda_grap
     with HF holds there too."""
     from rollout_engine.attention.flashinfer_backend import TENSOR_CORE_MIN_BATCH
 
-    hf, folder = gpu_models[("qwen2", False)]
+    hf, folder = gpu_models[("qwen2", True)]
     engine = RolloutEngine(folder, device="cuda", attention_backend="flashinfer", cuda_graph=cuda_graph,
                            max_total_tokens=65536, cuda_graph_max_batch_size=256)
     backend = engine.core.parts.runner.backend
