@@ -48,6 +48,8 @@ def score(engine_or_model, sequences: Sequences, sampling_params: SamplingParams
     if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
         raise ValueError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
     pairs = _pairs(sequences)
+    if not pairs:
+        return []
     own = not isinstance(engine_or_model, RolloutEngine)
     engine = RolloutEngine(engine_or_model, **engine_kwargs) if own else engine_or_model
     if sampling_params is None or sampling_params.logprob_mode == "raw":

@@ -4,6 +4,7 @@ raises the right exception naming the field, and a normal greedy generate
 right after gives the same tokens as before the misuse."""
 from __future__ import annotations
 
+import asyncio
 import gc
 import math
 import signal
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_engine import RolloutEngine, SamplingParams
+from rollout_engine import RolloutEngine, SamplingParams, fidelity
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0)
 PROMPT = ["What is the capital of France?"]
@@ -135,6 +136,48 @@ def test_misuse_is_refused_and_the_engine_stays_usable(engine, baseline, action,
         cleanup(engine)
     assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
     engine.check_integrity()
+
+
+def _within(seconds, fn):
+    """fn() on a thread: its result, or a failure once `seconds` pass
+    (a call that hangs fails the test instead of blocking the suite)."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"no answer after {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+async def _collect(stream):
+    return [out async for out in stream]
+
+
+EMPTY_CALLS = {
+    "generate input_ids": lambda e: e.generate(input_ids=[]),
+    "generate prompts": lambda e: e.generate(prompts=[], sampling_params=[], progress=True),
+    "stream": lambda e: list(e.stream(input_ids=[])),
+    "generate_async": lambda e: asyncio.run(e.generate_async(prompts=[])),
+    "stream_async": lambda e: asyncio.run(_collect(e.stream_async(input_ids=[]))),
+    "fidelity.score": lambda e: fidelity.score(e, []),
+    "fidelity.score processed": lambda e: fidelity.score(e, (), SamplingParams(temperature=0.7, top_k=5)),
+}
+
+
+@pytest.mark.parametrize("call", EMPTY_CALLS.values(), ids=EMPTY_CALLS.keys())
+def test_no_prompts_give_no_outputs_at_once(engine, baseline, call):
+    assert _within(10, lambda: call(engine)) == []
+    assert engine.num_unfinished_requests() == 0
+    assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
 
 
 def test_enough_misuse_cases():
