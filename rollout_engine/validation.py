@@ -47,22 +47,29 @@ def _is_sequence(x: Any) -> bool:
 
 
 def _token_ids(i: int, ids: Any, vocab_size: int) -> list[int]:
-    """One prompt's ids as plain ints. Integer scalars of numpy or torch are
-    accepted; anything else is named for what it is."""
+    out = token_list(ids, f"request {i}: input_ids", vocab_size)
+    if not out:
+        _fail(i, "input_ids", "is empty")
+    return out
+
+
+def token_list(ids: Any, name: str, vocab_size: int | None = None) -> list[int]:
+    """One sequence's ids as plain ints (possibly none), each in
+    [0, vocab_size) when that is given. Integer scalars of numpy or torch are
+    accepted; anything else is named for what it is, in an error that starts
+    with `name`."""
     if not _is_sequence(ids):
-        _fail(i, "input_ids", f"must be a list of token ids, got {type(ids).__name__}")
+        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
     out = []
     for t in (ids.tolist() if hasattr(ids, "tolist") else ids):
         if hasattr(t, "item") and getattr(t, "ndim", 1) == 0 and hasattr(t, "dtype"):
             t = t.item()  # a numpy or torch scalar
         if isinstance(t, bool) or not isinstance(t, int):
             what = "a nested list" if isinstance(t, (list, tuple)) else f"{t!r} ({type(t).__name__})"
-            _fail(i, "input_ids", f"must hold integer token ids, got {what}")
-        if not 0 <= t < vocab_size:
-            _fail(i, "input_ids", f"contains {t}, outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"{name} must hold integer token ids, got {what}")
+        if vocab_size is not None and not 0 <= t < vocab_size:
+            raise ValueError(f"{name} contains {t}, outside the vocabulary [0, {vocab_size})")
         out.append(t)
-    if not out:
-        _fail(i, "input_ids", "is empty")
     return out
 
 

@@ -56,6 +56,10 @@ def _restore(e):
     e.update_weights(list(iter_safetensors(e.config.model)))
 
 
+def _score(sequences):
+    return lambda e: fidelity.score(e, sequences)
+
+
 def _paused_generate(e):
     e.pause_generation("keep")
     e.generate(PROMPT, sampling_params=GREEDY)
@@ -112,6 +116,15 @@ CASES = [
      ValueError, "stop_token_ids", None),
     ("stream, bad token", _stream(input_ids=[[10**6]]), ValueError, "input_ids", None),
     ("stream, bad params list", _stream(prompts=PROMPT, sampling_params=[]), ValueError, "sampling_params", None),
+    ("score: sequences a number", _score(5), ValueError, "sequences must be a list", None),
+    ("score: sequences None", _score(None), ValueError, "sequences must be a list", None),
+    ("score: one output, not a list", lambda e: fidelity.score(e, e.generate(PROMPT, sampling_params=GREEDY)[0]),
+     ValueError, "sequences must be a list", None),
+    ("score: prompt a number", _score([(5, [1])]), ValueError, "sequences[0] prompt", None),
+    ("score: token >= vocab", _score([([1, 2], [3]), ([1, 2], [3, 10**6])]), ValueError,
+     "sequences[1] output contains 1000000", None),
+    ("score: float token", _score([([1, 2.5], [3])]), ValueError, "sequences[0] prompt must hold integer", None),
+    ("score: beyond the context", _score([([1] * 8192, [2])]), ValueError, "sequences[0] has 8193 tokens", None),
     ("update: unknown name", lambda e: e.update_weights({"nope.weight": torch.zeros(2)}), ValueError, "nope.weight",
      None),
     ("update: wrong shape", lambda e: e.update_weights({"model.norm.weight": torch.zeros(3)}), ValueError,
