@@ -3,7 +3,7 @@ error is a ValueError naming the request and the field."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from rollout_engine.sampling_params import SamplingParams
 
@@ -79,8 +79,13 @@ def resolve_params(sampling_params: SamplingParams | Sequence[SamplingParams] | 
         return [SamplingParams()] * num
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num
-    if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != num:
-        raise ValueError(f"sampling_params must be one SamplingParams or a list of {num}")
+    if not isinstance(sampling_params, (list, tuple)):
+        hint = " (build one from a dict with SamplingParams(**d))" if isinstance(sampling_params, Mapping) else ""
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of {num} SamplingParams (one per "
+                         f"prompt), got {type(sampling_params).__name__}{hint}")
+    if len(sampling_params) != num:
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of {num} SamplingParams (one per "
+                         f"prompt), got a list of {len(sampling_params)}")
     for i, p in enumerate(sampling_params):
         if not isinstance(p, SamplingParams):
             _fail(i, "sampling_params", f"must be a SamplingParams, got {type(p).__name__}")
