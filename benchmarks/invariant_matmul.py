@@ -45,12 +45,14 @@ def time_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out")
     p.add_argument("--rows", type=int, nargs="+", default=ROWS)
     p.add_argument("--small", action="store_true", help="small-row tiles (decode at small batches)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("invariant_matmul.py: needs a CUDA GPU (the kernels are Triton's); torch sees none")
     candidates = SMALL if args.small else CANDIDATES
     ref_w = torch.randn(3584, 3584, device="cuda", dtype=torch.bfloat16)
     ref_x = torch.randn(300, 3584, device="cuda", dtype=torch.bfloat16)
