@@ -1,10 +1,10 @@
 """The batch-invariant matmul against F.linear (cuBLAS) on one GPU, for a
 few launch constants, over the shapes of a 7B model and the row counts of
 decode and prefill. Also checks, for each, that the split and tiled launches
-give the same bits.
+give the same bits. On a machine with a CUDA GPU:
 
-    bash .gpu/enter.sh python3 benchmarks/invariant_matmul.py --out mm.json
-    bash .gpu/enter.sh python3 benchmarks/invariant_matmul.py --small --rows 1 8 32 64
+    python3 benchmarks/invariant_matmul.py --out mm.json
+    python3 benchmarks/invariant_matmul.py --small --rows 1 8 32 64
 
 `--small`: tiles of 16-32 rows for small decode batches instead of the
 default candidates. Every candidate is also checked against DECODE_TILES

@@ -2,11 +2,12 @@
 kernel (matmul, attention, sampling, all-reduce, norms and the rest), over
 one run of the grpo, offline or decode workload (decode: a batch of short
 prompts generating many tokens, so nearly every step is a decode step), from a torch.profiler trace of the
-whole process (every thread's launches land on the device timeline).
+whole process (every thread's launches land on the device timeline). On a machine with a CUDA GPU (two
+for --tp 2):
 
-    bash .gpu/enter.sh python3 benchmarks/step_breakdown.py --workload grpo --model qwen2.5-7b \\
+    python3 benchmarks/step_breakdown.py --workload grpo --model qwen2.5-7b \\
         --num-prompts 16 -n 8 --output-len 256 --out breakdown.json [--deterministic] [--trace trace.json]
-    bash .gpu/enter.sh python3 benchmarks/step_breakdown.py --workload decode --batch-size 1 --tp 2 ...
+    python3 benchmarks/step_breakdown.py --workload decode --batch-size 1 --tp 2 ...
 
 With --tp k the trace is rank 0's (its GPU's kernels); the other ranks run
 the same steps.
