@@ -1,10 +1,10 @@
 """The batch-invariant matmul against F.linear (cuBLAS) on one GPU, for a
 few launch constants, over the shapes of a 7B model and the row counts of
 decode and prefill. Also checks, for each, that the split and tiled launches
-give the same bits.
+give the same bits. On a machine with a CUDA GPU:
 
-    bash .gpu/enter.sh python3 benchmarks/invariant_matmul.py --out mm.json
-    bash .gpu/enter.sh python3 benchmarks/invariant_matmul.py --small --rows 1 8 32 64
+    python3 benchmarks/invariant_matmul.py --out mm.json
+    python3 benchmarks/invariant_matmul.py --small --rows 1 8 32 64
 
 `--small`: tiles of 16-32 rows for small decode batches instead of the
 default candidates. Every candidate is also checked against DECODE_TILES
@@ -45,12 +45,14 @@ def time_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out")
     p.add_argument("--rows", type=int, nargs="+", default=ROWS)
     p.add_argument("--small", action="store_true", help="small-row tiles (decode at small batches)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("invariant_matmul.py: needs a CUDA GPU (the kernels are Triton's); torch sees none")
     candidates = SMALL if args.small else CANDIDATES
     ref_w = torch.randn(3584, 3584, device="cuda", dtype=torch.bfloat16)
     ref_x = torch.randn(300, 3584, device="cuda", dtype=torch.bfloat16)

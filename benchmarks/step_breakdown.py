@@ -2,11 +2,12 @@
 kernel (matmul, attention, sampling, all-reduce, norms and the rest), over
 one run of the grpo, offline or decode workload (decode: a batch of short
 prompts generating many tokens, so nearly every step is a decode step), from a torch.profiler trace of the
-whole process (every thread's launches land on the device timeline).
+whole process (every thread's launches land on the device timeline). On a machine with a CUDA GPU (two
+for --tp 2):
 
-    bash .gpu/enter.sh python3 benchmarks/step_breakdown.py --workload grpo --model qwen2.5-7b \\
+    python3 benchmarks/step_breakdown.py --workload grpo --model qwen2.5-7b \\
         --num-prompts 16 -n 8 --output-len 256 --out breakdown.json [--deterministic] [--trace trace.json]
-    bash .gpu/enter.sh python3 benchmarks/step_breakdown.py --workload decode --batch-size 1 --tp 2 ...
+    python3 benchmarks/step_breakdown.py --workload decode --batch-size 1 --tp 2 ...
 
 With --tp k the trace is rank 0's (its GPU's kernels); the other ranks run
 the same steps.
@@ -25,6 +26,9 @@ import torch
 
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.bench import workloads
+from rollout_engine.cli_args import (UsageError, add_engine_args, build_config, check_engine_args, engine_kwargs,
+                                     positive_int)
+from rollout_engine.core.build import check_tp_size
 
 KINDS = [  # first match wins, on the lower-cased kernel or operator name
     ("all_reduce", ("nccl", "all_reduce", "allreduce", "one_shot")),
@@ -82,26 +86,36 @@ def breakdown(events, wall_us: float, steps: int) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, each bad value named by its flag (before the GPU check,
+    so that a typo is told on any machine, and before a model is loaded)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=["grpo", "offline", "decode"], default="grpo")
-    p.add_argument("--model", default="qwen3-0.6b")
-    p.add_argument("--load-format", default="dummy")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("-n", type=int, default=8)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=32, help="decode: requests in the batch")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--deterministic", action="store_true")
+    add_engine_args(p, ("model", "load_format", "tp_size", "deterministic"),
+                    defaults={"model": "qwen3-0.6b", "load_format": "dummy"})
+    p.add_argument("--num-prompts", type=positive_int, default=16)
+    p.add_argument("-n", type=positive_int, default=8)
+    p.add_argument("--output-len", type=positive_int, default=256)
+    p.add_argument("--batch-size", type=positive_int, default=32, help="decode: requests in the batch")
     p.add_argument("--out", help="write the breakdown here (JSON)")
     p.add_argument("--trace", help="also write the Chrome trace here")
-    args = p.parse_args()
-    if min(args.num_prompts, args.n, args.output_len, args.batch_size, args.tp) < 1:
-        p.error("--num-prompts, -n, --output-len, --batch-size and --tp must be >= 1")
+    args = p.parse_args(argv)
+    try:
+        config = build_config(args)
+        check_engine_args(config)
+        check_tp_size(config)
+    except UsageError as e:
+        p.error(str(e))
+    except ValueError as e:  # the model does not split into tp_size shards
+        p.error(f"argument --tp-size: {e}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (see the module's docstring)")
-    engine = RolloutEngine(args.model, load_format=args.load_format, deterministic=args.deterministic,
-                           tp_size=args.tp)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    engine = RolloutEngine(**engine_kwargs(args))
     vocab = engine.model_config.vocab_size
     if args.workload == "grpo":
         wl = workloads.grpo(vocab, args.num_prompts, args.n, 256, 1024, args.output_len)
@@ -124,7 +138,7 @@ def main() -> None:
     engine.shutdown()
     events = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA]
-    res = {"workload": args.workload, "model": args.model, "deterministic": args.deterministic, "tp": args.tp,
+    res = {"workload": args.workload, "model": args.model, "deterministic": args.deterministic, "tp": args.tp_size,
            "device": torch.cuda.get_device_name(), **breakdown(events, wall_us, steps)}
     print(json.dumps(res, indent=1))
     if args.out:

@@ -76,8 +76,10 @@ def _rank(rank: int, size: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import multiprocessing as mp
+
+    import torch
 
     from rollout_engine.distributed.tp_group import free_port
 
@@ -87,7 +89,12 @@ def main() -> None:
     p.add_argument("--ops", type=int, default=64)
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--out")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.gpus < 1:
+        p.error(f"argument --gpus: must be an integer >= 1, got {args.gpus}")
+    if torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"tp_allreduce.py: needs {args.gpus} CUDA GPUs (--gpus); torch sees "
+                         f"{torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -16,22 +16,47 @@ import torch
 
 from rollout_engine.outputs import RolloutOutput
 from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.validation import Limits, token_list
 
 Sequences = Sequence[Union[RolloutOutput, tuple[Sequence[int], Sequence[int]]]]
 
 
 def _pairs(sequences: Sequences) -> list[tuple[list[int], list[int]]]:
+    """The sequences as (prompt, output) lists of ints; errors name the
+    caller's index (token ids are checked against a vocabulary later)."""
+    if isinstance(sequences, RolloutOutput) or not isinstance(sequences, (list, tuple)):
+        hint = " (put a single one in a list)" if isinstance(sequences, RolloutOutput) else ""
+        raise ValueError(f"sequences must be a list of RolloutOutputs or (prompt_ids, output_ids) pairs, got "
+                         f"{type(sequences).__name__}{hint}")
     pairs = []
     for i, s in enumerate(sequences):
         if isinstance(s, RolloutOutput):
-            pairs.append((list(s.prompt_token_ids), list(s.output_token_ids)))
+            prompt, output = s.prompt_token_ids, s.output_token_ids
         elif isinstance(s, (tuple, list)) and len(s) == 2:
-            pairs.append((list(s[0]), list(s[1])))
+            prompt, output = s
         else:
-            raise ValueError(f"sequences[{i}] must be a RolloutOutput or a (prompt_ids, output_ids) pair")
+            raise ValueError(f"sequences[{i}] must be a RolloutOutput or a (prompt_ids, output_ids) pair, got "
+                             f"{type(s).__name__}")
+        pairs.append((token_list(prompt, f"sequences[{i}] prompt"), token_list(output, f"sequences[{i}] output")))
         if not pairs[-1][0]:
             raise ValueError(f"sequences[{i}]: the prompt is empty (the first output token needs a context)")
     return pairs
+
+
+def _check_fits(pairs: list[tuple[list[int], list[int]]], limits: Limits) -> None:
+    """Every token in the engine's vocabulary, every sequence (plus the one
+    position the scoring pass generates) within what it holds."""
+    room = min(limits.max_context, limits.kv_capacity)
+    for i, (prompt, output) in enumerate(pairs):
+        for part, ids in (("prompt", prompt), ("output", output)):
+            bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"sequences[{i}] {part} contains {bad}, outside the vocabulary "
+                                 f"[0, {limits.vocab_size})")
+        if len(prompt) + len(output) + 1 > room:
+            raise ValueError(f"sequences[{i}] has {len(prompt) + len(output)} tokens: scoring it needs one position "
+                             f"more, and this engine holds at most {room} per sequence (the smaller of the model's "
+                             f"context, {limits.max_context}, and the KV cache capacity, {limits.kv_capacity})")
 
 
 def score(engine_or_model, sequences: Sequences, sampling_params: SamplingParams | None = None,
@@ -48,6 +73,8 @@ def score(engine_or_model, sequences: Sequences, sampling_params: SamplingParams
     if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
         raise ValueError(f"sampling_params must be a SamplingParams or None, got {type(sampling_params).__name__}")
     pairs = _pairs(sequences)
+    if not pairs:
+        return []
     own = not isinstance(engine_or_model, RolloutEngine)
     engine = RolloutEngine(engine_or_model, **engine_kwargs) if own else engine_or_model
     if sampling_params is None or sampling_params.logprob_mode == "raw":
@@ -57,6 +84,7 @@ def score(engine_or_model, sequences: Sequences, sampling_params: SamplingParams
         params = SamplingParams(max_new_tokens=1, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                 min_p=p.min_p, seed=0, prompt_logprobs=True, prompt_logprob_mode="processed")
     try:
+        _check_fits(pairs, engine.limits)
         outs = engine.generate(input_ids=[p + o for p, o in pairs], sampling_params=params)
     finally:
         if own:

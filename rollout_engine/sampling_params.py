@@ -19,8 +19,9 @@ class SamplingParams:
     same filters. `"raw"` reports the model's unmodified log-softmax.
     `prompt_logprob_mode` does the same for prompt logprobs (default "raw"):
     "processed" scores each prompt token under this request's temperature
-    and filters, as a sampled token would be reported (rollout_engine.fidelity
-    uses it to score sequences under sampling parameters).
+    and filters, as a sampled token would be reported: -inf for a token that
+    top-k, top-p or min-p exclude (rollout_engine.fidelity uses it to score
+    sequences under sampling parameters).
     """
 
     max_new_tokens: int = 128

@@ -3,7 +3,7 @@ error is a ValueError naming the request and the field."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from rollout_engine.sampling_params import SamplingParams
 
@@ -47,22 +47,29 @@ def _is_sequence(x: Any) -> bool:
 
 
 def _token_ids(i: int, ids: Any, vocab_size: int) -> list[int]:
-    """One prompt's ids as plain ints. Integer scalars of numpy or torch are
-    accepted; anything else is named for what it is."""
+    out = token_list(ids, f"request {i}: input_ids", vocab_size)
+    if not out:
+        _fail(i, "input_ids", "is empty")
+    return out
+
+
+def token_list(ids: Any, name: str, vocab_size: int | None = None) -> list[int]:
+    """One sequence's ids as plain ints (possibly none), each in
+    [0, vocab_size) when that is given. Integer scalars of numpy or torch are
+    accepted; anything else is named for what it is, in an error that starts
+    with `name`."""
     if not _is_sequence(ids):
-        _fail(i, "input_ids", f"must be a list of token ids, got {type(ids).__name__}")
+        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
     out = []
     for t in (ids.tolist() if hasattr(ids, "tolist") else ids):
         if hasattr(t, "item") and getattr(t, "ndim", 1) == 0 and hasattr(t, "dtype"):
             t = t.item()  # a numpy or torch scalar
         if isinstance(t, bool) or not isinstance(t, int):
             what = "a nested list" if isinstance(t, (list, tuple)) else f"{t!r} ({type(t).__name__})"
-            _fail(i, "input_ids", f"must hold integer token ids, got {what}")
-        if not 0 <= t < vocab_size:
-            _fail(i, "input_ids", f"contains {t}, outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"{name} must hold integer token ids, got {what}")
+        if vocab_size is not None and not 0 <= t < vocab_size:
+            raise ValueError(f"{name} contains {t}, outside the vocabulary [0, {vocab_size})")
         out.append(t)
-    if not out:
-        _fail(i, "input_ids", "is empty")
     return out
 
 
@@ -72,8 +79,13 @@ def resolve_params(sampling_params: SamplingParams | Sequence[SamplingParams] | 
         return [SamplingParams()] * num
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num
-    if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != num:
-        raise ValueError(f"sampling_params must be one SamplingParams or a list of {num}")
+    if not isinstance(sampling_params, (list, tuple)):
+        hint = " (build one from a dict with SamplingParams(**d))" if isinstance(sampling_params, Mapping) else ""
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of {num} SamplingParams (one per "
+                         f"prompt), got {type(sampling_params).__name__}{hint}")
+    if len(sampling_params) != num:
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of {num} SamplingParams (one per "
+                         f"prompt), got a list of {len(sampling_params)}")
     for i, p in enumerate(sampling_params):
         if not isinstance(p, SamplingParams):
             _fail(i, "sampling_params", f"must be a SamplingParams, got {type(p).__name__}")

@@ -110,14 +110,20 @@ def test_workload_roofline_counts_only_computed_prompt_tokens():
     assert abs(every - 800 / (8000 * 1e9 / 1e14 + decode_s)) < 1e-6 * every
 
 
-def test_step_breakdown_sums_kernels_by_kind_and_idle_time():
+def _benchmark(name: str):
+    """A script of benchmarks/, imported as a module."""
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "step_breakdown.py")
-    spec = importlib.util.spec_from_file_location("step_breakdown", path)
-    sb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sb)
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_breakdown_sums_kernels_by_kind_and_idle_time():
+    sb = _benchmark("step_breakdown")
     assert sb.busy_time([(0, 10), (5, 12), (20, 30)]) == 22  # overlaps counted once
     events = [("sm90_xmma_gemm_bf16", 0, 600), ("BatchDecodeWithPagedKVCacheKernel", 600, 200),
               ("ncclDevKernel_AllReduce_Sum_bf16", 800, 100), ("argmax_logsumexp partial_kernel", 900, 50),
@@ -125,3 +131,30 @@ def test_step_breakdown_sums_kernels_by_kind_and_idle_time():
     res = sb.breakdown(events, wall_us=2000, steps=2)
     assert res["busy_share"] == 0.5 and res["idle_ms_per_step"] == 0.5
     assert res["ms_by_kind"] == {"matmul": 0.6, "attention": 0.2, "all_reduce": 0.1, "sampling": 0.1, "norm": 0.1}
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--batch-size", "0"], "--batch-size"), (["--output-len", "-1"], "--output-len"), (["-n", "0"], "-n"),
+    (["--num-prompts", "x"], "--num-prompts"), (["--workload", "nope"], "--workload"), (["--tp", "0"], "--tp-size"),
+    (["--tp", "3"], "--tp-size"), (["--model", "nope"], "--model"), (["--load-format", "pt"], "--load-format"),
+])
+def test_step_breakdown_names_the_bad_flag_on_any_machine(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _benchmark("step_breakdown").parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"error: argument {flag}: " in err and "Traceback" not in err, err
+
+
+def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        _benchmark("step_breakdown").parse_args([])
+    assert exit_.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+    for name, argv in (("invariant_matmul", []), ("tp_allreduce", ["--gpus", str(torch.cuda.device_count() + 1)])):
+        with pytest.raises(SystemExit) as exit_:
+            _benchmark(name).main(argv)
+        message = exit_.value.code  # a string: printed as is, exit status 1
+        assert isinstance(message, str) and "CUDA GPU" in message and "\n" not in message, message

@@ -4,6 +4,7 @@ raises the right exception naming the field, and a normal greedy generate
 right after gives the same tokens as before the misuse."""
 from __future__ import annotations
 
+import asyncio
 import gc
 import math
 import signal
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_engine import RolloutEngine, SamplingParams
+from rollout_engine import RolloutEngine, SamplingParams, fidelity
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0)
 PROMPT = ["What is the capital of France?"]
@@ -53,6 +54,10 @@ def _restore(e):
     from rollout_engine.weights.loader import iter_safetensors
 
     e.update_weights(list(iter_safetensors(e.config.model)))
+
+
+def _score(sequences):
+    return lambda e: fidelity.score(e, sequences)
 
 
 def _paused_generate(e):
@@ -111,6 +116,15 @@ CASES = [
      ValueError, "stop_token_ids", None),
     ("stream, bad token", _stream(input_ids=[[10**6]]), ValueError, "input_ids", None),
     ("stream, bad params list", _stream(prompts=PROMPT, sampling_params=[]), ValueError, "sampling_params", None),
+    ("score: sequences a number", _score(5), ValueError, "sequences must be a list", None),
+    ("score: sequences None", _score(None), ValueError, "sequences must be a list", None),
+    ("score: one output, not a list", lambda e: fidelity.score(e, e.generate(PROMPT, sampling_params=GREEDY)[0]),
+     ValueError, "sequences must be a list", None),
+    ("score: prompt a number", _score([(5, [1])]), ValueError, "sequences[0] prompt", None),
+    ("score: token >= vocab", _score([([1, 2], [3]), ([1, 2], [3, 10**6])]), ValueError,
+     "sequences[1] output contains 1000000", None),
+    ("score: float token", _score([([1, 2.5], [3])]), ValueError, "sequences[0] prompt must hold integer", None),
+    ("score: beyond the context", _score([([1] * 8192, [2])]), ValueError, "sequences[0] has 8193 tokens", None),
     ("update: unknown name", lambda e: e.update_weights({"nope.weight": torch.zeros(2)}), ValueError, "nope.weight",
      None),
     ("update: wrong shape", lambda e: e.update_weights({"model.norm.weight": torch.zeros(3)}), ValueError,
@@ -135,6 +149,48 @@ def test_misuse_is_refused_and_the_engine_stays_usable(engine, baseline, action,
         cleanup(engine)
     assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
     engine.check_integrity()
+
+
+def _within(seconds, fn):
+    """fn() on a thread: its result, or a failure once `seconds` pass
+    (a call that hangs fails the test instead of blocking the suite)."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"no answer after {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+async def _collect(stream):
+    return [out async for out in stream]
+
+
+EMPTY_CALLS = {
+    "generate input_ids": lambda e: e.generate(input_ids=[]),
+    "generate prompts": lambda e: e.generate(prompts=[], sampling_params=[], progress=True),
+    "stream": lambda e: list(e.stream(input_ids=[])),
+    "generate_async": lambda e: asyncio.run(e.generate_async(prompts=[])),
+    "stream_async": lambda e: asyncio.run(_collect(e.stream_async(input_ids=[]))),
+    "fidelity.score": lambda e: fidelity.score(e, []),
+    "fidelity.score processed": lambda e: fidelity.score(e, (), SamplingParams(temperature=0.7, top_k=5)),
+}
+
+
+@pytest.mark.parametrize("call", EMPTY_CALLS.values(), ids=EMPTY_CALLS.keys())
+def test_no_prompts_give_no_outputs_at_once(engine, baseline, call):
+    assert _within(10, lambda: call(engine)) == []
+    assert engine.num_unfinished_requests() == 0
+    assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
 
 
 def test_enough_misuse_cases():

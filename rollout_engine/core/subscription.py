@@ -6,7 +6,8 @@ queue for async ones). Items delivered:
 
 - ("delta", RolloutOutput)  streams: the tokens since the request's previous delta
 - ("progress", n)           blocking calls with a progress bar: n more requests finished
-- ("end", outputs)          every request finished: outputs in request order (streams: None)
+- ("end", outputs)          every request finished (at once for a call of no prompts):
+                            outputs in request order (streams: None)
 - ("error", exception)      the call failed; nothing follows
 """
 from __future__ import annotations
@@ -40,6 +41,8 @@ class Subscription:
         self._sent = [0] * len(reqs)
         self._open = list(range(len(reqs)))
         self._remaining = len(reqs)
+        if not reqs:  # nothing will finish or stream: the call ends now
+            self._end(None if self.stream else [])
 
     # ---- called on the loop thread --------------------------------------------
     def on_finish(self, req: Request, stop: StopChecker) -> None:
