@@ -199,11 +199,26 @@ def test_gpu_workloads_need_cuda(workload, capsys, monkeypatch, no_bench_run):
     (["--prompt-min", "64", "--prompt-max", "32"], "--prompt-min"),
     (["--out", "/no/such/folder/report.json"], "--out"),
     (["--model", "nope"], "--model"),
-    (["--page-size", "16"], "--page-size"),  # bench's engine factory would ignore it: not offered
+    (["--page-size", "3"], "--page-size"),
+    (["--max-running-requests", "0"], "--max-running-requests"),
 ])
 def test_bad_bench_flags(flags, named, capsys, no_bench_run):
     assert main(["bench", "--workload", "grpo", *flags]) == 2
     assert named in _one_line_error(capsys)
+
+
+def test_bench_engine_flags_reach_the_engine():
+    """Every engine flag `bench` offers is passed to the engines it builds."""
+    from rollout_engine.bench.common import engine_kwargs
+
+    args = cli.build_parser().parse_args(["bench", "--page-size", "16", "--max-running-requests", "64",
+                                      "--cuda-graph-max-batch-size", "128", "--tp", "2", "--deterministic"])
+    kw = engine_kwargs(args)
+    assert (kw["page_size"], kw["max_running_requests"], kw["cuda_graph_max_batch_size"]) == (16, 64, 128)
+    assert kw["tp_size"] == 2 and kw["deterministic"] is True
+    offered = {a.dest for a in cli.build_parser()._subparsers._group_actions[0].choices["bench"]._actions}
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    assert offered & engine_fields <= set(kw)
 
 
 # ---- run -----------------------------------------------------------------------------------

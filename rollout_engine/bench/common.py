@@ -20,7 +20,7 @@ OPTIONAL_FIELDS = ("tp_size", "deterministic", "page_size", "max_running_request
 def engine_kwargs(args) -> dict:
     """RolloutEngine keyword arguments (all but the model) from the bench flags."""
     kw = dict(load_format=args.load_format, attention_backend=args.attention_backend,
-              max_total_tokens=args.max_total_tokens, seed=args.seed, cuda_graph=not args.no_cuda_graph)
+              max_total_tokens=args.max_total_tokens, seed=args.seed, cuda_graph=args.cuda_graph)
     kw.update({f: getattr(args, f) for f in OPTIONAL_FIELDS if hasattr(args, f)})
     return kw
 
