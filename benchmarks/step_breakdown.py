@@ -26,9 +26,8 @@ import torch
 
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.bench import workloads
-from rollout_engine.cli_args import (UsageError, add_engine_args, build_config, check_engine_args, engine_kwargs,
-                                     positive_int)
-from rollout_engine.core.build import check_tp_size
+from rollout_engine.cli_args import (UsageError, add_engine_args, build_config, check_engine_args, check_tp_args,
+                                     engine_kwargs, positive_int)
 
 KINDS = [  # first match wins, on the lower-cased kernel or operator name
     ("all_reduce", ("nccl", "all_reduce", "allreduce", "one_shot")),
@@ -103,11 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         config = build_config(args)
         check_engine_args(config)
-        check_tp_size(config)
+        check_tp_args(config)
     except UsageError as e:
         p.error(str(e))
-    except ValueError as e:  # the model does not split into tp_size shards
-        p.error(f"argument --tp-size: {e}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (see the module's docstring)")
     return args

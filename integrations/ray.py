@@ -142,7 +142,8 @@ class RolloutPool:
         replica that dies mid-stream has its requests re-run elsewhere (same
         seeds); what was already delivered is not delivered twice."""
         batch = self._batch(prompts, input_ids, sampling_params, request_ids, session_ids)
-        return merge_streams(self, batch, self._deadline(timeout_s))
+        deadline = self._deadline(timeout_s)
+        return merge_streams(self, batch, deadline) if batch.units else iter(())
 
     def abort(self, request_ids: Sequence[str] | None = None) -> int:
         if request_ids is not None and (isinstance(request_ids, str) or not isinstance(request_ids, (list, tuple))):
@@ -182,7 +183,8 @@ class RolloutPool:
         return self._slots[index]
 
     def _run(self, batch: Batch, timeout_s: float | None) -> list[RolloutOutput]:
-        return run_batch(self, batch, self._deadline(timeout_s))
+        deadline = self._deadline(timeout_s)
+        return run_batch(self, batch, deadline) if batch.units else []  # no prompts: nothing to wait for
 
     # ---- RL controls -----------------------------------------------------------------
     @property

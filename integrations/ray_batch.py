@@ -42,8 +42,8 @@ def make_batch(prompts, input_ids, sampling_params, request_ids, session_ids, rn
     if isinstance(input_ids, (list, tuple)):  # rows may be numpy arrays or tensors, as the engine takes them
         input_ids = [x.tolist() if hasattr(x, "tolist") else x for x in input_ids]
     items = prompts if prompts is not None else input_ids
-    if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)) or not items:
-        raise ValueError(f"{'prompts' if prompts is not None else 'input_ids'} must be a non-empty list")
+    if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)):
+        raise ValueError(f"{'prompts' if prompts is not None else 'input_ids'} must be a list")
     if input_ids is not None and not all(isinstance(x, (list, tuple)) for x in input_ids):
         raise ValueError("input_ids must be a list of token-id lists")
     num = len(items)

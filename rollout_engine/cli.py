@@ -16,8 +16,8 @@ import time
 from typing import Any, NoReturn
 
 from rollout_engine.cli_args import (INPUT_IDS_HELP, UsageError, add_engine_args, add_sampling_args, build_config,
-                                     build_sampling, check_engine_args, has_tokenizer, input_ids, positive_int,
-                                     unit_fraction)
+                                     build_sampling, check_engine_args, check_tp_args, has_tokenizer, input_ids,
+                                     positive_int, unit_fraction)
 from rollout_engine.config import EngineConfig
 from rollout_engine.model_zoo import ZOO
 
@@ -144,7 +144,9 @@ def _memory_saver_installed() -> bool:
 # ---- bench --------------------------------------------------------------------------
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    check_engine_args(build_config(args))
+    config = build_config(args)
+    check_engine_args(config)
+    check_tp_args(config)
     _check_bench_args(args)
     if args.n is None:
         args.n = 16 if args.workload == "longtail" else 8

@@ -124,6 +124,17 @@ def _named(exc: ValueError, fields: Iterable[str]) -> UsageError:
     return UsageError(str(exc))
 
 
+def check_tp_args(config: EngineConfig) -> None:
+    """A tp_size that does not split the model, as a UsageError naming the flag
+    (reads the model's config only, before any process starts)."""
+    from rollout_engine.core.build import check_tp_size
+
+    try:
+        check_tp_size(config)
+    except ValueError as e:
+        raise UsageError(f"argument --tp-size: {e}") from None
+
+
 def check_engine_args(config: EngineConfig) -> None:
     """Checks that need no model: the model and tokenizer exist, CUDA is there
     when asked for. Fails fast instead of after a download or a load."""

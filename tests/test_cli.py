@@ -201,6 +201,7 @@ def test_gpu_workloads_need_cuda(workload, capsys, monkeypatch, no_bench_run):
     (["--model", "nope"], "--model"),
     (["--page-size", "3"], "--page-size"),
     (["--max-running-requests", "0"], "--max-running-requests"),
+    (["--tp", "3"], "--tp-size"),  # 16 heads do not split in 3
 ])
 def test_bad_bench_flags(flags, named, capsys, no_bench_run):
     assert main(["bench", "--workload", "grpo", *flags]) == 2

@@ -202,6 +202,14 @@ def test_bad_arguments_are_value_errors_and_the_pool_goes_on(pool, folders):
         RolloutPool(folders[0], max_restarts=-5, device="cpu")
     with pytest.raises(ValueError, match="timeout_s"):
         pool.generate(input_ids=PROMPTS[:1], timeout_s=-1)
+    with pytest.raises(ValueError, match="input_ids must be a list"):
+        pool.generate(input_ids=5)
+    # No prompts: no outputs, at once, as from one engine.
+    assert pool.generate(input_ids=[]) == [] and pool.generate(prompts=[]) == []
+    assert list(pool.stream(input_ids=[], sampling_params=GREEDY)) == []
+    import asyncio
+
+    assert asyncio.run(pool.generate_async(input_ids=[])) == []
     # An early close and a failed call leave no queued work behind in the routing.
     stream = pool.stream(input_ids=PROMPTS[:1], sampling_params=SamplingParams(max_new_tokens=200, temperature=0))
     next(stream)
