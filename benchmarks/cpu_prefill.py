@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from rollout_engine.cli_args import ScriptParser, positive_int
+
 MODEL = "smollm2-135m"
 
 
@@ -122,14 +124,14 @@ CONFIGS = {
 def main() -> None:
     import torch
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=4000)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per subprocess")
-    ap.add_argument("--rounds", type=int, default=1, help="subprocesses per configuration, run round-robin")
+    ap = ScriptParser("cpu_prefill.py", __doc__)
+    ap.add_argument("--tokens", type=positive_int, default=4000, help="prompt tokens prefilled")
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads(), help="torch threads")
+    ap.add_argument("--repeats", type=positive_int, default=2, help="timed runs per subprocess")
+    ap.add_argument("--rounds", type=positive_int, default=1, help="subprocesses per configuration, run round-robin")
     ap.add_argument("--only", nargs="*", choices=sorted(CONFIGS), help="run only these configurations")
     ap.add_argument("--role", choices=("engine", "hf"), help=argparse.SUPPRESS)
-    ap.add_argument("--max-prefill-tokens", type=int, default=8192, help=argparse.SUPPRESS)
+    ap.add_argument("--max-prefill-tokens", type=positive_int, default=8192, help=argparse.SUPPRESS)
     ap.add_argument("--logits-to-keep", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role:  # a child: one configuration, its result as JSON on the last line

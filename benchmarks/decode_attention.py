@@ -11,12 +11,11 @@ Needs a CUDA GPU and flashinfer.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 
 import torch
 
+from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
 from rollout_engine.models.presets import PRESETS
 
 
@@ -73,18 +72,19 @@ def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: 
     return time_ms(g.replay)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(PRESETS))
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128, 256])
-    p.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 4096])
-    p.add_argument("--out")
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("decode_attention.py: needs a CUDA GPU")
-    if min(args.batch_sizes + args.contexts) < 1:
-        p.error("--batch-sizes and --contexts must be >= 1")
-    import flashinfer
+def main(argv: list[str] | None = None) -> None:
+    p = ScriptParser("decode_attention.py", __doc__)
+    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(PRESETS), help="the head layout of this preset")
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 32, 128, 256], help="requests per batch")
+    p.add_argument("--contexts", type=positive_int, nargs="+", default=[512, 1024, 4096],
+                   help="mean tokens of KV per request")
+    p.add_argument("--out", help="write the rows here (JSON)")
+    args = p.parse_checked(argv)
+    needs_cuda(p, "it times FlashInfer's kernels")
+    try:
+        import flashinfer
+    except ImportError:
+        p.error("needs flashinfer (the gpu extra)")
 
     mc = PRESETS[args.model]
     heads, kv_heads = mc["num_attention_heads"], mc["num_key_value_heads"]

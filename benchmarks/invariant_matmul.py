@@ -12,12 +12,12 @@ bit for bit (configurations that share BLOCK_K must agree).
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 import torch.nn.functional as F
 
+from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
 from rollout_engine.kernels.invariant_matmul import DECODE_TILES, Tiles, invariant_matmul
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}  # qwen2.5-7b
@@ -46,13 +46,12 @@ def time_ms(fn, reps: int = 20) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out")
-    p.add_argument("--rows", type=int, nargs="+", default=ROWS)
+    p = ScriptParser("invariant_matmul.py", __doc__)
+    p.add_argument("--out", help="write the rows here (JSON)")
+    p.add_argument("--rows", type=positive_int, nargs="+", default=ROWS, help="rows of the activation")
     p.add_argument("--small", action="store_true", help="small-row tiles (decode at small batches)")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("invariant_matmul.py: needs a CUDA GPU (the kernels are Triton's); torch sees none")
+    args = p.parse_checked(argv)
+    needs_cuda(p, "the kernels are Triton's")
     candidates = SMALL if args.small else CANDIDATES
     ref_w = torch.randn(3584, 3584, device="cuda", dtype=torch.bfloat16)
     ref_x = torch.randn(300, 3584, device="cuda", dtype=torch.bfloat16)

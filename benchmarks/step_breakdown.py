@@ -12,7 +12,7 @@ for --tp 2):
 With --tp k the trace is rank 0's (its GPU's kernels); the other ranks run
 the same steps.
 
-Needs a CUDA GPU: the device timeline holds the kernels of every thread,
+Needs a CUDA GPU (two for --tp 2): the device timeline holds the kernels of every thread,
 while the profiler would see only this thread's CPU operators (the engine
 runs its steps on a thread of its own).
 """
@@ -26,8 +26,8 @@ import torch
 
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.bench import workloads
-from rollout_engine.cli_args import (UsageError, add_engine_args, build_config, check_engine_args, check_tp_args,
-                                     engine_kwargs, positive_int)
+from rollout_engine.cli_args import (ScriptParser, UsageError, add_engine_args, build_config, check_engine_args,
+                                     check_tp_args, engine_kwargs, needs_cuda, positive_int)
 
 KINDS = [  # first match wins, on the lower-cased kernel or operator name
     ("all_reduce", ("nccl", "all_reduce", "allreduce", "one_shot")),
@@ -88,25 +88,24 @@ def breakdown(events, wall_us: float, steps: int) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, each bad value named by its flag (before the GPU check,
     so that a typo is told on any machine, and before a model is loaded)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ScriptParser("step_breakdown.py", __doc__)
     p.add_argument("--workload", choices=["grpo", "offline", "decode"], default="grpo")
     add_engine_args(p, ("model", "load_format", "tp_size", "deterministic"),
                     defaults={"model": "qwen3-0.6b", "load_format": "dummy"})
-    p.add_argument("--num-prompts", type=positive_int, default=16)
-    p.add_argument("-n", type=positive_int, default=8)
-    p.add_argument("--output-len", type=positive_int, default=256)
+    p.add_argument("--num-prompts", type=positive_int, default=16, help="grpo, offline: prompts")
+    p.add_argument("-n", type=positive_int, default=8, help="grpo: samples per prompt")
+    p.add_argument("--output-len", type=positive_int, default=256, help="tokens generated per sample (offline: the most)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="decode: requests in the batch")
     p.add_argument("--out", help="write the breakdown here (JSON)")
     p.add_argument("--trace", help="also write the Chrome trace here")
-    args = p.parse_args(argv)
+    args = p.parse_checked(argv, outs=("out", "trace"))
     try:
         config = build_config(args)
         check_engine_args(config)
         check_tp_args(config)
     except UsageError as e:
         p.error(str(e))
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU (see the module's docstring)")
+    needs_cuda(p, "the profiler reads the device timeline", args.tp_size)
     return args
 
 

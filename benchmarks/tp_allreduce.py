@@ -9,10 +9,11 @@ step's layers do); the time per all-reduce is the graph's replay time over
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
+
+from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
 
 
 def _time_graph(fn, x, ops: int, replays: int) -> float:
@@ -83,18 +84,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from rollout_engine.distributed.tp_group import free_port
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--gpus", type=int, default=2)
-    p.add_argument("--sizes-kib", type=int, nargs="+", default=[8, 32, 128, 512, 1024, 4096])
-    p.add_argument("--ops", type=int, default=64)
-    p.add_argument("--replays", type=int, default=50)
-    p.add_argument("--out")
-    args = p.parse_args(argv)
-    if args.gpus < 1:
-        p.error(f"argument --gpus: must be an integer >= 1, got {args.gpus}")
-    if torch.cuda.device_count() < args.gpus:
-        raise SystemExit(f"tp_allreduce.py: needs {args.gpus} CUDA GPUs (--gpus); torch sees "
-                         f"{torch.cuda.device_count()}")
+    p = ScriptParser("tp_allreduce.py", __doc__)
+    p.add_argument("--gpus", type=positive_int, default=2, help="ranks, one per GPU")
+    p.add_argument("--sizes-kib", type=positive_int, nargs="+", default=[8, 32, 128, 512, 1024, 4096],
+                   help="message sizes")
+    p.add_argument("--ops", type=positive_int, default=64, help="all-reduces per captured graph")
+    p.add_argument("--replays", type=positive_int, default=50, help="graph replays timed")
+    p.add_argument("--out", help="write the rows here (JSON)")
+    args = p.parse_checked(argv)
+    needs_cuda(p, "one per rank, --gpus", args.gpus)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -15,9 +15,9 @@ import sys
 import time
 from typing import Any, NoReturn
 
-from rollout_engine.cli_args import (INPUT_IDS_HELP, UsageError, add_engine_args, add_sampling_args, build_config,
-                                     build_sampling, check_engine_args, check_tp_args, has_tokenizer, input_ids,
-                                     positive_int, unit_fraction)
+from rollout_engine.cli_args import (INPUT_IDS_HELP, HelpFormatter, UsageError, add_engine_args, add_sampling_args,
+                                     build_config, build_sampling, check_engine_args, check_out_path, check_tp_args,
+                                     has_tokenizer, input_ids, positive_int, unit_fraction)
 from rollout_engine.config import EngineConfig
 from rollout_engine.model_zoo import ZOO
 
@@ -167,8 +167,7 @@ def _check_bench_args(args: argparse.Namespace) -> None:
     if args.prompt_min > args.prompt_max:
         raise UsageError(f"argument --prompt-min: {args.prompt_min} is above --prompt-max {args.prompt_max}")
     # The report is written after the run: a bad path should not cost the run.
-    if args.out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-        raise UsageError(f"argument --out: the folder of {args.out!r} does not exist")
+    check_out_path("--out", args.out)
 
 
 # ---- parser -------------------------------------------------------------------------
@@ -186,17 +185,8 @@ def build_parser() -> Parser:
     return parser
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except absent ones (None, an off switch)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def _subparser(sub: Any, name: str, help: str) -> Parser:
-    return sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
+    return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
 
 
 def _add_download(sub: Any) -> None:

@@ -8,8 +8,9 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import typing
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NoReturn
 
 from rollout_engine.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, EngineConfig
 from rollout_engine.model_zoo import DEFAULT_MODEL, ZOO
@@ -236,3 +237,62 @@ def positive_int(text: str) -> int:
 def unit_fraction(text: str) -> float:
     """A float in (0, 1]."""
     return _number(text, float, lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except absent ones (None, an off switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _ScriptHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and the script's docstring kept as written."""
+
+
+class ScriptParser(argparse.ArgumentParser):
+    """The parser of a script under benchmarks/: its whole docstring as the
+    help, defaults shown, and a usage error (a bad flag, a missing GPU) as
+    one line with exit status 2, as `rollout-engine` does."""
+
+    def __init__(self, prog: str, doc: str | None) -> None:
+        super().__init__(prog=prog, description=doc, formatter_class=_ScriptHelpFormatter)
+
+    def error(self, message: str) -> NoReturn:
+        message = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_checked(self, argv: list[str] | None = None, outs: Iterable[str] = ("out",)) -> argparse.Namespace:
+        """Parse, then check that every output path named by `outs` can be
+        written (its folder exists) before any work starts."""
+        args = self.parse_args(argv)
+        for field in outs:
+            try:
+                check_out_path(flag_of(field), getattr(args, field))
+            except UsageError as exc:
+                self.error(str(exc))
+        return args
+
+
+def check_out_path(flag: str, path: str | None) -> None:
+    """A report is written after the run: a path whose folder is missing
+    should not cost the run."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or os.path.isdir(path):
+        what = f"{path!r} is a folder" if os.path.isdir(path) else f"the folder of {path!r} does not exist"
+        raise UsageError(f"argument {flag}: {what}")
+
+
+def needs_cuda(parser: argparse.ArgumentParser, what: str, count: int = 1) -> None:
+    """Stop with one line (exit status 2) when torch sees fewer than `count`
+    CUDA GPUs; `what` says why they are needed."""
+    import torch
+
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if seen < count:
+        gpus = "a CUDA GPU" if count == 1 else f"{count} CUDA GPUs"
+        parser.error(f"needs {gpus} ({what}); torch sees {seen or 'none'}")

@@ -153,8 +153,44 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
     with pytest.raises(SystemExit) as exit_:
         _benchmark("step_breakdown").parse_args([])
     assert exit_.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
-    for name, argv in (("invariant_matmul", []), ("tp_allreduce", ["--gpus", str(torch.cuda.device_count() + 1)])):
+    for name, argv in (("invariant_matmul", []), ("decode_attention", []), ("tp_allreduce", ["--gpus", "3"])):
         with pytest.raises(SystemExit) as exit_:
             _benchmark(name).main(argv)
-        message = exit_.value.code  # a string: printed as is, exit status 1
-        assert isinstance(message, str) and "CUDA GPU" in message and "\n" not in message, message
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and "CUDA GPU" in err and "\n" not in err, err
+        assert err.startswith(f"{name}.py: error: "), err
+
+
+@pytest.mark.parametrize("name,argv,flag", [
+    ("decode_attention", ["--batch-sizes", "0"], "--batch-sizes"), ("decode_attention", ["--contexts", "x"], "--contexts"),
+    ("invariant_matmul", ["--rows", "-3"], "--rows"), ("tp_allreduce", ["--gpus", "0"], "--gpus"),
+    ("tp_allreduce", ["--ops", "0"], "--ops"), ("decode_attention", ["--out", "/no/such/folder/x.json"], "--out"),
+    ("invariant_matmul", ["--out", "/no/such/folder/x.json"], "--out"),
+])
+def test_benchmark_scripts_name_a_bad_flag_before_looking_for_a_gpu(name, argv, flag, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        _benchmark(name).main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and f"error: argument {flag}: " in err and "\n" not in err, err
+
+
+def test_step_breakdown_checks_its_output_paths_before_the_run(tmp_path, capsys):
+    for argv, flag in ((["--out", str(tmp_path / "no" / "x.json")], "--out"), (["--trace", str(tmp_path)], "--trace")):
+        with pytest.raises(SystemExit) as exit_:
+            _benchmark("step_breakdown").parse_args(argv)
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and f"error: argument {flag}: " in err, err
+
+
+def test_benchmark_scripts_help_shows_the_whole_docstring_and_the_defaults(capsys):
+    for name in ("step_breakdown", "decode_attention"):
+        module = _benchmark(name)
+        with pytest.raises(SystemExit) as exit_:
+            (module.parse_args if name == "step_breakdown" else module.main)(["--help"])
+        out = capsys.readouterr().out
+        assert exit_.value.code == 0
+        last_paragraph = module.__doc__.strip().split("\n\n")[-1].split("\n")[0]
+        assert last_paragraph in out and "(default: " in out, out
