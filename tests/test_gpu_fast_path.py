@@ -228,3 +228,29 @@ def test_graph_capture_waits_for_device_wide_work_on_other_threads(gpu_models):
         got = engine.generate(input_ids=PROMPTS, sampling_params=params)
         assert [o.output_token_ids for o in got] == [o.output_token_ids for o in expected]
         engine.shutdown()
+
+
+def test_a_dropped_engine_collected_during_the_next_capture_does_not_break_it(gpu_models):
+    """An engine dropped without shutdown() lives on in reference cycles until
+    Python's collector runs, on whatever thread allocates next: here the next
+    engine's loop thread, in the middle of its capture (thresholds of 1 make
+    it run at nearly every allocation). Its graphs must not be destroyed
+    while that capture is under way."""
+    import gc
+
+    _, folder = gpu_models[("qwen3", False)]
+    kw = dict(device="cuda", max_total_tokens=8192, cuda_graph_max_batch_size=16)
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    dropped = RolloutEngine(folder, cuda_graph=True, **kw)
+    expected = dropped.generate(input_ids=PROMPTS, sampling_params=params)
+    dropped.cycle = dropped  # only the collector frees it
+    del dropped
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        engine = RolloutEngine(folder, cuda_graph=True, **kw)
+    finally:
+        gc.set_threshold(*thresholds)
+    got = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in expected]
+    engine.shutdown()

@@ -15,6 +15,7 @@ and sampling run after the replay.
 from __future__ import annotations
 
 import bisect
+import gc
 from typing import Callable, ContextManager
 
 import numpy as np
@@ -71,7 +72,18 @@ class CudaGraphRunner:
 
     def capture(self) -> None:
         with DEVICE_WIDE:  # no other engine's thread synchronises the device meanwhile
-            self._capture()
+            # Python's collector runs on whichever thread allocates: during a
+            # capture it could free a dropped engine's graphs on this thread,
+            # and destroying an executable graph is not allowed while a
+            # capture is under way. Collect first, then keep it off.
+            gc.collect()
+            was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                self._capture()
+            finally:
+                if was_enabled:
+                    gc.enable()
 
     @torch.inference_mode()
     def _capture(self) -> None:
