@@ -151,9 +151,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.n is None:
         args.n = 16 if args.workload == "longtail" else 8
     args.no_cuda_graph = not args.cuda_graph  # the name bench/run.py reads
+    _warn_if_long_on_cpu(args)
     from rollout_engine.bench.run import main as bench_main
 
     return bench_main(args)
+
+
+CPU_QUICK_TOKENS = 20_000  # output tokens the CPU makes in a minute or so on the small presets
+
+
+def _warn_if_long_on_cpu(args: argparse.Namespace) -> None:
+    """The workloads are sized for a GPU: on the CPU say so before an hour goes by."""
+    import torch
+
+    if torch.cuda.is_available() or args.workload not in ("grpo", "longtail"):
+        return
+    if args.workload == "grpo":
+        tokens = args.num_prompts * args.n * args.output_len * 2  # cache off, then on
+        size = f"{args.num_prompts} prompts x {args.n} samples x {args.output_len} tokens, run twice"
+    else:
+        tokens = max(1, round(64 * args.scale)) * args.n * 4659 * args.scale ** 0.5  # the mean output length
+        size = f"--scale {args.scale} and {args.n} samples per prompt"
+    if tokens > CPU_QUICK_TOKENS:
+        quick = "--num-prompts 2 -n 2 --output-len 32" if args.workload == "grpo" else "--scale 0.001 -n 2"
+        print(f"{PROG} bench: note: on the CPU, {args.workload} with {size} generates ~{tokens:,.0f} tokens "
+              f"and can take hours; for a quick look: {quick}", file=sys.stderr)
 
 
 def _check_bench_args(args: argparse.Namespace) -> None:

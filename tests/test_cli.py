@@ -208,6 +208,30 @@ def test_bad_bench_flags(flags, named, capsys, no_bench_run):
     assert named in _one_line_error(capsys)
 
 
+@pytest.fixture
+def bench_args_seen(monkeypatch):
+    import rollout_engine.bench.run as bench_run
+
+    seen = []
+    monkeypatch.setattr(bench_run, "main", lambda args: seen.append(args) or 0)
+    return seen
+
+
+@pytest.mark.parametrize("flags, long", [
+    ([], True), (["--num-prompts", "2", "-n", "2", "--output-len", "32"], False),
+    (["--workload", "longtail"], True), (["--workload", "longtail", "--scale", "0.001", "-n", "2"], False),
+])
+def test_bench_on_the_cpu_says_when_a_workload_will_take_hours(flags, long, capsys, monkeypatch, bench_args_seen):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", *flags]) == 0 and bench_args_seen  # it still runs: the note is a note
+    err = capsys.readouterr().err
+    assert ("takes hours" in err or "can take hours" in err) == long, err
+    if long:
+        quick = err.split("for a quick look: ")[1].split()
+        capsys.readouterr()
+        assert main(["bench", *flags[:2], *quick]) == 0 and "hours" not in capsys.readouterr().err
+
+
 def test_bench_engine_flags_reach_the_engine():
     """Every engine flag `bench` offers is passed to the engines it builds."""
     from rollout_engine.bench.common import engine_kwargs

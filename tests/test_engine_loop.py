@@ -186,3 +186,19 @@ def test_sigint_ends_a_program_awaiting_generate_async(peaked):
     assert took < 2
     assert proc.returncode in (130, 1), stderr
     assert len(stderr.strip().splitlines()) < 5, stderr
+
+
+def test_the_progress_bar_counts_tokens_while_a_batch_runs(engine, capsys, monkeypatch):
+    """Requests of one batch finish together, so a bar of finished requests
+    alone would sit at 0/4 until the end: it also shows the tokens made."""
+    import re
+
+    from rollout_engine.core import calls
+
+    monkeypatch.setattr(calls, "PROGRESS_TICK_SECONDS", 0.001)
+    params = SamplingParams(n=4, max_new_tokens=200, temperature=1.0, seed=1, ignore_eos=True)
+    outs = engine.generate(input_ids=[[1, 2, 3]], sampling_params=params, progress=True)
+    err = capsys.readouterr().err
+    counts = [int(t) for t in re.findall(r"tokens=(\d+)", err)]
+    assert "4/4" in err and counts and counts[-1] == sum(len(o.output_token_ids) for o in outs) == 800, err[-500:]
+    assert any(0 < c < 800 for c in counts), counts  # seen while the batch ran

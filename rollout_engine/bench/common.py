@@ -3,6 +3,7 @@ device-synchronised timing, and handing device memory back between engines."""
 from __future__ import annotations
 
 import gc
+import sys
 import time
 
 import torch
@@ -49,3 +50,8 @@ def free_device_memory(engine=None) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def show_progress() -> bool:
+    """A progress bar on a terminal; none in logs (one line per refresh)."""
+    return sys.stderr.isatty()

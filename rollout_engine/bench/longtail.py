@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from rollout_engine.bench import workloads
-from rollout_engine.bench.common import free_device_memory, make_engine, sync
+from rollout_engine.bench.common import free_device_memory, make_engine, show_progress, sync
 
 LOW_OCCUPANCY = 32
 SAMPLE_EVERY_S = 0.1
@@ -85,7 +85,7 @@ def bench_longtail(args) -> dict[str, Any]:
         sync()
         with _Sampler(engine) as sampler:
             start = time.perf_counter()
-            outs = engine.generate(input_ids=wl.input_ids, sampling_params=wl.params)
+            outs = engine.generate(input_ids=wl.input_ids, sampling_params=wl.params, progress=show_progress())
             sync()
             makespan = time.perf_counter() - start
         out_tokens = sum(len(o.output_token_ids) for o in outs)

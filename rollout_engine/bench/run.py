@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rollout_engine.bench import workloads
-from rollout_engine.bench.common import free_device_memory, make_engine, sync
+from rollout_engine.bench.common import free_device_memory, make_engine, show_progress, sync
 from rollout_engine.bench.roofline import (ModelCosts, decode_step_floor, measure_device, prefill_ceiling,
                                            workload_roofline)
 
@@ -23,7 +23,7 @@ def run_workload(engine, wl: workloads.Workload) -> dict[str, Any]:
     before = engine.cache_stats()
     sync()
     start = time.perf_counter()
-    outs = engine.generate(input_ids=wl.input_ids, sampling_params=wl.params)
+    outs = engine.generate(input_ids=wl.input_ids, sampling_params=wl.params, progress=show_progress())
     sync()
     elapsed = time.perf_counter() - start
     after = engine.cache_stats()

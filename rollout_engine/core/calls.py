@@ -78,15 +78,30 @@ async def _async_items(core: EngineCore, inputs: Inputs, stream: bool) -> AsyncI
             core.abort_call(sub)
 
 
+PROGRESS_TICK_SECONDS = 0.5
+
+
 def generate(core: EngineCore, inputs: Inputs, progress: bool) -> list[RolloutOutput]:
     from tqdm import tqdm
 
     q: queue.SimpleQueue = queue.SimpleQueue()
     sub = Subscription(q.put, progress=progress)
+
+    def get() -> tuple[str, Any]:
+        if not progress:
+            return q.get()
+        try:
+            return q.get(timeout=PROGRESS_TICK_SECONDS)
+        except queue.Empty:
+            return "tick", None
+
     with tqdm(total=sum(p.n for p in inputs[1]), disable=not progress, desc="rollout", unit="req") as bar:
-        for kind, value in _items(core, inputs, sub, q.get):
-            if kind == "progress":
-                bar.update(value)
+        for kind, value in _items(core, inputs, sub, get):
+            if kind in ("progress", "tick"):
+                bar.update(value or 0)
+                # Requests of one batch finish together: the tokens made so
+                # far show that it moves meanwhile (read racily, for display).
+                bar.set_postfix(tokens=sum(r.num_output_tokens for r in sub.reqs), refresh=kind == "tick")
             elif kind == "end":
                 return value
 
