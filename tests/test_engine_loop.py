@@ -158,7 +158,7 @@ def test_sigint_ends_a_program_awaiting_generate_async(peaked):
         async def main():
             engine = RolloutEngine({str(peaked)!r}, device="cpu", max_total_tokens=16384)
             task = asyncio.ensure_future(engine.generate_async(
-                input_ids=[[1, 2, 3]] * 4, sampling_params=SamplingParams(max_new_tokens=5000, ignore_eos=True)))
+                input_ids=[[1, 2, 3]] * 4, sampling_params=SamplingParams(max_new_tokens=8000, ignore_eos=True)))
             while engine.metrics()["output_tokens"] < 8:
                 await asyncio.sleep(0.01)
             print("generating", flush=True)
@@ -177,13 +177,13 @@ def test_sigint_ends_a_program_awaiting_generate_async(peaked):
         assert line.strip() == "generating", proc.stderr.read()
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=2)
+        proc.wait(timeout=8)  # the whole rollout takes minutes; slack for a loaded machine
         took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
             proc.kill()
     stderr = proc.stderr.read()
-    assert took < 2
+    assert took < 8
     assert proc.returncode in (130, 1), stderr
     assert len(stderr.strip().splitlines()) < 5, stderr
 

@@ -298,9 +298,9 @@ def test_ctrl_c_in_generate_aborts_its_requests(engine, baseline, monkeypatch):
     assert engine.num_unfinished_requests() == 0
     monkeypatch.setattr(engine.core.scheduler, "step", interrupted_step)
     with pytest.raises(KeyboardInterrupt):
-        engine.generate(PROMPT * 3, sampling_params=SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))
+        engine.generate(PROMPT * 3, sampling_params=SamplingParams(max_new_tokens=1000, temperature=0, ignore_eos=True))
     assert engine.num_unfinished_requests() == 0
-    assert len(calls) < 50  # the wait was interrupted, not the whole rollout run
+    assert len(calls) < 500  # the wait was interrupted, not the whole rollout run
     monkeypatch.undo()
     engine.check_integrity()
     assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
