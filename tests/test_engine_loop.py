@@ -150,10 +150,16 @@ def test_leaving_stream_async_aborts_its_requests(engine):
     engine.check_integrity()
 
 
+def _signal_lines(status: str) -> str:
+    """The signal masks of a /proc status file, to tell why a signal did nothing."""
+    return "".join(line + "\n" for line in status.splitlines() if line.startswith("Sig") or line.startswith("Shd"))
+
+
 def test_sigint_ends_a_program_awaiting_generate_async(peaked):
     script = textwrap.dedent(f"""
-        import asyncio, sys
+        import asyncio, faulthandler, signal, sys
         from rollout_engine import RolloutEngine, SamplingParams
+        faulthandler.register(signal.SIGUSR1)  # the test asks for every thread's stack if it hangs
 
         async def main():
             engine = RolloutEngine({str(peaked)!r}, device="cpu", max_total_tokens=16384)
@@ -177,7 +183,14 @@ def test_sigint_ends_a_program_awaiting_generate_async(peaked):
         assert line.strip() == "generating", proc.stderr.read()
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=8)  # the whole rollout takes minutes; slack for a loaded machine
+        try:
+            proc.wait(timeout=8)  # the whole rollout takes minutes; slack for a loaded machine
+        except subprocess.TimeoutExpired:
+            status = open(f"/proc/{proc.pid}/status").read()
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            proc.kill()
+            raise AssertionError("no exit 8 s after SIGINT\n" + _signal_lines(status) + proc.stderr.read()) from None
         took = time.monotonic() - sent
     finally:
         if proc.poll() is None:

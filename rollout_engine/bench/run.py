@@ -202,11 +202,19 @@ def _workloads():
             "longtail": bench_longtail}
 
 
+def _config(args) -> dict[str, Any]:
+    """The flags as the run used them: graphs only where CUDA runs them, and
+    not the derived no_cuda_graph."""
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "no_cuda_graph")}
+    config["cuda_graph"] = bool(args.cuda_graph) and torch.cuda.is_available()
+    return config
+
+
 def main(args) -> int:
     report = {
         "workload": args.workload, "model": args.model, "load_format": args.load_format,
         "attention_backend": args.attention_backend, "device": _device_name(),
-        "date": time.strftime("%Y-%m-%d"), "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "date": time.strftime("%Y-%m-%d"), "config": _config(args),
     }
     report["results"] = _workloads()[args.workload](args)
     text = json.dumps(report, indent=2)
