@@ -15,20 +15,13 @@ import json
 
 import torch
 
+from rollout_engine.bench.common import cuda_time_ms
 from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
 from rollout_engine.models.presets import PRESETS
 
 
-def time_ms(fn, reps: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+def time_ms(fn) -> float:
+    return cuda_time_ms(fn, reps=30)
 
 
 def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: int, tensor_cores: bool,

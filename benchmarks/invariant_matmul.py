@@ -17,6 +17,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from rollout_engine.bench.common import cuda_time_ms
 from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
 from rollout_engine.kernels.invariant_matmul import DECODE_TILES, Tiles, invariant_matmul
 
@@ -33,16 +34,8 @@ def label_of(t: Tiles) -> str:
     return f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" + ("tma" if t.tma else "")
 
 
-def time_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+def time_ms(fn) -> float:
+    return cuda_time_ms(fn, reps=20)
 
 
 def main(argv: list[str] | None = None) -> None:

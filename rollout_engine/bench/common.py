@@ -14,6 +14,19 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def cuda_time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Mean device time of `fn()` in ms, between CUDA events around `reps` calls."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 # Engine fields a benchmark passes on when its flags set them.
 OPTIONAL_FIELDS = ("tp_size", "deterministic", "page_size", "max_running_requests", "cuda_graph_max_batch_size")
 
