@@ -160,6 +160,8 @@ def test_sigint_ends_a_program_awaiting_generate_async(peaked):
         import asyncio, faulthandler, signal, sys
         from rollout_engine import RolloutEngine, SamplingParams
         faulthandler.register(signal.SIGUSR1)  # the test asks for every thread's stack if it hangs
+        # As run from a terminal: a suite started as a background job passes SIGINT on ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
         async def main():
             engine = RolloutEngine({str(peaked)!r}, device="cpu", max_total_tokens=16384)
