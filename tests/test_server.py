@@ -390,7 +390,10 @@ def _rss(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
 
 
-async def _load(url: str, tag: str, requests: int = 400, clients: int = 64) -> tuple[dict, int]:
+LOAD_REQUESTS = 200
+
+
+async def _load(url: str, tag: str, requests: int = LOAD_REQUESTS, clients: int = 64) -> tuple[dict, int]:
     """`requests` /generate calls from `clients` concurrent clients; a 503
     must carry Retry-After and is retried. Returns (rid -> answer, 503s)."""
     import asyncio
@@ -434,11 +437,11 @@ def test_load_from_64_clients_loses_nothing_and_memory_settles(smollm2_dir):
         rss_first = _rss(srv.proc.pid)
         second, _ = asyncio.run(_load(srv.url, "second"))
         rss_second = _rss(srv.proc.pid)
-        assert len(first) == len(second) == 400
+        assert len(first) == len(second) == LOAD_REQUESTS
         assert rejected > 0  # the bound was reached, and every 503 was retried to success
         # the same prompt gives the same greedy answer under any batching
-        assert [first[f"first-{i}"]["output_ids"] for i in range(400)] == \
-            [second[f"second-{i}"]["output_ids"] for i in range(400)]
+        assert [first[f"first-{i}"]["output_ids"] for i in range(LOAD_REQUESTS)] == \
+            [second[f"second-{i}"]["output_ids"] for i in range(LOAD_REQUESTS)]
         assert rss_second <= 1.1 * rss_first, (rss_first, rss_second)
         assert httpx.get(srv.url + "/get_server_info").json()["admitted_samples"] == 0
         assert srv.post("/flush_cache").json()["success"]
