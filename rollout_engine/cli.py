@@ -170,10 +170,13 @@ def _warn_if_long_on_cpu(args: argparse.Namespace) -> None:
         tokens = args.num_prompts * args.n * args.output_len * 2  # cache off, then on
         size = f"{args.num_prompts} prompts x {args.n} samples x {args.output_len} tokens, run twice"
     else:
-        tokens = max(1, round(64 * args.scale)) * args.n * 4659 * args.scale ** 0.5  # the mean output length
+        from rollout_engine.bench.workloads import LONGTAIL_MEAN_OUTPUT
+
+        tokens = max(1, round(64 * args.scale)) * args.n * LONGTAIL_MEAN_OUTPUT * args.scale ** 0.5
         size = f"--scale {args.scale} and {args.n} samples per prompt"
     if tokens > CPU_QUICK_TOKENS:
-        quick = "--num-prompts 2 -n 2 --output-len 32" if args.workload == "grpo" else "--scale 0.001 -n 2"
+        quick = ("--num-prompts 2 -n 2 --output-len 32 --prompt-min 32 --prompt-max 64" if args.workload == "grpo"
+                 else "--scale 0.001 -n 2")  # as the README says
         print(f"{PROG} bench: note: on the CPU, {args.workload} with {size} generates ~{tokens:,.0f} tokens "
               f"and can take hours; for a quick look: {quick}", file=sys.stderr)
 

@@ -47,6 +47,10 @@ def offline(vocab: int, num_requests: int = 256, in_min: int = 100, in_max: int 
     return Workload("offline", ids, params)
 
 
+# Mean output length of the long tail at scale 1 (0.70 x 2,560 + 0.25 x 8,192 + 0.05 x 16,384).
+LONGTAIL_MEAN_OUTPUT = 0.70 * 2560 + 0.25 * 8192 + 0.05 * 16384
+
+
 def longtail(vocab: int, scale: float = 1.0, n: int = 16, seed: int = 0, context: int | None = None) -> Workload:
     """BENCH.md's long tail: 64 prompts of 1,024 tokens x n samples, each
     sample with its own length: 70% U[1k, 4k], 25% U[4k, 12k], 5% 16k.
