@@ -25,9 +25,10 @@ def time_ms(fn) -> float:
 
 
 def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: int, tensor_cores: bool,
-             graph: bool) -> float:
+             graph: bool, **plan_kw) -> float:
     """Milliseconds of one decode attention call over sequences of `lens`
-    tokens; `graph`: planned and replayed as the engine's CUDA graphs are."""
+    tokens; `graph`: planned and replayed as the engine's CUDA graphs are.
+    `plan_kw`: more arguments for the plan (e.g. FlashInfer's split-KV controls)."""
     dev = torch.device("cuda")
     batch = len(lens)
     pages = -(-lens // page)
@@ -49,7 +50,7 @@ def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: 
 
     def plan(indptr, last):
         w.plan(indptr, indices, last, heads, kv_heads, dim, page, q_data_type=torch.bfloat16,
-               kv_data_type=torch.bfloat16)
+               kv_data_type=torch.bfloat16, **plan_kw)
 
     if not graph:
         plan(indptr, last)

@@ -63,6 +63,34 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+GAP_BUCKETS_US = (10, 100, 1000)  # idle gaps: < 10 us, < 100 us, < 1 ms, longer
+
+
+def idle_gaps(events) -> dict:
+    """The device's idle gaps between kernels, by length: how many and how
+    long in all, and which kernels start after the gaps of 100 us or more
+    (the step kind that waited on the host)."""
+    buckets = [[0, 0.0] for _ in range(len(GAP_BUCKETS_US) + 1)]
+    after: dict[str, list] = {}
+    end = None
+    for name, s, d in sorted(events, key=lambda e: e[1]):
+        if end is not None and s > end:
+            gap = s - end
+            i = sum(gap >= b for b in GAP_BUCKETS_US)
+            buckets[i][0] += 1
+            buckets[i][1] += gap
+            if gap >= 100:
+                entry = after.setdefault(name[:80], [0, 0.0])
+                entry[0] += 1
+                entry[1] += gap
+        end = s + d if end is None else max(end, s + d)
+    labels = [f"<{GAP_BUCKETS_US[0]}us"] + [f"{a}-{b}us" for a, b in zip(GAP_BUCKETS_US, GAP_BUCKETS_US[1:])] + [
+        f">={GAP_BUCKETS_US[-1]}us"]
+    top = sorted(after.items(), key=lambda kv: -kv[1][1])[:8]
+    return {"by_length": {lab: {"count": c, "ms": round(t / 1e3, 1)} for lab, (c, t) in zip(labels, buckets)},
+            "long_gaps_before": {n: {"count": c, "ms": round(t / 1e3, 1)} for n, (c, t) in top}}
+
+
 def breakdown(events, wall_us: float, steps: int) -> dict:
     """events: (name, start_us, duration_us) of the device's kernels."""
     by_kind: dict[str, float] = {}
@@ -82,6 +110,7 @@ def breakdown(events, wall_us: float, steps: int) -> dict:
         "share_by_kind": {k: round(v / total, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "ms_by_kind": {k: round(v / 1e3, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "us_per_step_by_kernel": {n[:120]: round(v / max(steps, 1), 1) for n, v in top},
+        "idle_gaps": idle_gaps(events),
     }
 
 
@@ -90,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     so that a typo is told on any machine, and before a model is loaded)."""
     p = ScriptParser("step_breakdown.py", __doc__)
     p.add_argument("--workload", choices=["grpo", "offline", "decode"], default="grpo")
-    add_engine_args(p, ("model", "load_format", "tp_size", "deterministic"),
+    add_engine_args(p, ("model", "load_format", "tp_size", "deterministic", "page_size", "max_running_requests"),
                     defaults={"model": "qwen3-0.6b", "load_format": "dummy"})
     p.add_argument("--num-prompts", type=positive_int, default=16, help="grpo, offline: prompts")
     p.add_argument("-n", type=positive_int, default=8, help="grpo: samples per prompt")

@@ -1,8 +1,10 @@
 """Rotary embedding (neox layout) in one launch per layer: q is rotated into a
 new contiguous tensor; k is rotated and written, with v, straight into the
 layer's KV cache at each token's slot (`rope_and_store`), so a step stores
-its new K/V without a separate kernel. `rope` returns rotated q and k
-instead, for callers that keep K/V themselves."""
+its new K/V without a separate kernel. With `qk_norm` (Qwen3's per-head
+RMSNorm of q and k) the same launch normalises each head first, rounding as
+the separate norm would. `rope` returns rotated q and k instead, for callers
+that keep K/V themselves."""
 from __future__ import annotations
 
 import functools
@@ -10,6 +12,9 @@ import functools
 import torch
 
 from rollout_engine.kernels._triton import next_pow2
+from rollout_engine.kernels.rmsnorm import rmsnorm_ref
+
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]  # (q weight [D], k weight [D], eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -25,9 +30,13 @@ def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: tor
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
 
 
-def rope_and_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, loc) -> torch.Tensor:
+def rope_and_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, loc,
+                       qk_norm: QKNorm | None = None) -> torch.Tensor:
     """Reference of `rope_and_store`: returns rotated q; k_cache[loc] and
     v_cache[loc] receive rotated k and v."""
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = rmsnorm_ref(q, q_weight, eps)[0], rmsnorm_ref(k, k_weight, eps)[0]
     qo, ko = rope_ref(positions, q, k, cos, sin)
     k_cache[loc] = ko.to(k_cache.dtype)
     v_cache[loc] = v.to(v_cache.dtype)
@@ -40,53 +49,66 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _rotate(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, c, s, NUM_HEADS: tl.constexpr,
-                HEADS_P2: tl.constexpr, HALF: tl.constexpr):
+    def _normed(x, w_ptr, offs, inv, dtype):
+        """One half of each head through RMSNorm: rounded before and after the weight."""
+        w = tl.load(w_ptr + offs).to(tl.float32)
+        return ((x * inv).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _rotate(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, c, s, w_ptr, eps, NUM_HEADS: tl.constexpr,
+                HEADS_P2: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
         heads = tl.arange(0, HEADS_P2)[:, None]
         offs = tl.arange(0, HALF)[None, :]
         mask = heads < NUM_HEADS
         base = src_ptr + t * stride_t + heads * stride_h
         x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+            inv = tl.rsqrt(ss / (2 * HALF) + eps)[:, None]
+            x1 = _normed(x1, w_ptr, offs, inv, dst_ptr.dtype.element_ty)
+            x2 = _normed(x2, w_ptr + HALF, offs, inv, dst_ptr.dtype.element_ty)
         out = dst_ptr + (dst_row * NUM_HEADS + heads) * (2 * HALF)
         tl.store(out + offs, (x1 * c - x2 * s).to(dst_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF + offs, (x2 * c + x1 * s).to(dst_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def rope_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, loc_ptr, cos_ptr, sin_ptr, pos_ptr, q_st, q_sh,
-                    k_st, k_sh, v_st, v_sh, cs_stride, NQ: tl.constexpr, NQ_P2: tl.constexpr, NK: tl.constexpr,
-                    NK_P2: tl.constexpr, HALF: tl.constexpr, STORE: tl.constexpr):
+    def rope_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, loc_ptr, cos_ptr, sin_ptr, pos_ptr, qw_ptr, kw_ptr,
+                    eps, q_st, q_sh, k_st, k_sh, v_st, v_sh, cs_stride, NQ: tl.constexpr, NQ_P2: tl.constexpr,
+                    NK: tl.constexpr, NK_P2: tl.constexpr, HALF: tl.constexpr, STORE: tl.constexpr,
+                    NORM: tl.constexpr):
         t = tl.program_id(0)
         pos = tl.load(pos_ptr + t)
         offs = tl.arange(0, HALF)[None, :]
         # cos/sin rounded to the model dtype first, as the reference does
         c = tl.load(cos_ptr + pos * cs_stride + offs).to(qo_ptr.dtype.element_ty).to(tl.float32)
         s = tl.load(sin_ptr + pos * cs_stride + offs).to(qo_ptr.dtype.element_ty).to(tl.float32)
-        _rotate(q_ptr, qo_ptr, q_st, q_sh, t, t, c, s, NQ, NQ_P2, HALF)
+        _rotate(q_ptr, qo_ptr, q_st, q_sh, t, t, c, s, qw_ptr, eps, NQ, NQ_P2, HALF, NORM)
         if STORE:  # k and v go to the cache slot of token t
             slot = tl.load(loc_ptr + t).to(tl.int64)
-            _rotate(k_ptr, ko_ptr, k_st, k_sh, t, slot, c, s, NK, NK_P2, HALF)
+            _rotate(k_ptr, ko_ptr, k_st, k_sh, t, slot, c, s, kw_ptr, eps, NK, NK_P2, HALF, NORM)
             heads = tl.arange(0, NK_P2)[:, None]
             d = tl.arange(0, 2 * HALF)[None, :]
             mask = heads < NK
             val = tl.load(v_ptr + t * v_st + heads * v_sh + d, mask=mask, other=0.0)
             tl.store(vo_ptr + (slot * NK + heads) * (2 * HALF) + d, val.to(vo_ptr.dtype.element_ty), mask=mask)
         else:
-            _rotate(k_ptr, ko_ptr, k_st, k_sh, t, t, c, s, NK, NK_P2, HALF)
+            _rotate(k_ptr, ko_ptr, k_st, k_sh, t, t, c, s, kw_ptr, eps, NK, NK_P2, HALF, NORM)
 
     return rope_kernel
 
 
-def _launch(positions, q, k, v, qo, ko, vo, loc, cos, sin, store: bool) -> None:
+def _launch(positions, q, k, v, qo, ko, vo, loc, cos, sin, store: bool, qk_norm=None) -> None:
     tokens, nq, d = q.shape
     nk = k.shape[1]
     if not tokens:
         return
     v_strides = (v.stride(0), v.stride(1)) if store else (0, 0)
+    qw, kw, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     _kernel()[(tokens,)](q, k, v if store else k, qo, ko, vo if store else ko, loc if store else positions, cos,
-                         sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_strides,
-                         cos.stride(0), NQ=nq, NQ_P2=next_pow2(nq), NK=nk, NK_P2=next_pow2(nk), HALF=d // 2,
-                         STORE=store)
+                         sin, positions, qw, kw, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                         *v_strides, cos.stride(0), NQ=nq, NQ_P2=next_pow2(nq), NK=nk, NK_P2=next_pow2(nk),
+                         HALF=d // 2, STORE=store, NORM=qk_norm is not None)
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -99,11 +121,12 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
 
 
 def rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   loc: torch.Tensor) -> torch.Tensor:
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
+                   qk_norm: QKNorm | None = None) -> torch.Tensor:
     """Rotated q (contiguous); rotated k and v written to the caches
-    ([slots, Hk, D], contiguous) at `loc` ([T] int64)."""
+    ([slots, Hk, D], contiguous) at `loc` ([T] int64). With `qk_norm`,
+    q and k are RMS-normalised per head before the rotation."""
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch(positions, q, k, v, qo, k_cache, v_cache, loc, cos, sin, store=True)
+    _launch(positions, q, k, v, qo, k_cache, v_cache, loc, cos, sin, store=True, qk_norm=qk_norm)
     return qo

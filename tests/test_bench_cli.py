@@ -136,6 +136,17 @@ def test_step_breakdown_sums_kernels_by_kind_and_idle_time():
     assert res["ms_by_kind"] == {"matmul": 0.6, "attention": 0.2, "all_reduce": 0.1, "sampling": 0.1, "norm": 0.1}
 
 
+def test_step_breakdown_sorts_idle_gaps_by_length_and_names_what_waited():
+    sb = _benchmark("step_breakdown")
+    events = [("gemm", 0, 100), ("rmsnorm_kernel", 105, 5), ("BatchPrefillKernel", 2110, 90),
+              ("gemm", 2250, 50), ("rope_kernel", 2240, 20)]  # out of order; the gemm overlaps nothing after
+    gaps = sb.idle_gaps(events)["by_length"]
+    assert gaps["<10us"] == {"count": 1, "ms": 0.0}
+    assert gaps["10-100us"] == {"count": 1, "ms": 0.0}  # 2200 -> 2240
+    assert gaps[">=1000us"] == {"count": 1, "ms": 2.0}  # 110 -> 2110
+    assert sb.idle_gaps(events)["long_gaps_before"] == {"BatchPrefillKernel": {"count": 1, "ms": 2.0}}
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["--batch-size", "0"], "--batch-size"), (["--output-len", "-1"], "--output-len"), (["-n", "0"], "-n"),
     (["--num-prompts", "x"], "--num-prompts"), (["--workload", "nope"], "--workload"), (["--tp", "0"], "--tp-size"),

@@ -80,6 +80,35 @@ def test_rope_and_store_writes_the_cache_slots(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_store_with_qk_norm_matches_the_norms_then_the_rotation(dtype):
+    """Qwen3's per-head q/k RMSNorm inside the rotary kernel: the same values
+    as the reference norm + rotation, and as the separate GPU norm kernel
+    followed by the rotary kernel."""
+    from rollout_engine.kernels.rmsnorm import rmsnorm
+    from rollout_engine.kernels.rope import rope_and_store, rope_and_store_ref
+    from rollout_engine.layers.rotary import RotaryEmbedding
+    from rollout_engine.models.config import RopeConfig
+
+    rot = RotaryEmbedding(128, 4096, RopeConfig(theta=1e6)).cuda()
+    qkv = torch.randn(31, (16 + 2 * 8) * 128, device="cuda", dtype=dtype) * 4
+    q, k, v = (t.view(31, -1, 128) for t in qkv.split([16 * 128, 8 * 128, 8 * 128], dim=-1))
+    qw = torch.rand(128, device="cuda", dtype=dtype) + 0.5
+    kw = torch.rand(128, device="cuda", dtype=dtype) + 0.5
+    pos = torch.randint(0, 4096, (31,), device="cuda")
+    loc = torch.randperm(64, device="cuda")[:31]
+    caches = [torch.zeros((64, 8, 128), device="cuda", dtype=dtype) for _ in range(6)]
+    fused = rope_and_store(pos, q, k, v, rot.cos, rot.sin, caches[0], caches[1], loc, (qw, kw, 1e-6))
+    ref = rope_and_store_ref(pos, q, k, v, rot.cos, rot.sin, caches[2], caches[3], loc, (qw, kw, 1e-6))
+    apart = rope_and_store(pos, rmsnorm(q, qw, 1e-6)[0], rmsnorm(k, kw, 1e-6)[0], v, rot.cos, rot.sin,
+                           caches[4], caches[5], loc)
+    unnormed = rope_and_store_ref(pos, q, k, v, rot.cos, rot.sin, caches[4].clone(), caches[5].clone(), loc)
+    for got, want in ((fused, ref), (caches[0], caches[2]), (fused, apart), (caches[0], caches[4])):
+        _close(got, want, dtype)
+    assert torch.equal(caches[1], caches[3])
+    assert not torch.allclose(fused, unnormed, atol=1e-1)  # the norm did something
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
     from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from rollout_engine.kernels._triton import use_kernel
-from rollout_engine.kernels.rope import rope, rope_and_store, rope_and_store_ref, rope_ref
+from rollout_engine.kernels.rope import QKNorm, rope, rope_and_store, rope_and_store_ref, rope_ref
 from rollout_engine.models.config import RopeConfig
 
 
@@ -44,8 +44,10 @@ class RotaryEmbedding(nn.Module):
         return fn(positions, q, k, self.cos, self.sin)
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
+                         qk_norm: QKNorm | None = None) -> torch.Tensor:
         """Rotated q; rotated k and v go into the layer's KV cache at `loc`
-        (one kernel on the GPU)."""
+        (one kernel on the GPU). `qk_norm`: per-head RMSNorm of q and k
+        first, in the same kernel."""
         fn = rope_and_store if use_kernel(q) else rope_and_store_ref
-        return fn(positions, q, k, v, self.cos, self.sin, k_cache, v_cache, loc)
+        return fn(positions, q, k, v, self.cos, self.sin, k_cache, v_cache, loc, qk_norm)

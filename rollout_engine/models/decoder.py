@@ -49,10 +49,14 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, p.num_heads, p.head_dim)
         k = k.view(-1, p.num_kv_heads, p.head_dim)
         v = v.view(-1, p.num_kv_heads, p.head_dim)
+        qk_norm = None
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            if use_kernel(q):  # normalised inside the rotary kernel
+                qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
         q = self.rotary.rotate_and_store(positions, q, k, v, fb.kv_pool.k[self.attn.layer_id],
-                                         fb.kv_pool.v[self.attn.layer_id], fb.out_cache_loc)
+                                         fb.kv_pool.v[self.attn.layer_id], fb.out_cache_loc, qk_norm)
         return self.o_proj(self.attn(q, fb))
 
 
