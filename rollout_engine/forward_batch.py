@@ -63,14 +63,21 @@ class ForwardBatch:
     @staticmethod
     def from_plan(plan: StepPlan, table: TableMirror, kv_pool: KVPool, backend: "AttentionBackend",
                   device: torch.device) -> "ForwardBatch":
-        # One host->device copy for all per-token index data.
-        packed = torch.from_numpy(np.concatenate([plan.input_ids, plan.positions, plan.out_cache_loc, plan.rows]))
-        packed = packed.to(device, non_blocking=True)
+        # One host->device copy for all per-token index data. Each part starts
+        # 16-byte aligned whatever the token count: Triton compiles a kernel
+        # anew for each alignment of its pointers, mid-run otherwise.
         t = plan.num_tokens
+        stride = t + (t & 1)
+        host = np.zeros(3 * stride + len(plan.rows), dtype=np.int64)
+        for i, part in enumerate((plan.input_ids, plan.positions, plan.out_cache_loc)):
+            host[i * stride: i * stride + t] = part
+        host[3 * stride:] = plan.rows
+        packed = torch.from_numpy(host).to(device, non_blocking=True)
         fb = ForwardBatch(
-            input_ids=packed[:t], positions=packed[t: 2 * t], out_cache_loc=packed[2 * t: 3 * t],
-            extend_lens=plan.extend_lens, seq_lens=plan.seq_lens, rows=plan.rows,
-            rows_device=packed[3 * t:].to(torch.int32), table=table, kv_pool=kv_pool, attn_backend=backend,
+            input_ids=packed[:t], positions=packed[stride: stride + t],
+            out_cache_loc=packed[2 * stride: 2 * stride + t], extend_lens=plan.extend_lens, seq_lens=plan.seq_lens,
+            rows=plan.rows, rows_device=packed[3 * stride:].to(torch.int32), table=table, kv_pool=kv_pool,
+            attn_backend=backend,
             is_decode=plan.is_decode,
         )
         backend.init_forward_metadata(fb)

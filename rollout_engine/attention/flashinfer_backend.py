@@ -19,6 +19,13 @@ if TYPE_CHECKING:
 
 WORKSPACE_BYTES = 256 << 20
 TENSOR_CORE_MIN_BATCH = 128
+# From this many rows on, the tensor-core decode kernel splits a sequence's
+# keys only past FIXED_SPLIT_TOKENS: with enough rows to fill the GPU, the
+# planner's finer splits cost a merge pass and KV bandwidth (4-8% at 64-256
+# rows, benchmarks/decode_attention.py); a bound keeps one very long sequence
+# from holding up the batch.
+FIXED_SPLIT_MIN_BATCH = 64
+FIXED_SPLIT_TOKENS = 4096
 
 
 @dataclass
@@ -83,12 +90,19 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._plan_copied = torch.cuda.Event()
         self._plan_copied.record()
 
-    def plan_decode(self, wrapper, pt: PageTable, indices: torch.Tensor) -> None:
+    def split_args(self, batch: int) -> dict:
+        """The decode plan's split-KV controls for `batch` rows (a captured
+        graph's are those of its size, at capture and every replay)."""
+        if self.tensor_cores(batch) and batch >= FIXED_SPLIT_MIN_BATCH:
+            return {"fixed_split_size": max(1, FIXED_SPLIT_TOKENS // self.shape.page_size)}
+        return {}
+
+    def plan_decode(self, wrapper, pt: PageTable, indices: torch.Tensor, batch: int) -> None:
         s = self.shape
         self._before_plan()
         wrapper.plan(torch.from_numpy(pt.indptr), indices, torch.from_numpy(pt.last_page_len),
                      s.num_heads, s.num_kv_heads, s.head_dim, s.page_size,
-                     q_data_type=s.dtype, kv_data_type=s.dtype, non_blocking=True)
+                     q_data_type=s.dtype, kv_data_type=s.dtype, non_blocking=True, **self.split_args(batch))
         self._after_plan()
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
@@ -97,7 +111,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         indices = self.page_indices(fb, pt)
         if fb.is_decode:
             wrapper = self.decode_wrapper(fb.batch_size)
-            self.plan_decode(wrapper, pt, indices)
+            self.plan_decode(wrapper, pt, indices, fb.batch_size)
             fb.attn_metadata = wrapper
             return
         qo_indptr = np.zeros(fb.batch_size + 1, dtype=np.int32)
@@ -127,7 +141,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             paged_kv_last_page_len_buffer=self.last_page_len_buf[:bs], backend="fa2")
         self.indices_buf[:bs].zero_()
         dummy = PageTable(np.arange(bs + 1, dtype=np.int32), np.ones(bs, dtype=np.int32))
-        self.plan_decode(wrapper, dummy, self.indices_buf[:bs])
+        self.plan_decode(wrapper, dummy, self.indices_buf[:bs], bs)
         self.graph_wrappers[bs] = wrapper
         return wrapper
 
@@ -143,7 +157,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                            out=self.indices_buf)
         if pad:
             self.indices_buf[total: total + pad].zero_()
-        self.plan_decode(self.graph_wrappers[bucket], pt, self.indices_buf[: total + pad])
+        self.plan_decode(self.graph_wrappers[bucket], pt, self.indices_buf[: total + pad], bucket)
 
     # ---- the layer call ------------------------------------------------------
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
