@@ -1,6 +1,7 @@
 """FlashInfer's paged decode attention alone, for the shapes of a model, at
 a few batch sizes and contexts (equal or ragged lengths): the CUDA-core
-kernel against the tensor-core one, page sizes 1 and 16, called directly or
+kernel against the tensor-core one (with FlashInfer's split-KV planning and
+without), page sizes 1 and 16, called directly or
 replayed in a CUDA graph as the engine does, as achieved KV read bandwidth
 (bytes of K and V read / kernel time). Tells which kernel the backend
 should pick for a head layout.
@@ -93,12 +94,13 @@ def main(argv: list[str] | None = None) -> None:
                         else torch.full((batch,), context))
                 kv_bytes = 2 * int(lens.sum()) * kv_heads * dim * 2
                 for page in (1, 16):
-                    for tc in (False, True):
+                    for tc, split in ((False, True), (True, True), (True, False)):
                         for graph in (False, True):
-                            ms = run_case(flashinfer, heads, kv_heads, dim, lens, page, tc, graph)
+                            kw = {} if split else {"disable_split_kv": True}
+                            ms = run_case(flashinfer, heads, kv_heads, dim, lens, page, tc, graph, **kw)
                             row = {"batch": batch, "context": context, "ragged": ragged, "page_size": page,
-                                   "tensor_cores": tc, "graph": graph, "us": round(ms * 1e3, 1),
-                                   "kv_TBps": round(kv_bytes / ms / 1e9, 3)}
+                                   "tensor_cores": tc, "split_kv": split, "graph": graph,
+                                   "us": round(ms * 1e3, 1), "kv_TBps": round(kv_bytes / ms / 1e9, 3)}
                             rows.append(row)
                             print(row, flush=True)
     res = {"model": args.model, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,

@@ -95,6 +95,27 @@ def test_flashinfer_large_decode_batch_of_a_two_head_group(gpu_models, cuda_grap
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_flashinfer_large_decode_batch_with_one_very_long_sequence(tmp_path, cuda_graph):
+    """From NO_SPLIT_MIN_BATCH rows on the tensor-core decode kernel runs
+    without split-KV: a 6000-token sequence among 80 short ones decodes as
+    Hugging Face does, in the eager wrappers and in a replayed graph."""
+    from rollout_engine.attention.flashinfer_backend import NO_SPLIT_MIN_BATCH
+
+    hf = make_hf_model("llama", False, initializer_range=INIT_RANGE, max_position_embeddings=8192,
+                       **GPU_SHAPES["llama"])
+    folder = save_model(hf, tmp_path)
+    engine = RolloutEngine(folder, device="cuda", attention_backend="flashinfer", cuda_graph=cuda_graph,
+                           max_total_tokens=65536, cuda_graph_max_batch_size=128)
+    assert engine.core.parts.runner.backend.split_args(NO_SPLIT_MIN_BATCH) == {"disable_split_kv": True}
+    long = [(7 * t) % 500 + 1 for t in range(6000)]
+    prompts = [long] + [[(t + 13 * i) % 500 + 1 for t in p] for i in range(20) for p in PROMPTS]
+    gap, outs = _gap_vs_hf(engine, hf.to("cuda", torch.bfloat16), prompts)
+    assert len(outs[0].output_token_ids) == 48
+    assert gap < 2e-2
+    engine.check_integrity()
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_flashinfer_over_cached_prefixes(gpu_models, page_size):
     hf, folder = gpu_models[("qwen3", False)]

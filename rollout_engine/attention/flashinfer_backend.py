@@ -19,13 +19,14 @@ if TYPE_CHECKING:
 
 WORKSPACE_BYTES = 256 << 20
 TENSOR_CORE_MIN_BATCH = 128
-# From this many rows on, the tensor-core decode kernel splits a sequence's
-# keys only past FIXED_SPLIT_TOKENS: with enough rows to fill the GPU, the
-# planner's finer splits cost a merge pass and KV bandwidth (4-8% at 64-256
-# rows, benchmarks/decode_attention.py); a bound keeps one very long sequence
-# from holding up the batch.
-FIXED_SPLIT_MIN_BATCH = 64
-FIXED_SPLIT_TOKENS = 4096
+# From this many rows on, the tensor-core decode kernel does not split a
+# sequence's keys over several blocks: the rows fill the GPU by themselves, and
+# the split's merge pass costs 2-8% of the kernel (64-256 rows, ragged
+# lengths, with or without one 16k-token sequence among them;
+# benchmarks/decode_attention.py). FlashInfer's fixed split size is not an
+# option here: replayed in a CUDA graph captured without splits, it returned
+# wrong outputs for the sequences it split.
+NO_SPLIT_MIN_BATCH = 64
 
 
 @dataclass
@@ -93,8 +94,8 @@ class FlashInferAttentionBackend(AttentionBackend):
     def split_args(self, batch: int) -> dict:
         """The decode plan's split-KV controls for `batch` rows (a captured
         graph's are those of its size, at capture and every replay)."""
-        if self.tensor_cores(batch) and batch >= FIXED_SPLIT_MIN_BATCH:
-            return {"fixed_split_size": max(1, FIXED_SPLIT_TOKENS // self.shape.page_size)}
+        if self.tensor_cores(batch) and batch >= NO_SPLIT_MIN_BATCH:
+            return {"disable_split_kv": True}
         return {}
 
     def plan_decode(self, wrapper, pt: PageTable, indices: torch.Tensor, batch: int) -> None:
