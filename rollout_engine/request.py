@@ -51,6 +51,11 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_at(self, i: int) -> int:
+        """all_ids[i] without building all_ids."""
+        n = len(self.prompt_ids)
+        return self.output_ids[i - n] if i >= n else self.prompt_ids[i]
+
     def tokens(self, start: int, end: int) -> list[int]:
         """all_ids[start:end] without building all_ids (decode needs one token)."""
         n = len(self.prompt_ids)

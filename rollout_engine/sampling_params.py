@@ -1,6 +1,8 @@
 """Per-request sampling parameters (public API)."""
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass
 
@@ -89,6 +91,14 @@ class SamplingParams:
     def effective_top_k(self) -> int:
         """0 means no top-k filter."""
         return max(self.top_k, 0)
+
+    @functools.cached_property
+    def plan_row(self) -> tuple[float, float, float, int, bool, int]:
+        """(temperature, top_p, min_p, effective top-k, raw logprobs, top
+        logprobs): this request's columns of a step's sampling plan, built
+        once (the params are frozen)."""
+        return (self.temperature, self.top_p, self.min_p, self.effective_top_k, self.logprob_mode == "raw",
+                self.top_logprobs)
 
 
 def _is_int(x: object) -> bool:

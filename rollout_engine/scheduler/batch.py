@@ -8,7 +8,7 @@ import numpy as np
 from rollout_engine.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """Extend `req` by all_ids[start:start+extend_len]; its KV goes to `slots`."""
 
@@ -56,6 +56,8 @@ class Batch:
         return sum(s.extend_len for s in self.seqs)
 
     def input_ids(self) -> np.ndarray:
+        if self.is_decode:  # one token each
+            return np.fromiter((s.req.token_at(s.start) for s in self.seqs), dtype=np.int64, count=len(self.seqs))
         return np.fromiter(
             (t for s in self.seqs for t in s.req.tokens(s.start, s.end)), dtype=np.int64, count=self.num_tokens
         )

@@ -14,13 +14,16 @@ from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.scheduler.batch import Batch
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqResult:
     token: int | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     prompt_logprobs: list[float] | None = None
     fork_results: list["SeqResult"] | None = None  # one per fork sibling, same logits row
+
+
+NO_RESULT = SeqResult()  # a sequence that neither sampled nor scored prompt tokens (shared: never written)
 
 
 @dataclass
@@ -99,25 +102,24 @@ def _prompt_sampling(prompt_reqs: list[tuple[Request, int]]) -> SamplingPlan | N
 
 
 def sampling_plan(params: list[SamplingParams], seeds: list[int], positions: list[int]) -> SamplingPlan:
-    f32 = lambda values: np.array(values, dtype=np.float32)  # noqa: E731
-    i64 = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+    cols = np.array([p.plan_row for p in params], dtype=np.float64).reshape(len(params), 6).T
     return SamplingPlan(
-        temperatures=f32([p.temperature for p in params]), top_ps=f32([p.top_p for p in params]),
-        min_ps=f32([p.min_p for p in params]), top_ks=i64([p.effective_top_k for p in params]),
-        seeds=i64(seeds), positions=i64(positions),
-        raw_logprobs=np.array([p.logprob_mode == "raw" for p in params], dtype=bool),
-        top_logprobs=i64([p.top_logprobs for p in params]))
+        temperatures=cols[0].astype(np.float32), top_ps=cols[1].astype(np.float32),
+        min_ps=cols[2].astype(np.float32), top_ks=cols[3].astype(np.int64),
+        seeds=np.array(seeds, dtype=np.int64), positions=np.array(positions, dtype=np.int64),
+        raw_logprobs=cols[4].astype(bool), top_logprobs=cols[5].astype(np.int64))
 
 
 def seq_results(num_seqs: int, index: PlanIndex, out: StepOutput) -> list[SeqResult]:
     """One result per scheduled sequence (fork siblings' under their leader's)."""
-    results = [SeqResult() for _ in range(num_seqs)]
+    results = [NO_RESULT] * num_seqs
+    tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
     sampled = []
     for j, req in enumerate(index.sample_reqs):
-        res = SeqResult(token=int(out.tokens[j]), logprob=float(out.logprobs[j]))
+        res = SeqResult(tokens[j], logprobs[j])
         want = req.params.top_logprobs
         if want:
-            res.top_logprobs = [(int(t), float(v)) for t, v in zip(out.top_ids[j, :want], out.top_logprobs[j, :want])]
+            res.top_logprobs = list(zip(out.top_ids[j, :want].tolist(), out.top_logprobs[j, :want].tolist()))
         sampled.append(res)
     for j, i in enumerate(index.sample_seq):
         results[i] = sampled[j]
@@ -125,6 +127,8 @@ def seq_results(num_seqs: int, index: PlanIndex, out: StepOutput) -> list[SeqRes
         results[i].fork_results = (results[i].fork_results or []) + [sampled[j]]
     at = 0
     for i, num in index.prompt:
+        if results[i] is NO_RESULT:
+            results[i] = SeqResult()
         results[i].prompt_logprobs = out.prompt_logprobs[at: at + num].tolist()
         at += num
     return results

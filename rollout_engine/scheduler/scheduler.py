@@ -297,10 +297,14 @@ class Scheduler:
 
     def _count(self, batch: Batch) -> None:
         self.num_steps += 1
+        prompt = total = 0
         for s in batch.seqs:
-            prompt_part = max(0, min(s.end, len(s.req.prompt_ids)) - s.start)
-            self.prompt_tokens_computed += prompt_part
-            self.decode_tokens += s.extend_len - prompt_part
+            total += s.extend_len
+            n = len(s.req.prompt_ids)
+            if s.start < n:
+                prompt += min(s.end, n) - s.start
+        self.prompt_tokens_computed += prompt
+        self.decode_tokens += total - prompt
 
     # ---- results ---------------------------------------------------------------
     def _apply(self, seq: ScheduledSeq, result: SeqResult, weight_version: int) -> bool:
