@@ -1,10 +1,7 @@
 """Matrix-vector product for one-token steps (batch-1 decode): y = x W^T (+ b)
 for x [1, K], W [N, K]. At one row the GEMM libraries pick tiles built for
 more rows (and split-K reductions); a plain streaming kernel reads the weight
-closer to the memory bandwidth (BENCHMARKS.md). Other shapes use F.linear.
-`silu_mul_linear` is the MLP's down projection over the fused gate_up
-output: at one row the kernel applies SiLU(gate) * up as it reads its
-input, one launch instead of two."""
+closer to the memory bandwidth (BENCHMARKS.md). Other shapes use F.linear."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from rollout_engine.kernels._triton import use_kernel
-from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
 
 
 def _config(n: int, k: int) -> tuple[int, int, int]:
@@ -34,7 +30,7 @@ def _kernel():
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr):
+                    BLOCK_K: tl.constexpr):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n < N
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -43,12 +39,8 @@ def _kernel():
             k_mask = k < K
             w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0)
-            x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-            if SILU_MUL:  # x holds [gate | up]; rounded as silu_and_mul rounds
-                up = tl.load(x_ptr + K + k, mask=k_mask, other=0.0).to(tl.float32)
-                act = (x * tl.sigmoid(x)).to(y_ptr.dtype.element_ty).to(tl.float32)
-                x = (act * up).to(y_ptr.dtype.element_ty).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
+            x = tl.load(x_ptr + k, mask=k_mask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
@@ -57,34 +49,19 @@ def _kernel():
     return gemv_kernel
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         silu_mul: bool = False) -> torch.Tensor:
-    """x: [1, K] contiguous ([1, 2K] = [gate | up] with `silu_mul`); weight:
-    [N, K] with unit column stride."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [1, K] contiguous; weight: [N, K] with unit column stride."""
     n, k = weight.shape
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     bn, bk, warps = _config(n, k)
     _kernel()[(-(-n // bn),)](x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-                              HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, SILU_MUL=silu_mul,
-                              num_warps=warps)
+                              HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return y
-
-
-def _one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
-            and x.dtype in (torch.bfloat16, torch.float16) and use_kernel(x))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with the one-row GPU case in `gemv`."""
-    if _one_row(x, weight):
+    if (x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16) and use_kernel(x)):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear(SiLU(gate) * up, weight) for gate_up = [gate | up]."""
-    if _one_row(gate_up, weight):
-        return gemv(gate_up, weight, silu_mul=True)
-    act = silu_and_mul(gate_up) if use_kernel(gate_up) else silu_and_mul_ref(gate_up)
-    return F.linear(act, weight)

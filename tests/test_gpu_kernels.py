@@ -148,25 +148,6 @@ def test_gemv_matches_linear(n, k, bias):
     torch.testing.assert_close(linear(two, w, b), F.linear(two, w, b))
 
 
-@pytest.mark.parametrize("n,k", [(4096, 14336), (1000, 1000), (3584, 18944)])
-def test_silu_mul_linear_fuses_the_activation_at_one_row(n, k):
-    """One row: SiLU(gate) * up computed inside the gemv, bitwise what the
-    activation kernel followed by the gemv gives; more rows: the two steps."""
-    import torch.nn.functional as F
-
-    from rollout_engine.kernels.activation import silu_and_mul
-    from rollout_engine.kernels.gemv import gemv, silu_mul_linear
-
-    torch.manual_seed(0)
-    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16) * 3
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
-    assert torch.equal(silu_mul_linear(gate_up, w), gemv(silu_and_mul(gate_up), w))
-    ref = F.linear(F.silu(gate_up[:, :k].float()) * gate_up[:, k:].float(), w.float())
-    torch.testing.assert_close(silu_mul_linear(gate_up, w).float(), ref, atol=3e-2, rtol=2e-2)
-    rows = torch.randn(3, 2 * k, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(silu_mul_linear(rows, w), F.linear(silu_and_mul(rows), w))
-
-
 @pytest.mark.parametrize("src_dtype,dst_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
                                                  (torch.float32, torch.float16)])
 def test_copy_and_check_matches_reference(src_dtype, dst_dtype):

@@ -13,9 +13,7 @@ import torch
 from torch import nn
 
 from rollout_engine.distributed.comm import TPComm
-from rollout_engine.kernels.gemv import linear, silu_mul_linear
-from rollout_engine.kernels._triton import use_kernel
-from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
+from rollout_engine.kernels.gemv import linear
 from rollout_engine.layers.invariant import invariant_linear
 from rollout_engine.layers.weight_copy import copy_into
 
@@ -130,12 +128,4 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.comm.all_reduce(invariant_linear(x, self.weight) if self.batch_invariant else linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
-
-    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """forward(SiLU(gate) * up) for gate_up = [gate | up] (the MLP's down
-        projection; fused into one kernel where the step has one row)."""
-        if self.batch_invariant:
-            return self.forward(silu_and_mul(gate_up) if use_kernel(gate_up) else silu_and_mul_ref(gate_up))
-        y = self.comm.all_reduce(silu_mul_linear(gate_up, self.weight))
         return y if self.bias is None else y + self.bias

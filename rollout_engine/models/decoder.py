@@ -10,6 +10,7 @@ from torch import nn
 
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels._triton import use_kernel
+from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rollout_engine.layers.attention import PagedAttention
 from rollout_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -67,7 +68,9 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_gated(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        act = silu_and_mul(gate_up) if use_kernel(gate_up) else silu_and_mul_ref(gate_up)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
