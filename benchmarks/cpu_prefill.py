@@ -1,4 +1,5 @@
-"""CPU prefill of one long prompt: the engine vs a Hugging Face forward.
+"""CPU prefill of one long prompt: the engine vs a Hugging Face forward, on
+the built-in smollm2-135m (real weights; fetched on first use).
 
     python benchmarks/cpu_prefill.py [--tokens 4000] [--threads N] [--repeats 2] [--rounds 1] [--only ...]
 

@@ -118,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, each bad value named by its flag (before the GPU check,
     so that a typo is told on any machine, and before a model is loaded)."""
     p = ScriptParser("step_breakdown.py", __doc__)
-    p.add_argument("--workload", choices=["grpo", "offline", "decode"], default="grpo")
+    p.add_argument("--workload", choices=["grpo", "offline", "decode"], default="grpo",
+                   help="grpo: prompts x samples; offline: independent requests; decode: one batch of short prompts")
     add_engine_args(p, ("model", "load_format", "tp_size", "deterministic", "page_size", "max_running_requests"),
                     defaults={"model": "qwen3-0.6b", "load_format": "dummy"})
     p.add_argument("--num-prompts", type=positive_int, default=16, help="grpo, offline: prompts")

@@ -148,6 +148,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_engine_args(config)
     check_tp_args(config)
     _check_bench_args(args)
+    _note_unused_bench_flags(args, args.bench_defaults)
     if args.n is None:
         args.n = 16 if args.workload == "longtail" else 8
     args.no_cuda_graph = not args.cuda_graph  # the name bench/run.py reads
@@ -179,6 +180,26 @@ def _warn_if_long_on_cpu(args: argparse.Namespace) -> None:
                  else "--scale 0.001 -n 2")  # as the README says
         print(f"{PROG} bench: note: on the CPU, {args.workload} with {size} generates ~{tokens:,.0f} tokens "
               f"and can take hours; for a quick look: {quick}", file=sys.stderr)
+
+
+# The workloads each workload flag sizes; given to any other, a flag does nothing.
+WORKLOAD_FLAGS = {
+    "num_prompts": ("grpo", "offline", "serve", "prefill"), "n": ("grpo", "longtail"),
+    "prompt_min": ("grpo", "serve"), "prompt_max": ("grpo", "serve", "prefill"), "output_len": ("grpo", "serve"),
+    "baseline": ("offline",), "hf_requests": ("offline",), "hf_batch_size": ("offline",),
+    "batch_sizes": ("decode",), "context": ("decode",), "steps": ("decode",), "graphs_only": ("decode",),
+    "nccl": ("weights",), "bucket_mb": ("weights",), "cycles": ("memory",), "concurrency": ("serve",),
+    "scale": ("longtail",), "replicas": ("grpo",),
+}
+
+
+def _note_unused_bench_flags(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
+    """A flag the chosen workload does not read is said, not silently dropped."""
+    for dest, used_by in WORKLOAD_FLAGS.items():
+        if args.workload not in used_by and getattr(args, dest) != defaults[dest]:
+            flag = "-n" if dest == "n" else "--" + dest.replace("_", "-")
+            print(f"{PROG} bench: note: {flag} does nothing for --workload {args.workload} "
+                  f"(it sizes {', '.join(used_by)})", file=sys.stderr)
 
 
 def _check_bench_args(args: argparse.Namespace) -> None:
@@ -276,7 +297,7 @@ def _add_bench(sub: Any) -> None:
                    help="grpo: run through a Ray RolloutPool of this many replicas, against one replica "
                         "(needs the ray extra)")
     p.add_argument("--out", default=None, help="write the JSON report here")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, bench_defaults={d: p.get_default(d) for d in WORKLOAD_FLAGS})
 
 
 def _add_serve(sub: Any) -> None:

@@ -232,6 +232,23 @@ def test_bench_on_the_cpu_says_when_a_workload_will_take_hours(flags, long, caps
         assert main(["bench", *flags[:2], *quick]) == 0 and "hours" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, unused", [
+    (["--workload", "longtail", "--scale", "0.001", "-n", "2", "--num-prompts", "16"], ["--num-prompts"]),
+    (["--workload", "decode", "--output-len", "8", "--graphs-only", "--batch-sizes", "1"], ["--output-len"]),
+    (["--workload", "grpo", "--scale", "0.5", "--steps", "3", "--num-prompts", "2"], ["--scale", "--steps"]),
+    (["--workload", "offline", "--num-prompts", "2", "--baseline", "none"], []),  # a default given: not noted
+])
+def test_bench_says_which_flags_its_workload_does_not_use(flags, unused, capsys, monkeypatch, bench_args_seen):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the GPU checks: the run is faked
+    assert main(["bench", *flags]) == 0 and bench_args_seen
+    notes = [line for line in capsys.readouterr().err.splitlines() if "does nothing" in line]
+    assert sorted(line.split(" does nothing")[0].split()[-1] for line in notes) == sorted(unused)
+    assert all(f"--workload {flags[1]}" in line for line in notes)
+    from rollout_engine.bench.run import _config
+
+    assert "bench_defaults" not in _config(bench_args_seen[0])  # the report's config says what ran
+
+
 def test_bench_engine_flags_reach_the_engine():
     """Every engine flag `bench` offers is passed to the engines it builds."""
     from rollout_engine.bench.common import engine_kwargs

@@ -205,7 +205,7 @@ def _workloads():
 def _config(args) -> dict[str, Any]:
     """The flags as the run used them: graphs only where CUDA runs them, and
     not the derived no_cuda_graph."""
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "no_cuda_graph")}
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "no_cuda_graph", "bench_defaults")}
     config["cuda_graph"] = bool(args.cuda_graph) and torch.cuda.is_available()
     return config
 

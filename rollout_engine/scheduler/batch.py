@@ -21,10 +21,12 @@ class ScheduledSeq:
     fill_index: int | None = None
     # The extend reaches the last known token, so the step samples the next
     # one (fixed when scheduled: placeholders added later do not change it).
-    samples: bool = field(init=False)
+    # None: worked out from the request.
+    samples: bool | None = None
 
     def __post_init__(self) -> None:
-        self.samples = self.end == self.req.seq_len
+        if self.samples is None:
+            self.samples = self.end == self.req.seq_len
 
     @property
     def end(self) -> int:

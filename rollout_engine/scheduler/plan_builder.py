@@ -39,6 +39,9 @@ class PlanIndex:
 def build_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None = None) -> tuple[StepPlan, PlanIndex]:
     """The plan of `batch`. With `prev` (a decode step scheduled while the
     previous one runs), inputs are the tokens `prev` is sampling."""
+    fast = _decode_plan(batch, table, prev)
+    if fast is not None:
+        return fast
     index = PlanIndex()
     logit_rows: list[int] = []
     sample_rows: list[int] = []
@@ -66,10 +69,7 @@ def build_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None = No
             index.forks.append((i, len(index.sample_reqs)))
             sample_rows.append(sample_rows[j])
             index.sample_reqs.append(sib)
-    prev_rows = None
-    if prev is not None:
-        where = {id(r): j for j, r in enumerate(prev.sample_reqs)}
-        prev_rows = np.array([where[id(s.req)] for s in batch.seqs], dtype=np.int64)
+    prev_rows = _prev_rows(batch, prev)
     n = len(batch.seqs)
     i64 = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
     plan = StepPlan(
@@ -82,6 +82,45 @@ def build_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None = No
         prompt_targets=i64(targets), sampling=_sampling(index.sample_reqs),
         is_decode=batch.is_decode, prompt_sampling=_prompt_sampling(prompt_reqs))
     return plan, index
+
+
+def _prev_rows(batch: Batch, prev: PlanIndex | None) -> np.ndarray | None:
+    if prev is None:
+        return None
+    where = {id(r): j for j, r in enumerate(prev.sample_reqs)}
+    return np.array([where[id(s.req)] for s in batch.seqs], dtype=np.int64)
+
+
+def _decode_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None) -> tuple[StepPlan, PlanIndex] | None:
+    """`build_plan` for the common step, in one pass over the batch: every
+    sequence extends by one token and samples the next (no prompt rows, no
+    fork siblings). None for any other batch."""
+    seqs = batch.seqs
+    n = len(seqs)
+    reqs, tokens, starts, slots, rows = [], [], [], [], []
+    for s in seqs:
+        req = s.req
+        if s.extend_len != 1 or not s.samples or req.fork_siblings:
+            return None
+        start = s.start
+        num_prompt = len(req.prompt_ids)
+        reqs.append(req)
+        tokens.append(req.output_ids[start - num_prompt] if start >= num_prompt else req.prompt_ids[start])
+        starts.append(start)
+        slots.append(s.slots[0])
+        rows.append(req.row)
+    if not n:
+        return None
+    i64 = np.int64
+    positions = np.array(starts, dtype=i64)
+    every = np.arange(n, dtype=i64)
+    empty = np.zeros(0, dtype=i64)
+    plan = StepPlan(
+        input_ids=np.array(tokens, dtype=i64), positions=positions, out_cache_loc=np.array(slots, dtype=i64),
+        extend_lens=np.ones(n, dtype=i64), seq_lens=positions + 1, rows=np.array(rows, dtype=i64),
+        prev_rows=_prev_rows(batch, prev), table_writes=table.drain_writes(), logit_rows=every, sample_rows=every,
+        prompt_rows=empty, prompt_targets=empty, sampling=_sampling(reqs), is_decode=True)
+    return plan, PlanIndex(sample_seq=list(range(n)), sample_reqs=reqs)
 
 
 def _sampling(reqs: list[Request]) -> SamplingPlan | None:

@@ -185,9 +185,14 @@ class Scheduler:
         token `batch` is sampling; `batch`'s result fills it."""
         if not (self.cfg.overlap and batch.is_decode and not self._may_admit() and all(s.samples for s in batch.seqs)):
             return None
-        seqs = [s for s in batch.seqs if not s.req.finished and not s.req.fork_siblings
-                and len(s.req.output_ids) + 1 < s.req.params.max_new_tokens
-                and s.req.seq_len + 1 < self.stop.max_context]
+        max_context = self.stop.max_context
+        seqs = []
+        for s in batch.seqs:
+            req = s.req
+            if req.finish_reason is None and not req.fork_siblings:
+                num_out = len(req.output_ids)
+                if num_out + 1 < req.params.max_new_tokens and len(req.prompt_ids) + num_out + 1 < max_context:
+                    seqs.append(s)
         slots = self.kv.alloc_decode([s.req for s in seqs]) if seqs else None
         if slots is None:
             return None
@@ -197,7 +202,7 @@ class Scheduler:
             seq.fill_index = len(req.output_ids)
             req.output_ids.append(PLACEHOLDER)
             req.pending_tokens += 1
-            ahead.seqs.append(ScheduledSeq(req, req.kv_len, 1, slots[i: i + 1]))
+            ahead.seqs.append(ScheduledSeq(req, req.kv_len, 1, slots[i: i + 1], samples=True))
             req.kv_len += 1
         self.num_ahead_steps += 1
         return ahead
