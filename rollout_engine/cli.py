@@ -16,8 +16,9 @@ import time
 from typing import Any, NoReturn
 
 from rollout_engine.cli_args import (INPUT_IDS_HELP, HelpFormatter, UsageError, add_engine_args, add_sampling_args,
-                                     build_config, build_sampling, check_engine_args, check_out_path, check_tp_args,
-                                     has_tokenizer, input_ids, positive_int, unit_fraction)
+                                     build_config, build_sampling, check_engine_args, check_out_path,
+                                     check_prompt_args, check_tp_args, has_tokenizer, input_ids, positive_int,
+                                     unit_fraction)
 from rollout_engine.config import EngineConfig
 from rollout_engine.model_zoo import ZOO
 
@@ -58,7 +59,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = build_config(args)
     params = build_sampling(args)
     check_engine_args(config)
+    check_tp_args(config)
     prompts, ids = _prompts(args, config)
+    check_prompt_args(config, prompts, ids)
     engine = _make_engine(config)
     try:
         if args.chat:

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping, NoReturn
 
 from rollout_engine.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, EngineConfig
 from rollout_engine.model_zoo import DEFAULT_MODEL, ZOO
+from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.tokenizer import has_tokenizer_files
@@ -134,6 +135,26 @@ def check_tp_args(config: EngineConfig) -> None:
         check_tp_size(config)
     except ValueError as e:
         raise UsageError(f"argument --tp-size: {e}") from None
+
+
+def check_prompt_args(config: EngineConfig, prompts: list[str] | None, ids: list[list[int]] | None) -> None:
+    """What the engine would refuse in the prompts, said before it loads:
+    an empty text prompt, a token id outside the model's vocabulary (read
+    from the model's config, not its weights)."""
+    for i, prompt in enumerate(prompts or []):
+        if not prompt:
+            raise UsageError(f"argument prompts: prompt {i} is empty")
+    if not ids:
+        return
+    from rollout_engine.model_zoo import resolve_model_path
+    from rollout_engine.runner.model_loader import read_hf_config
+
+    vocab = ModelConfig.from_hf(*read_hf_config(resolve_model_path(config.model, config.load_format))).vocab_size
+    for i, row in enumerate(ids):
+        outside = [t for t in row if t >= vocab]
+        if outside:
+            raise UsageError(f"argument --input-ids: prompt {i} has token id {outside[0]}, outside the "
+                             f"vocabulary of {config.model} [0, {vocab})")
 
 
 def check_engine_args(config: EngineConfig) -> None:

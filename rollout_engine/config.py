@@ -47,14 +47,14 @@ class EngineConfig:
         if self.max_total_tokens is not None and (
             not isinstance(self.max_total_tokens, int) or self.max_total_tokens < 1
         ):
-            bad("max_total_tokens", "must be None or a positive integer")
+            bad("max_total_tokens", "must be None or an integer >= 1")
         if not 0.0 < self.mem_fraction <= 1.0:
             bad("mem_fraction", "must be in (0, 1]")
         for field in ("max_running_requests", "max_prefill_tokens", "page_size",
                       "cuda_graph_max_batch_size", "tp_size"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
-                bad(field, "must be a positive integer")
+                bad(field, "must be an integer >= 1")
         if self.page_size & (self.page_size - 1):
             bad("page_size", "must be a power of two")
         if self.attention_backend not in ATTENTION_BACKENDS:

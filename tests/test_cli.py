@@ -138,11 +138,19 @@ def test_generate_chat_with_tokenizer_flag(smollm2_dir, tmp_path, capsys, monkey
     (["--input-ids", "1", "--chat"], "--chat"),
     (["--tokenizer", "/"], "--tokenizer"),
     (["--enable-memory-saver", "--device", "cpu"], "--enable-memory-saver"),
+    (["--input-ids", "1,2", "--input-ids", "3,100000"], "--input-ids"),  # outside the vocabulary
+    (["--tp", "3", "--input-ids", "1"], "--tp-size"),  # 4 heads do not split in 3
 ])
 def test_bad_generate_flags(llama, flags, named, capsys, no_model_load):
     _, folder = llama
     assert main(["generate", "--model", folder, *flags]) == 2
     assert f"argument {named}:" in _one_line_error(capsys)
+
+
+def test_an_empty_text_prompt_is_refused_before_the_model_loads(smollm2_dir, capsys, no_model_load):
+    assert main(["generate", "--model", smollm2_dir, "hello", ""]) == 2
+    line = _one_line_error(capsys)
+    assert "argument prompts:" in line and "prompt 1 is empty" in line
 
 
 def test_unknown_model_is_named(capsys, no_model_load):
