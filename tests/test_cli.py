@@ -171,6 +171,29 @@ def test_demo_has_no_chat_flag(capsys, no_model_load):
     assert "--chat" in _one_line_error(capsys)
 
 
+def test_ctrl_c_while_the_command_imports_is_one_line(monkeypatch, capsys):
+    """The console entry point catches Ctrl-C while torch and the command's
+    modules import; `import rollout_engine` alone does not import torch."""
+    import builtins
+
+    from rollout_engine import console
+
+    real = builtins.__import__
+
+    def interrupted(name, *args, **kwargs):
+        if name == "rollout_engine.cli":
+            raise KeyboardInterrupt
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", interrupted)
+    assert console.main() == 130
+    assert capsys.readouterr().err.strip() == "rollout-engine: error: interrupted"
+    monkeypatch.undo()
+    code = "import sys, rollout_engine; print('torch' in sys.modules); rollout_engine.SamplingParams"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
+
+
 @pytest.mark.parametrize("error, status", [(ValueError("bad\ninput"), 2), (FileNotFoundError("x"), 2),
                                            (RuntimeError("boom"), 1), (KeyboardInterrupt(), 130)])
 def test_errors_escaping_a_command_are_one_line(llama, error, status, capsys, monkeypatch):
