@@ -102,11 +102,9 @@ def _decode_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None) -
         req = s.req
         if s.extend_len != 1 or not s.samples or req.fork_siblings:
             return None
-        start = s.start
-        num_prompt = len(req.prompt_ids)
         reqs.append(req)
-        tokens.append(req.output_ids[start - num_prompt] if start >= num_prompt else req.prompt_ids[start])
-        starts.append(start)
+        tokens.append(req.token_at(s.start))
+        starts.append(s.start)
         slots.append(s.slots[0])
         rows.append(req.row)
     if not n:
