@@ -217,3 +217,38 @@ def test_the_progress_bar_counts_tokens_while_a_batch_runs(engine, capsys, monke
     counts = [int(t) for t in re.findall(r"tokens=(\d+)", err)]
     assert "4/4" in err and counts and counts[-1] == sum(len(o.output_token_ids) for o in outs) == 800, err[-500:]
     assert any(0 < c < 800 for c in counts), counts  # seen while the batch ran
+
+
+def test_ctrl_c_while_the_engine_builds_exits_cleanly(peaked, tmp_path):
+    """Ctrl-C while the loop thread is still building (inside torch): the
+    constructor raises KeyboardInterrupt, and at exit the interpreter waits
+    for the build to end instead of killing the thread inside torch (which
+    aborted the process: "terminate called without an active exception")."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, threading, time
+        import torch
+        import rollout_engine.core.engine_core as engine_core
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        def slow_build(self, cfg):  # Ctrl-C, then seconds of torch work on the loop thread, then a failure
+            threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+            a = torch.randn(1024, 1024)
+            end = time.monotonic() + 3
+            while time.monotonic() < end:
+                a = torch.tanh(a @ a)
+            open({str(tmp_path / "build-ended")!r}, "w").close()
+            raise RuntimeError("not built")
+
+        engine_core.EngineCore._build = slow_build
+        engine_core.STOP_AT_EXIT_SECONDS = 0.5  # shorter than the build: only the wait for builds covers it
+        from rollout_engine import RolloutEngine
+        try:
+            RolloutEngine({str(peaked)!r}, device="cpu")
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            sys.exit(130)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "interrupted" in proc.stderr and "terminate called" not in proc.stderr
+    assert (tmp_path / "build-ended").exists()  # the process waited for the build to end

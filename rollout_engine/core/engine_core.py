@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rollout_engine.config import EngineConfig
+from rollout_engine.model_zoo import resolve_model_path
 from rollout_engine.core.build import EngineParts, build_parts, check_tp_size, engine_cuda_index
 from rollout_engine.core.controls import Controls
 from rollout_engine.core.worker import drop_graphs, worker_main
@@ -32,11 +33,13 @@ from rollout_engine.distributed import tp_group
 from rollout_engine.core.request_factory import RequestFactory
 from rollout_engine.core.subscription import Subscription
 from rollout_engine.request import Request
-from rollout_engine.runner.model_loader import resolve_device
+from rollout_engine.runner.model_loader import read_hf_config, resolve_device
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.scheduler.scheduler import Scheduler
 
 _LIVE: "weakref.WeakSet[EngineCore]" = weakref.WeakSet()
+STOP_AT_EXIT_SECONDS = 10.0  # for a loop thread stepping at interpreter exit
+ABANDONED_BUILD_WAIT_SECONDS = 120.0  # for one still building an engine nobody will use
 
 
 def live_cores() -> list["EngineCore"]:
@@ -47,9 +50,11 @@ def live_cores() -> list["EngineCore"]:
 @atexit.register
 def _stop_live_loops() -> None:
     """At interpreter exit, stop loop threads that are still stepping (the
-    device must not be torn down under a running step)."""
+    device must not be torn down under a running step). A loop thread still
+    building an engine whose constructor was interrupted (Ctrl-C) is waited
+    for longer: killed inside torch, it would end the process with an abort."""
     for core in list(_LIVE):
-        core.stop(timeout=10.0)
+        core.stop(timeout=ABANDONED_BUILD_WAIT_SECONDS if core._abandoned else STOP_AT_EXIT_SECONDS)
 
 
 class _SharedResults:
@@ -117,6 +122,12 @@ class EngineCore:
         self._dead: BaseException | None = None
         self._cuda_index = engine_cuda_index(cfg)
         self._channel = channel  # rank 0 of a tensor-parallel engine embedded in a torch.distributed job
+        # The model's config is read here first, on the caller's thread: it
+        # fetches a zoo model on first use and imports transformers' config
+        # classes (seconds). Ctrl-C in that time is then an ordinary
+        # KeyboardInterrupt, not a loop thread left building at interpreter
+        # exit (which ends the process with an abort).
+        read_hf_config(resolve_model_path(cfg.model, cfg.load_format))
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(cfg, built), name="rollout-engine-loop", daemon=True)
         _LIVE.add(self)
