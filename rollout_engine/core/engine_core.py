@@ -53,8 +53,11 @@ def _stop_live_loops() -> None:
     device must not be torn down under a running step). A loop thread still
     building an engine whose constructor was interrupted (Ctrl-C) is waited
     for longer: killed inside torch, it would end the process with an abort."""
-    for core in list(_LIVE):
-        core.stop(timeout=ABANDONED_BUILD_WAIT_SECONDS if core._abandoned else STOP_AT_EXIT_SECONDS)
+    try:
+        for core in list(_LIVE):
+            core.stop(timeout=ABANDONED_BUILD_WAIT_SECONDS if core._abandoned else STOP_AT_EXIT_SECONDS)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, without a traceback
+        pass
 
 
 class _SharedResults:
