@@ -42,7 +42,7 @@ FIELD_HELP: dict[str, str] = {
     "enable_memory_saver": "put weights and KV cache in torch-memory-saver regions so that the GPU memory "
                            "can be released between rollouts (CUDA, gpu extra)",
     "weights_cpu_backup": "with the memory saver: keep a CPU copy of the weights so that a release keeps them",
-    "tp_size": "tensor-parallel degree: GPUs per engine",
+    "tp_size": "tensor-parallel degree: GPUs per engine (processes over gloo on the CPU)",
     "seed": "seed of dummy weights and of the sampling seeds drawn for requests",
     "overlap_schedule": "schedule decode step N+1 while step N runs on the device",
     "deterministic": "batch-invariant mode: a seeded request gives the same tokens and logprobs whatever else "

@@ -56,7 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_engine_args(config)
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
-        raise UsageError(f"serve needs {', '.join(missing)}: pip install 'rollout-engine[server]'")
+        raise UsageError(f"serve needs {', '.join(missing)}: pip install -e '.[server]' in a clone "
+                         f"(or 'rollout-engine[server]')")
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}
     if options["api_key"] is not None and not options["api_key"].strip():
         raise UsageError("argument --api-key: empty; leave the flag out to serve without a key")
