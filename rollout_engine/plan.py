@@ -61,10 +61,11 @@ class SamplingPlan:
 
 @dataclass
 class StepPlan:
-    # Per token [T]. Under the overlap schedule a decode step is planned
-    # before the previous step's tokens are known: then `prev_rows` names,
-    # per sequence, the previous plan's sampling row whose token is its
-    # input, and input_ids holds placeholders.
+    # Per token [T]. Under the overlap schedule a step is planned before the
+    # previous step's tokens are known: then `prev_rows` names, per sequence,
+    # the previous plan's sampling row whose token is the sequence's last
+    # input (input_ids holds a placeholder there), or -1 where the input is
+    # known.
     input_ids: np.ndarray
     positions: np.ndarray
     out_cache_loc: np.ndarray  # KV slot of each new token

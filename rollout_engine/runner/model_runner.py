@@ -64,9 +64,7 @@ class ModelRunner:
         nobody reads): no copy to the host, only the sampled tokens kept on
         the device for the next plan."""
         self.table.apply(plan.table_writes)
-        input_ids = None
-        if plan.prev_rows is not None:
-            input_ids = prev.sampled.tokens[self._on_device(plan.prev_rows)]
+        input_ids = self._inputs_from_prev(plan, prev)
         if self.graphs is not None and plan.logits_for_all_rows and self.graphs.can_run(plan):
             hidden = self.graphs.replay(plan, input_ids)
         else:
@@ -107,6 +105,20 @@ class ModelRunner:
         """Launch and collect one plan (the handle feeds a next plan's `prev`)."""
         handle = self.launch(plan, prev)
         return self.collect(handle), handle
+
+    def _inputs_from_prev(self, plan: StepPlan, prev: StepHandle | None) -> torch.Tensor | None:
+        """The plan's input ids on the device with the previous step's sampled
+        tokens in place (`plan.prev_rows`), or None when it reads none."""
+        rows = plan.prev_rows
+        if rows is None:
+            return None
+        if plan.is_decode and (rows >= 0).all():  # a decode step: every input comes from the previous step
+            return prev.sampled.tokens[self._on_device(rows)]
+        reads = rows >= 0
+        last_token = np.cumsum(plan.extend_lens) - 1
+        ids = self._on_device(plan.input_ids)
+        ids[self._on_device(last_token[reads])] = prev.sampled.tokens[self._on_device(rows[reads])]
+        return ids
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor):
         pieces: list[torch.Tensor] = []

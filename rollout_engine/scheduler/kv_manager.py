@@ -104,14 +104,17 @@ class KVManager:
         self.table.write_cells(rows, pos, slots)
         return slots
 
-    def cache_prefix(self, req: Request) -> None:
-        """Put the request's computed KV (whole pages) into the prefix cache
-        while it keeps running, so requests sharing the prefix (its n-sample
-        siblings, later turns) reuse it. The request then points at the
-        cache's copy and holds a lock on it."""
+    def cache_prefix(self, req: Request, computed_len: int) -> None:
+        """Put the request's KV of positions [0, computed_len) (whole pages)
+        into the prefix cache while it keeps running, so requests sharing the
+        prefix (its n-sample siblings, later turns) reuse it. The request then
+        points at the cache's copy and holds a lock on it. Positions past
+        `computed_len` may belong to a step scheduled ahead, whose input
+        token is still a placeholder."""
         if not self.cache.enabled or req.row is None:
             return
-        aligned = req.kv_len - req.kv_len % self.page_size
+        end = min(req.kv_len, computed_len)
+        aligned = end - end % self.page_size
         if aligned <= req.locked_len:
             return
         ids = req.all_ids[:aligned]

@@ -37,8 +37,9 @@ class PlanIndex:
 
 
 def build_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None = None) -> tuple[StepPlan, PlanIndex]:
-    """The plan of `batch`. With `prev` (a decode step scheduled while the
-    previous one runs), inputs are the tokens `prev` is sampling."""
+    """The plan of `batch`. With `prev` (the plan of the step still running
+    when `batch` was scheduled), the requests that sample in `prev` take the
+    tokens `prev` is sampling as their inputs."""
     fast = _decode_plan(batch, table, prev)
     if fast is not None:
         return fast
@@ -85,10 +86,14 @@ def build_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None = No
 
 
 def _prev_rows(batch: Batch, prev: PlanIndex | None) -> np.ndarray | None:
-    if prev is None:
+    """Per sequence, the sampling row of `prev` whose token is its last input
+    (a request that samples in `prev` decodes that token next), or -1 where
+    the input is known; None when no sequence reads `prev`'s tokens."""
+    if prev is None or not prev.sample_reqs:
         return None
     where = {id(r): j for j, r in enumerate(prev.sample_reqs)}
-    return np.array([where[id(s.req)] for s in batch.seqs], dtype=np.int64)
+    rows = np.fromiter((where.get(id(s.req), -1) for s in batch.seqs), dtype=np.int64, count=len(batch.seqs))
+    return rows if (rows >= 0).any() else None
 
 
 def _decode_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None) -> tuple[StepPlan, PlanIndex] | None:

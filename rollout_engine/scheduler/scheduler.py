@@ -134,14 +134,16 @@ class Scheduler:
     def _step(self) -> list[Request]:
         """One batch.
 
-        Overlap: while a pure decode step runs on the device, the next decode
-        step is scheduled and launched (its inputs are the tokens still being
-        sampled, taken on the device), then the first step's results are
-        applied. A request that finishes in step N computed one token too many
-        in step N+1; that result is dropped."""
+        Overlap: while step N runs on the device, step N+1 is scheduled and
+        launched (the inputs of requests that sample in step N are the tokens
+        still being sampled, taken on the device), then step N's results are
+        applied. Prefill chunks and admissions are scheduled ahead as decodes
+        are, so the host's work hides behind the GPU's in every kind of step.
+        A request that finishes in step N computed one token too many in step
+        N+1; that result is dropped."""
         finished: list[Request] = []
-        if self._pending is not None and (self._may_admit() or self._abort_marked):
-            finished += self._collect_pending()  # admissions and aborts see settled state
+        if self._pending is not None and self._abort_marked:
+            finished += self._collect_pending()  # aborts see settled state
         finished += self._apply_aborts()
         if self._pending is None:
             batch = self._schedule()
@@ -179,40 +181,62 @@ class Scheduler:
         return finished
 
     def _schedule_ahead(self, batch: Batch) -> Batch | None:
-        """The next decode step for the requests of the running decode step
-        `batch` that surely go on (no length stop), or None where only the
-        settled state can decide. Each such request gets a placeholder for the
-        token `batch` is sampling; `batch`'s result fills it."""
-        if not (self.cfg.overlap and batch.is_decode and not self._may_admit() and all(s.samples for s in batch.seqs)):
+        """The next step, scheduled while `batch` runs, as `_schedule` would
+        schedule it, or None where only the settled state can decide (overlap
+        off, or too little free KV for the decodes: retraction and eviction
+        wait for settled state).
+
+        A request that samples in `batch` decodes the token being sampled if
+        it surely goes on (no length stop) and forks nobody: it gets a
+        placeholder, which `batch`'s result fills. Other running requests go
+        on as settled: the next prefill chunk, or a decode of their last
+        known token (a fork leader whose siblings were just made). Waiting
+        requests are admitted into the rest of the prefill budget; the KV of
+        requests that finish in `batch` still counts as taken, so admission
+        errs on the safe side, and a slot freed in `batch` is filled one step
+        later."""
+        if not self.cfg.overlap:
             return None
+        in_batch = {id(s.req): s for s in batch.seqs}
         max_context = self.stop.max_context
-        seqs = []
-        for s in batch.seqs:
-            req = s.req
-            if req.finish_reason is None and not req.fork_siblings:
+        placeholders: list[ScheduledSeq] = []  # seqs of `batch` whose token the next step reads
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for req in self.running:
+            seq = in_batch.get(id(req))
+            if seq is not None and seq.samples:
                 num_out = len(req.output_ids)
-                if num_out + 1 < req.params.max_new_tokens and len(req.prompt_ids) + num_out + 1 < max_context:
-                    seqs.append(s)
-        slots = self.kv.alloc_decode([s.req for s in seqs]) if seqs else None
-        if slots is None:
+                if (req.fork_siblings or num_out + 1 >= req.params.max_new_tokens
+                        or len(req.prompt_ids) + num_out + 1 >= max_context):
+                    continue  # may end in `batch`, or forks first: decided once settled
+                placeholders.append(seq)
+                decodes.append(req)
+            elif req.is_prefilling:
+                prefills.append(req)
+            else:
+                decodes.append(req)
+        slots = self.kv.alloc_decode(decodes) if decodes else None
+        if decodes and slots is None:
             return None
+        for seq in placeholders:
+            seq.fill_index = len(seq.req.output_ids)
+            seq.req.output_ids.append(PLACEHOLDER)
+            seq.req.pending_tokens += 1
         ahead = Batch(weight_version=self.weight_version)
-        for i, seq in enumerate(seqs):
-            req = seq.req
-            seq.fill_index = len(req.output_ids)
-            req.output_ids.append(PLACEHOLDER)
-            req.pending_tokens += 1
+        for i, req in enumerate(decodes):
             ahead.seqs.append(ScheduledSeq(req, req.kv_len, 1, slots[i: i + 1], samples=True))
             req.kv_len += 1
+        budget = self.cfg.max_prefill_tokens
+        for req in prefills:
+            if budget <= 0:
+                break
+            budget -= self._schedule_chunk(ahead, req, budget)
+        if budget > 0:
+            self._admit(ahead, budget)
+        if not ahead.seqs:
+            return None
         self.num_ahead_steps += 1
         return ahead
-
-    def _may_admit(self) -> bool:
-        """Whether a waiting request could join now. With every running slot
-        taken it cannot, until a running request is known to have finished:
-        decode steps go on being scheduled ahead meanwhile (a slot freed in
-        step N is then filled after step N+1, one step later)."""
-        return bool(self.waiting) and len(self.running) < self.cfg.max_running_requests
 
     def _schedule(self) -> Batch:
         batch = Batch(weight_version=self.weight_version)
@@ -318,8 +342,8 @@ class Scheduler:
             req.prompt_logprobs.extend(result.prompt_logprobs)
         if not seq.samples:
             return False
-        if seq.extend_len > 1:  # a prefill just completed: share its KV
-            self.kv.cache_prefix(req)
+        if seq.extend_len > 1:  # a prefill just completed: share its KV (not the next step's, in flight)
+            self.kv.cache_prefix(req, seq.end)
         if req.fork_siblings:
             self._fork(req, result.fork_results, weight_version)
         return self._append(req, result, weight_version, seq.fill_index)
