@@ -235,6 +235,7 @@ class Scheduler:
             self._admit(ahead, budget)
         if not ahead.seqs:
             return None
+        self._decay_new_token_ratio(ahead)
         self.num_ahead_steps += 1
         return ahead
 
@@ -247,10 +248,16 @@ class Scheduler:
             if budget <= 0:
                 return batch
         self._admit(batch, budget)
+        self._decay_new_token_ratio(batch)
+        return batch
+
+    def _decay_new_token_ratio(self, batch: Batch) -> None:
+        """Each decode step lowers the share of the running requests'
+        remaining tokens that admission keeps room for (a retraction resets
+        it to 1)."""
         if batch.is_decode:
             self.new_token_ratio = max(self.cfg.min_new_token_ratio,
                                        self.new_token_ratio - self.cfg.new_token_ratio_decay)
-        return batch
 
     def _schedule_decodes(self, batch: Batch) -> None:
         for req in [r for r in self.running if not r.is_prefilling]:
