@@ -44,7 +44,7 @@ FIELD_HELP: dict[str, str] = {
     "weights_cpu_backup": "with the memory saver: keep a CPU copy of the weights so that a release keeps them",
     "tp_size": "tensor-parallel degree: GPUs per engine (processes over gloo on the CPU)",
     "seed": "seed of dummy weights and of the sampling seeds drawn for requests",
-    "overlap_schedule": "schedule decode step N+1 while step N runs on the device",
+    "overlap_schedule": "schedule step N+1 while step N runs on the device",
     "deterministic": "batch-invariant mode: a seeded request gives the same tokens and logprobs whatever else "
                      "is batched, chunked or cached (GPU: Triton kernels; CPU: row by row, several times slower)",
 }

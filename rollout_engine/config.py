@@ -29,7 +29,7 @@ class EngineConfig:
     weights_cpu_backup: bool = False
     tp_size: int = 1
     seed: int = 0
-    overlap_schedule: bool = True  # schedule decode step N+1 while step N runs
+    overlap_schedule: bool = True  # schedule step N+1 while step N runs
     deterministic: bool = False  # batch-invariant: a request's tokens and logprobs do not depend on its batch
 
     def __post_init__(self) -> None:

@@ -34,7 +34,7 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.5
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.002
-    # Schedule decode step N+1 while step N runs on the device.
+    # Schedule step N+1 while step N runs on the device.
     overlap: bool = True
 
 
