@@ -169,6 +169,9 @@ def check_engine_args(config: EngineConfig) -> None:
             hint = " (a preset: add --load-format dummy)" if model in PRESETS else ""
             raise UsageError(f"argument --model: {model!r} is neither a folder nor a zoo model "
                              f"({', '.join(sorted(ZOO))}){hint}")
+    elif not os.path.isfile(os.path.join(model, "config.json")):
+        raise UsageError(f"argument --model: {model!r} is a folder without a config.json (a Hugging Face "
+                         "model folder holds config.json and its safetensors weights)")
     if config.tokenizer is not None and not has_tokenizer_files(config.tokenizer):
         raise UsageError(f"argument --tokenizer: {config.tokenizer!r} is not a folder with tokenizer files")
     import torch

@@ -92,7 +92,12 @@ def convert_gguf(gguf_file: str, out_dir: str) -> None:
 
 
 def resolve_model_path(model: str, load_format: str) -> str:
-    if os.path.isdir(model) or load_format == "dummy":
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"model {model!r} is a folder without a config.json: a Hugging Face model folder "
+                             "holds config.json and its safetensors weights")
+        return model
+    if load_format == "dummy":
         return model
     if model in ZOO:
         return ensure_model(model)

@@ -160,6 +160,13 @@ def test_unknown_model_is_named(capsys, no_model_load):
     assert "--load-format dummy" in _one_line_error(capsys)
 
 
+
+def test_a_folder_that_is_no_model_is_named(tmp_path, capsys, no_model_load):
+    assert main(["generate", "--model", str(tmp_path), "--input-ids", "1"]) == 2
+    line = _one_line_error(capsys)
+    assert "--model" in line and "without a config.json" in line
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_cuda_device_without_gpu(llama, capsys, no_model_load):
     assert main(["generate", "--model", llama[1], "--device", "cuda", "--input-ids", "1"]) == 2

@@ -71,3 +71,8 @@ def test_bad_engine_arguments_name_the_field(llama, kwargs, field):
 def test_unknown_model_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="not a folder"):
         RolloutEngine(str(tmp_path / "nope"))
+    # A folder that is no model folder: named as such, not in transformers' words.
+    with pytest.raises(ValueError, match=r"^model .* is a folder without a config\.json"):
+        RolloutEngine(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^model .* is a folder without a config\.json"):
+        RolloutEngine(str(tmp_path), load_format="dummy")
