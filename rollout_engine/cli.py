@@ -61,7 +61,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_engine_args(config)
     check_tp_args(config)
     prompts, ids = _prompts(args, config)
-    check_prompt_args(config, prompts, ids)
+    check_prompt_args(config, prompts, ids, params.max_new_tokens)
     engine = _make_engine(config)
     try:
         if args.chat:

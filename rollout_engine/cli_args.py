@@ -137,13 +137,21 @@ def check_tp_args(config: EngineConfig) -> None:
         raise UsageError(f"argument --tp-size: {e}") from None
 
 
-def check_prompt_args(config: EngineConfig, prompts: list[str] | None, ids: list[list[int]] | None) -> None:
+def check_prompt_args(config: EngineConfig, prompts: list[str] | None, ids: list[list[int]] | None,
+                      max_new_tokens: int) -> None:
     """What the engine would refuse in the prompts, said before it loads:
-    an empty text prompt, a token id outside the model's vocabulary (read
-    from the model's config, not its weights)."""
+    an empty text prompt, a prompt and its new tokens past
+    --max-total-tokens (a text prompt counted as one token at least), a
+    token id outside the model's vocabulary (read from the model's config,
+    not its weights)."""
     for i, prompt in enumerate(prompts or []):
         if not prompt:
             raise UsageError(f"argument prompts: prompt {i} is empty")
+    capacity = config.max_total_tokens
+    longest = max(map(len, ids)) if ids else 1
+    if capacity is not None and longest + max_new_tokens > capacity:
+        raise UsageError(f"argument --max-total-tokens: a KV cache of {capacity} tokens cannot hold a "
+                         f"{longest}-token prompt and --max-new-tokens {max_new_tokens}")
     if not ids:
         return
     from rollout_engine.model_zoo import resolve_model_path

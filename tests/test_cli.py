@@ -140,6 +140,8 @@ def test_generate_chat_with_tokenizer_flag(smollm2_dir, tmp_path, capsys, monkey
     (["--enable-memory-saver", "--device", "cpu"], "--enable-memory-saver"),
     (["--input-ids", "1,2", "--input-ids", "3,100000"], "--input-ids"),  # outside the vocabulary
     (["--tp", "3", "--input-ids", "1"], "--tp-size"),  # 4 heads do not split in 3
+    (["--max-total-tokens", "4", "--input-ids", "1"], "--max-total-tokens"),  # 1 + 16 new tokens > 4
+    (["--max-total-tokens", "20", "--max-new-tokens", "16", "--input-ids", "1,2,3,4,5"], "--max-total-tokens"),
 ])
 def test_bad_generate_flags(llama, flags, named, capsys, no_model_load):
     _, folder = llama
