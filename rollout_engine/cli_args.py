@@ -148,10 +148,11 @@ def check_prompt_args(config: EngineConfig, prompts: list[str] | None, ids: list
         if not prompt:
             raise UsageError(f"argument prompts: prompt {i} is empty")
     capacity = config.max_total_tokens
-    longest = max(map(len, ids)) if ids else 1
+    longest = max(map(len, ids)) if ids else 1  # a text prompt's length is known once tokenized
     if capacity is not None and longest + max_new_tokens > capacity:
-        raise UsageError(f"argument --max-total-tokens: a KV cache of {capacity} tokens cannot hold a "
-                         f"{longest}-token prompt and --max-new-tokens {max_new_tokens}")
+        prompt = f"a {longest}-token prompt" if ids else "any prompt"
+        raise UsageError(f"argument --max-total-tokens: a KV cache of {capacity} tokens cannot hold {prompt} "
+                         f"and --max-new-tokens {max_new_tokens}")
     if not ids:
         return
     from rollout_engine.model_zoo import resolve_model_path

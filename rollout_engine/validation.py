@@ -33,7 +33,7 @@ def resolve_prompts(prompts: Sequence[str] | None, input_ids: Sequence[Sequence[
             if not isinstance(p, str):
                 _fail(i, "prompts", f"must be a string, got {type(p).__name__}")
             if not p:
-                _fail(i, "prompts", "is empty")
+                _fail(i, "prompts", "holds an empty string")
             out.append(tokenizer.encode(p))
         return out
     if not _is_sequence(input_ids):

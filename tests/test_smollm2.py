@@ -47,6 +47,12 @@ def test_text_prompts_and_stop_strings(smol):
     assert "France" in full
 
 
+def test_an_empty_text_prompt_is_named(smol):
+    with pytest.raises(ValueError, match=r"^request 1: prompts holds an empty string"):
+        smol.generate(prompts=["Hi", ""], sampling_params=SamplingParams(max_new_tokens=2))
+    assert len(smol.generate(prompts=["Hi"], sampling_params=SamplingParams(max_new_tokens=2))[0].output_token_ids)
+
+
 def test_eos_finishes_with_stop(smol):
     ids = smol.apply_chat_template([{"role": "user", "content": CHATS[3]}])
     out = smol.generate(input_ids=[ids], sampling_params=SamplingParams(max_new_tokens=200, temperature=0))[0]
