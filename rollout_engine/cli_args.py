@@ -13,7 +13,7 @@ import typing
 from typing import Any, Iterable, Mapping, NoReturn
 
 from rollout_engine.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, EngineConfig
-from rollout_engine.model_zoo import DEFAULT_MODEL, ZOO
+from rollout_engine.model_zoo import DEFAULT_MODEL, NOT_A_MODEL_FOLDER, ZOO, is_model_folder
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS
 from rollout_engine.sampling_params import SamplingParams
@@ -178,9 +178,8 @@ def check_engine_args(config: EngineConfig) -> None:
             hint = " (a preset: add --load-format dummy)" if model in PRESETS else ""
             raise UsageError(f"argument --model: {model!r} is neither a folder nor a zoo model "
                              f"({', '.join(sorted(ZOO))}){hint}")
-    elif not os.path.isfile(os.path.join(model, "config.json")):
-        raise UsageError(f"argument --model: {model!r} is a folder without a config.json (a Hugging Face "
-                         "model folder holds config.json and its safetensors weights)")
+    elif not is_model_folder(model):
+        raise UsageError(f"argument --model: {model!r} {NOT_A_MODEL_FOLDER}")
     if config.tokenizer is not None and not has_tokenizer_files(config.tokenizer):
         raise UsageError(f"argument --tokenizer: {config.tokenizer!r} is not a folder with tokenizer files")
     import torch

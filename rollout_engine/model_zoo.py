@@ -91,11 +91,18 @@ def convert_gguf(gguf_file: str, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+NOT_A_MODEL_FOLDER = ("is a folder without a config.json (a Hugging Face model folder holds config.json and its "
+                      "safetensors weights)")
+
+
+def is_model_folder(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "config.json"))
+
+
 def resolve_model_path(model: str, load_format: str) -> str:
     if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise ValueError(f"model {model!r} is a folder without a config.json: a Hugging Face model folder "
-                             "holds config.json and its safetensors weights")
+        if not is_model_folder(model):
+            raise ValueError(f"model {model!r} {NOT_A_MODEL_FOLDER}")
         return model
     if load_format == "dummy":
         return model

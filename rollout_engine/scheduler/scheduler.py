@@ -226,13 +226,7 @@ class Scheduler:
         for i, req in enumerate(decodes):
             ahead.seqs.append(ScheduledSeq(req, req.kv_len, 1, slots[i: i + 1], samples=True))
             req.kv_len += 1
-        budget = self.cfg.max_prefill_tokens
-        for req in prefills:
-            if budget <= 0:
-                break
-            budget -= self._schedule_chunk(ahead, req, budget)
-        if budget > 0:
-            self._admit(ahead, budget)
+        self._fill_prefill_budget(ahead, prefills)
         if not ahead.seqs:
             return None
         self._decay_new_token_ratio(ahead)
@@ -242,14 +236,19 @@ class Scheduler:
     def _schedule(self) -> Batch:
         batch = Batch(weight_version=self.weight_version)
         self._schedule_decodes(batch)
-        budget = self.cfg.max_prefill_tokens
-        for req in [r for r in self.running if r.is_prefilling]:  # chunked prefills go on
-            budget -= self._schedule_chunk(batch, req, budget)
-            if budget <= 0:
-                return batch
-        self._admit(batch, budget)
+        self._fill_prefill_budget(batch, [r for r in self.running if r.is_prefilling])
         self._decay_new_token_ratio(batch)
         return batch
+
+    def _fill_prefill_budget(self, batch: Batch, prefilling: list[Request]) -> None:
+        """Chunked prefills go on first, then waiting requests are admitted
+        into what is left of `max_prefill_tokens`."""
+        budget = self.cfg.max_prefill_tokens
+        for req in prefilling:
+            budget -= self._schedule_chunk(batch, req, budget)
+            if budget <= 0:
+                return
+        self._admit(batch, budget)
 
     def _decay_new_token_ratio(self, batch: Batch) -> None:
         """Each decode step lowers the share of the running requests'
