@@ -6,18 +6,22 @@ share of the measured bf16 peak and of the weight-read floor, so a slow shape
 
     python3 benchmarks/gemm_shapes.py --model qwen2.5-7b --rows 128 256 512 --out gemm.json
 
-Variants: `linear` (F.linear, bias fused: what the engine runs), `mm_bias`
+Variants: `linear` (what the engine runs: F.linear with the bias fused, the
+gemv kernel at one row), `mm_bias`
 (the product, then the bias added), `lt` (cuBLASLt preferred for every
-product: torch.backends.cuda.preferred_blas_library("cublaslt")).
+product: torch.backends.cuda.preferred_blas_library("cublaslt")). For the LM
+head also the fp32 logits the sampler reads: `bf16_then_float` (the product
+in bf16, widened by a second kernel) against `fp32_out` (the engine's
+`kernels.gemv.logits`: the product writes fp32).
 """
 from __future__ import annotations
 
 import json
 
 import torch
-import torch.nn.functional as F
 
 from rollout_engine.bench.roofline import measure_device
+from rollout_engine.kernels.gemv import linear, logits
 from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS, PresetConfig
@@ -63,8 +67,10 @@ def run(model: str, rows: list[int]) -> dict:
         b = torch.randn(n, device=dev, dtype=dt) if has_bias else None
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=dt)
-            variants = {"linear": lambda: F.linear(x, w, b),
+            variants = {"linear": lambda: linear(x, w, b),
                         "mm_bias": lambda: x @ w.t() + b if b is not None else x @ w.t()}
+            if name == "lm_head":
+                variants.update(bf16_then_float=lambda: linear(x, w).float(), fp32_out=lambda: logits(x, w))
             row = {"shape": name, "m": m, "n": n, "k": k}
             for label, fn in variants.items():
                 row[f"{label}_us"] = round(graph_time_us(fn), 2)
@@ -74,7 +80,7 @@ def run(model: str, rows: list[int]) -> dict:
                 row["lt_us"] = round(graph_time_us(variants["linear"]), 2)
             finally:
                 torch.backends.cuda.preferred_blas_library(prior)
-            best = min(v for key, v in row.items() if key.endswith("_us"))
+            best = min(row[f"{key}_us"] for key in ("linear", "mm_bias", "lt"))
             compute_us = 2 * m * n * k / limits.flops * 1e6
             read_us = 2 * n * k / limits.bandwidth * 1e6
             row["floor_us"] = round(max(compute_us, read_us), 2)

@@ -1,7 +1,11 @@
 """Matrix-vector product for one-token steps (batch-1 decode): y = x W^T (+ b)
 for x [1, K], W [N, K]. At one row the GEMM libraries pick tiles built for
 more rows (and split-K reductions); a plain streaming kernel reads the weight
-closer to the memory bandwidth (BENCHMARKS.md). Other shapes use F.linear."""
+closer to the memory bandwidth (BENCHMARKS.md). Other shapes use F.linear.
+
+`logits` is the LM head's product with an fp32 result written by the product
+itself (the accumulator, not a bf16 copy widened by a second kernel: the
+sampler reads fp32 logits)."""
 from __future__ import annotations
 
 import functools
@@ -49,19 +53,41 @@ def _kernel():
     return gemv_kernel
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [1, K] contiguous; weight: [N, K] with unit column stride."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x: [1, K] contiguous; weight: [N, K] with unit column stride. The
+    result is in `out_dtype` (default: x's)."""
     n, k = weight.shape
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     bn, bk, warps = _config(n, k)
     _kernel()[(-(-n // bn),)](x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
                               HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return y
 
 
+def _one_row_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16) and use_kernel(x))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with the one-row GPU case in `gemv`."""
-    if (x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
-            and x.dtype in (torch.bfloat16, torch.float16) and use_kernel(x)):
+    if _one_row_kernel(x, weight):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+_MM_FP32_OUT = [True]  # torch.mm(..., out_dtype=float32) on this build: until it fails once
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T in fp32 for x [T, K] and a bf16/fp16 weight [N, K]: the GEMM (or
+    the one-row gemv) writes its fp32 accumulator directly."""
+    if _one_row_kernel(x, weight):
+        return gemv(x, weight, out_dtype=torch.float32)
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and _MM_FP32_OUT[0]:
+        try:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # a torch without the fp32-output product
+            _MM_FP32_OUT[0] = False
+    return F.linear(x, weight).float()

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout_engine.distributed.comm import TPComm
+from rollout_engine.kernels.gemv import logits as logits_product
 from rollout_engine.layers.invariant import invariant_linear
 from rollout_engine.layers.weight_copy import copy_into
 
@@ -57,6 +58,10 @@ class ParallelLMHead(nn.Module):
     batch_invariant = False  # layers/invariant.py
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = invariant_linear(hidden, self.weight) if self.batch_invariant else F.linear(hidden, self.weight)
+        """fp32 logits [T, vocab]."""
+        if self.batch_invariant:
+            local = invariant_linear(hidden, self.weight).float()
+        else:
+            local = logits_product(hidden, self.weight)
         logits = self.comm.all_gather_last_dim(local)
         return logits[..., : self.vocab_size]

@@ -124,4 +124,4 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)  # fp32
