@@ -63,7 +63,7 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-GAP_BUCKETS_US = (10, 100, 1000)  # idle gaps: < 10 us, < 100 us, < 1 ms, longer
+GAP_BUCKETS_US = (2, 5, 10, 100, 1000)  # idle gaps: < 2 us (between kernels of a graph), ..., longer
 
 
 def idle_gaps(events) -> dict:

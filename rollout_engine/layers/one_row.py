@@ -1,0 +1,42 @@
+"""The one-row kernels (batch-1 decode) compiled when the engine is built.
+
+At one row the linear layers and the LM head run Triton gemv kernels
+(`kernels/gemv.py`), compiled per weight shape and output dtype on first
+use. CUDA-graph capture compiles the layers' kernels, but the LM head runs
+outside the graphs (and without graphs nothing is captured), so the first
+step that decodes a single request would wait on the compiler mid-run
+(~0.2 s for the LM head's fp32 variant)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rollout_engine.kernels._triton import use_kernel
+from rollout_engine.kernels.gemv import linear, logits
+from rollout_engine.layers.embedding import ParallelLMHead
+from rollout_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+
+@torch.inference_mode()
+def compile_one_row_kernels(model: nn.Module) -> int:
+    """Run each distinct one-row product of `model` once (GPU only; layers in
+    batch-invariant mode use their own kernels). Returns how many."""
+    seen = set()
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead):
+            kind = "logits"
+        elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            kind = "linear"
+        else:
+            continue
+        weight, bias = module.weight, getattr(module, "bias", None)
+        key = (kind, tuple(weight.shape), weight.dtype, bias is not None)
+        if module.batch_invariant or key in seen or not use_kernel(weight):
+            continue
+        seen.add(key)
+        x = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        if kind == "logits":  # the local product: no collective here
+            logits(x, weight)
+        else:
+            linear(x, weight, bias)
+    return len(seen)
