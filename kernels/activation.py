@@ -30,11 +30,10 @@ def _kernel():
     return silu_mul_kernel
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, block: int = 1024, warps: int = 4) -> torch.Tensor:
     tokens, two_n = x.shape
     n = two_n // 2
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
-    block = 1024
     if tokens:
-        _kernel()[(tokens, -(-n // block))](x, out, x.stride(0), n, BLOCK=block)
+        _kernel()[(tokens, -(-n // block))](x, out, x.stride(0), n, BLOCK=block, num_warps=warps)
     return out

@@ -49,8 +49,15 @@ def _kernel():
     return rmsnorm_kernel
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _warps(n: int) -> int:
+    """Warps per row: one for rows up to 1024 wide, eight for wider ones
+    (benchmarks/small_kernels.py, H200: 1.84 -> 1.75 us at 256 x 1024,
+    2.57 -> 2.45 us at 256 x 3584)."""
+    return 1 if n <= 1024 else 8
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [T, N] or [T, H, N] (per-head norm; any token/head strides, unit
     stride inside a row). Outputs are contiguous."""
     n = x.shape[-1]
@@ -63,5 +70,5 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _kernel()[(tokens, heads)](
             x, residual if residual is not None else x, weight, out, r_out if r_out is not None else out,
             x.stride(0), stride_h, residual.stride(0) if residual is not None else 0, n, eps,
-            NUM_HEADS=heads, HAS_RES=residual is not None, BLOCK=next_pow2(n))
+            NUM_HEADS=heads, HAS_RES=residual is not None, BLOCK=next_pow2(n), num_warps=warps or _warps(n))
     return out, r_out
