@@ -98,11 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_args(argv)
     needs_cuda(p, "the products are timed on the GPU")
-    result = run(args.model, args.rows)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_out(args.out, run(args.model, args.rows))
     return 0
+
+
+def write_out(path: str | None, result: dict) -> None:
+    """The script's result as JSON at `path` (nothing when None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,8 @@ variants say which launch shape hides it best. On a CUDA GPU:
 """
 from __future__ import annotations
 
-import json
-
 import torch
-from gemm_shapes import graph_time_us  # benchmarks/, the script's own folder
+from gemm_shapes import graph_time_us, write_out  # benchmarks/, the script's own folder
 
 from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
 from rollout_engine.kernels.activation import silu_and_mul
@@ -75,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 best = min(mine, key=lambda r: r["us"])
                 print(f"{model} m={m} {kernel}: " + " ".join(f"{r['variant']}={r['us']}" for r in mine)
                       + f"  best {best['variant']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_out(args.out, result)
     return 0
 
 
