@@ -141,7 +141,8 @@ def test_step_breakdown_sorts_idle_gaps_by_length_and_names_what_waited():
     events = [("gemm", 0, 100), ("rmsnorm_kernel", 105, 5), ("BatchPrefillKernel", 2110, 90),
               ("gemm", 2250, 50), ("rope_kernel", 2240, 20)]  # out of order; the gemm overlaps nothing after
     gaps = sb.idle_gaps(events)["by_length"]
-    assert gaps["<10us"] == {"count": 1, "ms": 0.0}
+    assert gaps["<2us"] == gaps["2-5us"] == {"count": 0, "ms": 0.0}
+    assert gaps["5-10us"] == {"count": 1, "ms": 0.0}  # 105 -> 110
     assert gaps["10-100us"] == {"count": 1, "ms": 0.0}  # 2200 -> 2240
     assert gaps[">=1000us"] == {"count": 1, "ms": 2.0}  # 110 -> 2110
     assert sb.idle_gaps(events)["long_gaps_before"] == {"BatchPrefillKernel": {"count": 1, "ms": 2.0}}
