@@ -96,7 +96,9 @@ def test_bench_longtail_end_to_end(tmp_path):
     assert res["share_of_time_below_32_running"] == 1.0  # 16 requests: always below 32
     assert res["output_tokens"] > 16 * 40 and res["makespan_s"] > 0
     running = res["max_running_by_twentieth"]
-    assert max(running[:2]) == 16 and running[-1] <= 2  # the batch drains to its longest samples
+    # Every sample runs at some point, then the batch drains to its longest ones (the peak may fall in any
+    # twentieth: the running count is polled every 0.1 s, and the shortest samples end within the first).
+    assert max(running) == 16 and running[-1] <= 2
 
 
 def test_workload_roofline_counts_only_computed_prompt_tokens():
