@@ -77,7 +77,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-_MM_FP32_OUT = [True]  # torch.mm(..., out_dtype=float32) on this build: until it fails once
+# torch.mm(..., out_dtype=torch.float32): the `mm.dtype` overload, absent from older torch builds
+_MM_FP32_OUT = hasattr(torch.ops.aten.mm, "dtype")
 
 
 def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -85,9 +86,6 @@ def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     the one-row gemv) writes its fp32 accumulator directly."""
     if _one_row_kernel(x, weight):
         return gemv(x, weight, out_dtype=torch.float32)
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and _MM_FP32_OUT[0]:
-        try:
-            return torch.mm(x, weight.t(), out_dtype=torch.float32)
-        except (RuntimeError, TypeError):  # a torch without the fp32-output product
-            _MM_FP32_OUT[0] = False
+    if _MM_FP32_OUT and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x, weight).float()

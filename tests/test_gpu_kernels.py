@@ -38,15 +38,15 @@ def test_rmsnorm_per_head_on_a_strided_view(dtype):
     _close(out, rmsnorm_ref(q, w, 1e-6)[0], dtype)
 
 
-@pytest.mark.parametrize("split_tokens", [1, 10**9])
+@pytest.mark.parametrize("two_programs", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_matches_reference(dtype, split_tokens, monkeypatch):
+def test_rope_matches_reference(dtype, two_programs, monkeypatch):
     from rollout_engine.kernels import rope as rope_module
     from rollout_engine.kernels.rope import rope, rope_ref
     from rollout_engine.layers.rotary import RotaryEmbedding
     from rollout_engine.models.config import RopeConfig
 
-    monkeypatch.setattr(rope_module, "SPLIT_TOKENS", split_tokens)
+    monkeypatch.setattr(rope_module, "TWO_PROGRAMS_PER_TOKEN", two_programs)
     rot = RotaryEmbedding(128, 4096, RopeConfig(theta=1e6)).cuda()
     qkv = torch.randn(50, (12 + 2 * 4) * 128, device="cuda", dtype=dtype)
     q = qkv[:, : 12 * 128].view(50, 12, 128)
@@ -59,15 +59,15 @@ def test_rope_matches_reference(dtype, split_tokens, monkeypatch):
     _close(ko, kr, dtype)
 
 
-@pytest.mark.parametrize("split_tokens", [1, 10**9])  # two programs per token (q | k, v) or one
+@pytest.mark.parametrize("two_programs", [True, False])  # per token: q | k, v, or both in one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_and_store_writes_the_cache_slots(dtype, split_tokens, monkeypatch):
+def test_rope_and_store_writes_the_cache_slots(dtype, two_programs, monkeypatch):
     from rollout_engine.kernels import rope as rope_module
     from rollout_engine.kernels.rope import rope_and_store, rope_and_store_ref
     from rollout_engine.layers.rotary import RotaryEmbedding
     from rollout_engine.models.config import RopeConfig
 
-    monkeypatch.setattr(rope_module, "SPLIT_TOKENS", split_tokens)
+    monkeypatch.setattr(rope_module, "TWO_PROGRAMS_PER_TOKEN", two_programs)
     rot = RotaryEmbedding(64, 4096, RopeConfig(theta=1e4)).cuda()
     qkv = torch.randn(23, (8 + 2 * 2) * 64, device="cuda", dtype=dtype)
     q, k, v = (t.view(23, -1, 64) for t in qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1))
@@ -85,9 +85,9 @@ def test_rope_and_store_writes_the_cache_slots(dtype, split_tokens, monkeypatch)
     assert (caches[0][untouched] == 7).all() and (caches[1][untouched] == 7).all()
 
 
-@pytest.mark.parametrize("split_tokens", [1, 10**9])
+@pytest.mark.parametrize("two_programs", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_and_store_with_qk_norm_matches_the_norms_then_the_rotation(dtype, split_tokens, monkeypatch):
+def test_rope_and_store_with_qk_norm_matches_the_norms_then_the_rotation(dtype, two_programs, monkeypatch):
     """Qwen3's per-head q/k RMSNorm inside the rotary kernel: the same values
     as the reference norm + rotation, and as the separate GPU norm kernel
     followed by the rotary kernel."""
@@ -97,7 +97,7 @@ def test_rope_and_store_with_qk_norm_matches_the_norms_then_the_rotation(dtype, 
     from rollout_engine.layers.rotary import RotaryEmbedding
     from rollout_engine.models.config import RopeConfig
 
-    monkeypatch.setattr(rope_module, "SPLIT_TOKENS", split_tokens)
+    monkeypatch.setattr(rope_module, "TWO_PROGRAMS_PER_TOKEN", two_programs)
     rot = RotaryEmbedding(128, 4096, RopeConfig(theta=1e6)).cuda()
     qkv = torch.randn(31, (16 + 2 * 8) * 128, device="cuda", dtype=dtype) * 4
     q, k, v = (t.view(31, -1, 128) for t in qkv.split([16 * 128, 8 * 128, 8 * 128], dim=-1))
