@@ -68,10 +68,11 @@ GAP_BUCKETS_US = (2, 5, 10, 100, 1000)  # idle gaps: < 2 us (between kernels of 
 
 def idle_gaps(events) -> dict:
     """The device's idle gaps between kernels, by length: how many and how
-    long in all, and which kernels start after the gaps of 100 us or more
-    (the step kind that waited on the host)."""
+    long in all, and which kernels start after the gaps of 10-100 us (a step
+    launched late) and of 100 us or more (the step kind that waited on the
+    host)."""
     buckets = [[0, 0.0] for _ in range(len(GAP_BUCKETS_US) + 1)]
-    after: dict[str, list] = {}
+    after: dict[str, dict[str, list]] = {"10-100us": {}, ">=100us": {}}
     end = None
     for name, s, d in sorted(events, key=lambda e: e[1]):
         if end is not None and s > end:
@@ -79,16 +80,19 @@ def idle_gaps(events) -> dict:
             i = sum(gap >= b for b in GAP_BUCKETS_US)
             buckets[i][0] += 1
             buckets[i][1] += gap
-            if gap >= 100:
-                entry = after.setdefault(name[:80], [0, 0.0])
+            if gap >= 10:
+                entry = after["10-100us" if gap < 100 else ">=100us"].setdefault(name[:80], [0, 0.0])
                 entry[0] += 1
                 entry[1] += gap
         end = s + d if end is None else max(end, s + d)
     labels = [f"<{GAP_BUCKETS_US[0]}us"] + [f"{a}-{b}us" for a, b in zip(GAP_BUCKETS_US, GAP_BUCKETS_US[1:])] + [
         f">={GAP_BUCKETS_US[-1]}us"]
-    top = sorted(after.items(), key=lambda kv: -kv[1][1])[:8]
+
+    def top(table: dict[str, list]) -> dict:
+        return {n: {"count": c, "ms": round(t / 1e3, 1)} for n, (c, t) in sorted(table.items(), key=lambda kv: -kv[1][1])[:8]}
+
     return {"by_length": {lab: {"count": c, "ms": round(t / 1e3, 1)} for lab, (c, t) in zip(labels, buckets)},
-            "long_gaps_before": {n: {"count": c, "ms": round(t / 1e3, 1)} for n, (c, t) in top}}
+            "gaps_10_100us_before": top(after["10-100us"]), "long_gaps_before": top(after[">=100us"])}
 
 
 def breakdown(events, wall_us: float, steps: int) -> dict:

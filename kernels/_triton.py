@@ -6,6 +6,15 @@ import importlib.util
 
 import torch
 
+# Programmatic dependent launch (Hopper on): a kernel launched with it may
+# start while the kernel before it still runs, and waits (`gdc_wait`) for it
+# to finish before reading what it wrote. Kernels that take part read before
+# their wait only what no kernel of a forward pass writes (weights, norm
+# weights), write nothing before it, and let the next kernel start
+# (`gdc_launch_dependents`) only after it, so every kernel before the one
+# before has finished by then. benchmarks/ turn it off to compare.
+PDL_ENABLED = True
+
 
 @functools.cache
 def triton_available() -> bool:
@@ -14,6 +23,28 @@ def triton_available() -> bool:
 
 def use_kernel(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
+
+
+@functools.cache
+def _pdl_device(index: int) -> bool:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(x: torch.Tensor) -> bool:
+    """Launch x's kernels with programmatic dependent launch (see PDL_ENABLED)."""
+    return PDL_ENABLED and x.is_cuda and _pdl_device(x.device.index if x.device.index is not None
+                                                     else torch.cuda.current_device())
+
+
+def pdl_args(x: torch.Tensor) -> dict:
+    """A kernel's `PDL` constexpr and launch option for a launch on x's device
+    (the option is left out where it is off: older Triton does not know it)."""
+    on = use_pdl(x)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 def next_pow2(n: int) -> int:

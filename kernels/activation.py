@@ -6,6 +6,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from rollout_engine.kernels._triton import pdl_args
+
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
@@ -18,7 +20,10 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def silu_mul_kernel(x_ptr, out_ptr, stride_x, N, BLOCK: tl.constexpr):
+    def silu_mul_kernel(x_ptr, out_ptr, stride_x, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch: wait for the kernel before (the product)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
@@ -35,5 +40,5 @@ def silu_and_mul(x: torch.Tensor, block: int = 1024, warps: int = 4) -> torch.Te
     n = two_n // 2
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
     if tokens:
-        _kernel()[(tokens, -(-n // block))](x, out, x.stride(0), n, BLOCK=block, num_warps=warps)
+        _kernel()[(tokens, -(-n // block))](x, out, x.stride(0), n, BLOCK=block, num_warps=warps, **pdl_args(x))
     return out

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from rollout_engine.kernels._triton import next_pow2
+from rollout_engine.kernels._triton import next_pow2, pdl_args
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -29,11 +29,15 @@ def _kernel():
 
     @triton.jit
     def rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, stride_xt, stride_xh, stride_rt, N, eps,
-                       NUM_HEADS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                       NUM_HEADS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if PDL:  # the weight above is never written by a kernel; the rest waits for the one before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(x_ptr + t * stride_xt + h * stride_xh + cols, mask=mask, other=0.0)
         if HAS_RES:
             r = tl.load(r_ptr + t * stride_rt + cols, mask=mask, other=0.0)
@@ -42,7 +46,6 @@ def _kernel():
         xf = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
         y = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         out = (y * w).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + (t * NUM_HEADS + h) * N + cols, out, mask=mask)
 
@@ -70,5 +73,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         _kernel()[(tokens, heads)](
             x, residual if residual is not None else x, weight, out, r_out if r_out is not None else out,
             x.stride(0), stride_h, residual.stride(0) if residual is not None else 0, n, eps,
-            NUM_HEADS=heads, HAS_RES=residual is not None, BLOCK=next_pow2(n), num_warps=warps or _warps(n))
+            NUM_HEADS=heads, HAS_RES=residual is not None, BLOCK=next_pow2(n), num_warps=warps or _warps(n),
+            **pdl_args(x))
     return out, r_out

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from rollout_engine.kernels._triton import next_pow2
+from rollout_engine.kernels._triton import next_pow2, pdl_args
 from rollout_engine.kernels.rmsnorm import rmsnorm_ref
 
 QKNorm = tuple[torch.Tensor, torch.Tensor, float]  # (q weight [D], k weight [D], eps)
@@ -91,7 +91,10 @@ def _kernel():
     def rope_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, loc_ptr, cos_ptr, sin_ptr, pos_ptr, qw_ptr, kw_ptr,
                     eps, q_st, q_sh, k_st, k_sh, v_st, v_sh, cs_stride, NQ: tl.constexpr, NQ_P2: tl.constexpr,
                     NK: tl.constexpr, NK_P2: tl.constexpr, HALF: tl.constexpr, STORE: tl.constexpr,
-                    NORM: tl.constexpr, KV_PART: tl.constexpr):
+                    NORM: tl.constexpr, KV_PART: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # programmatic dependent launch: wait for the kernel before (the qkv product)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0)
         pos = tl.load(pos_ptr + t)
         offs = tl.arange(0, HALF)[None, :]
@@ -127,7 +130,7 @@ def _launch(positions, q, k, v, qo, ko, vo, loc, cos, sin, store: bool, qk_norm=
         q, k, v if store else k, qo, ko, vo if store else ko, loc if store else positions, cos, sin, positions, qw, kw,
         eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_strides, cos.stride(0), NQ=nq,
         NQ_P2=next_pow2(nq), NK=nk, NK_P2=next_pow2(nk), HALF=d // 2, STORE=store, NORM=qk_norm is not None,
-        KV_PART=int(split), num_warps=warps)
+        KV_PART=int(split), num_warps=warps, **pdl_args(q))
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

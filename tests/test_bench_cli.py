@@ -148,6 +148,7 @@ def test_step_breakdown_sorts_idle_gaps_by_length_and_names_what_waited():
     assert gaps["10-100us"] == {"count": 1, "ms": 0.0}  # 2200 -> 2240
     assert gaps[">=1000us"] == {"count": 1, "ms": 2.0}  # 110 -> 2110
     assert sb.idle_gaps(events)["long_gaps_before"] == {"BatchPrefillKernel": {"count": 1, "ms": 2.0}}
+    assert sb.idle_gaps(events)["gaps_10_100us_before"] == {"rope_kernel": {"count": 1, "ms": 0.0}}
 
 
 @pytest.mark.parametrize("argv,flag", [

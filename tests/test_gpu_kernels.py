@@ -157,6 +157,68 @@ def test_gemv_matches_linear(n, k, bias):
     torch.testing.assert_close(linear(two, w, b), F.linear(two, w, b))
 
 
+def _chain(x, weights, norm_weight):
+    """Kernels that each read the one before: products, RMSNorm with the
+    residual add, rotary, silu_and_mul, and a torch kernel between two of them."""
+    from rollout_engine.kernels.activation import silu_and_mul
+    from rollout_engine.kernels.gemv import gemv
+    from rollout_engine.kernels.rmsnorm import rmsnorm
+    from rollout_engine.kernels.rope import rope
+
+    big, square, gate_up = weights
+    h = gemv(x, big)[:, : x.shape[1]].contiguous()  # a long product first: the next kernel must wait for it
+    h, res = rmsnorm(h, norm_weight, 1e-6, residual=x)
+    h = gemv(h, square)
+    heads = h.view(1, -1, 128)
+    angles = torch.arange(8, device="cuda", dtype=torch.float32)[:, None] * torch.linspace(0, 1, 128, device="cuda")
+    q, k = rope(torch.tensor([5], device="cuda"), heads, heads, angles.cos(), angles.sin())
+    h = gemv((q + k).view(1, -1), square)
+    h = silu_and_mul(gemv(h, gate_up))
+    h = silu_and_mul(torch.cat([h, h], dim=1))
+    return gemv(h, square) + res
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_dependent_launch_keeps_each_kernel_after_the_one_it_reads(graph, monkeypatch):
+    """With programmatic dependent launch a kernel may start while the one
+    before runs: each must still read its input only once written. A chain
+    of dependent kernels (eager and replayed in a CUDA graph) gives the same
+    bits with it on and off."""
+    from rollout_engine.kernels import _triton
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    torch.manual_seed(0)
+    k = 2048
+    weights = (torch.randn(64 * k, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5,
+               torch.randn(k, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5,
+               torch.randn(2 * k, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5)
+    norm_weight = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    outs = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(_triton, "PDL_ENABLED", pdl)
+        assert _triton.use_pdl(norm_weight) == pdl
+        results = []
+        for seed in range(5):
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(seed))
+            if not graph:
+                results.append(_chain(x, weights, norm_weight))
+                continue
+            static = x.clone()
+            _chain(static, weights, norm_weight)  # compile outside the capture
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = _chain(static, weights, norm_weight)
+            for _ in range(3):
+                g.replay()
+            results.append(out.clone())
+        torch.cuda.synchronize()
+        outs[pdl] = results
+    for off, on in zip(outs[False], outs[True]):
+        assert torch.equal(off, on)
+    assert not torch.equal(outs[True][0], outs[True][1])
+
+
 @pytest.mark.parametrize("rows", [1, 3, 64, 256])
 def test_logits_are_the_fp32_accumulator(rows):
     """The LM head's product writes fp32 itself: no bf16 rounding on the way
