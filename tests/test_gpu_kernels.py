@@ -157,7 +157,7 @@ def test_gemv_matches_linear(n, k, bias):
     torch.testing.assert_close(linear(two, w, b), F.linear(two, w, b))
 
 
-def _chain(x, weights, norm_weight):
+def _chain(x, weights, norm_weight, rotary):
     """Kernels that each read the one before: products, RMSNorm with the
     residual add, rotary, silu_and_mul, and a torch kernel between two of them."""
     from rollout_engine.kernels.activation import silu_and_mul
@@ -170,8 +170,7 @@ def _chain(x, weights, norm_weight):
     h, res = rmsnorm(h, norm_weight, 1e-6, residual=x)
     h = gemv(h, square)
     heads = h.view(1, -1, 128)
-    angles = torch.arange(8, device="cuda", dtype=torch.float32)[:, None] * torch.linspace(0, 1, 128, device="cuda")
-    q, k = rope(torch.tensor([5], device="cuda"), heads, heads, angles.cos(), angles.sin())
+    q, k = rope(*rotary[:1], heads, heads, *rotary[1:])
     h = gemv((q + k).view(1, -1), square)
     h = silu_and_mul(gemv(h, gate_up))
     h = silu_and_mul(torch.cat([h, h], dim=1))
@@ -194,6 +193,8 @@ def test_dependent_launch_keeps_each_kernel_after_the_one_it_reads(graph, monkey
                torch.randn(k, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5,
                torch.randn(2 * k, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5)
     norm_weight = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    angles = torch.arange(8, device="cuda", dtype=torch.float32)[:, None] * torch.linspace(0, 1, 128, device="cuda")
+    rotary = (torch.tensor([5], device="cuda"), angles.cos(), angles.sin())  # position 5; cos, sin tables
     outs = {}
     for pdl in (False, True):
         monkeypatch.setattr(_triton, "PDL_ENABLED", pdl)
@@ -202,13 +203,13 @@ def test_dependent_launch_keeps_each_kernel_after_the_one_it_reads(graph, monkey
         for seed in range(5):
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(seed))
             if not graph:
-                results.append(_chain(x, weights, norm_weight))
+                results.append(_chain(x, weights, norm_weight, rotary))
                 continue
             static = x.clone()
-            _chain(static, weights, norm_weight)  # compile outside the capture
+            _chain(static, weights, norm_weight, rotary)  # compile outside the capture
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                out = _chain(static, weights, norm_weight)
+                out = _chain(static, weights, norm_weight, rotary)
             for _ in range(3):
                 g.replay()
             results.append(out.clone())
