@@ -21,7 +21,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from gemm_shapes import shapes, write_out  # benchmarks/, the script's own folder
+from gemm_shapes import graph_time_us, shapes, write_out  # benchmarks/, the script's own folder
 from rollout_engine.bench.roofline import measure_device
 from rollout_engine.cli_args import ScriptParser, needs_cuda
 from rollout_engine.kernels.gemv import _config, gemv
@@ -74,25 +74,12 @@ def rowsum(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int]) -> torch
 
 def time_over_copies(fn, copies: list[torch.Tensor], reps: int = 4) -> float:
     """Device us per call of fn(w), over every copy, `reps` passes captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
+
+    def every_copy():
         for w in copies:
             fn(w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for w in copies:
-                fn(w)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / (3 * reps * len(copies))
+
+    return graph_time_us(every_copy, reps) / len(copies)
 
 
 GRID = [(bn, bk, warps) for bn, bk, warps in itertools.product((2, 4, 8, 16, 32), (256, 512, 1024), (4, 8))
