@@ -157,11 +157,43 @@ def test_gemv_matches_linear(n, k, bias):
     torch.testing.assert_close(linear(two, w, b), F.linear(two, w, b))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (4608, 3584, True), (28672, 4096, False), (1000, 1000, True)])
+def test_norm_gemv_is_the_norm_then_the_product(dtype, n, k, bias):
+    """RMSNorm (with or without the residual add) computed inside the one-row
+    product: the residual stream is the norm kernel's bit for bit, the
+    product matches the norm kernel followed by the product."""
+    import torch.nn.functional as F
+
+    from rollout_engine.kernels.gemv import gemv, norm_gemv
+    from rollout_engine.kernels.rmsnorm import rmsnorm
+
+    torch.manual_seed(0)
+    x = torch.randn(1, k, device="cuda", dtype=dtype) * 3
+    r = torch.randn(1, k, device="cuda", dtype=dtype)
+    g = torch.rand(k, device="cuda", dtype=dtype) + 0.5
+    w = torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    for residual in (None, r):
+        y, new_residual = norm_gemv(x, residual, g, 1e-6, w, b)
+        h, want_residual = rmsnorm(x, g, 1e-6, residual)
+        if residual is None:
+            assert new_residual is x
+        else:
+            assert torch.equal(new_residual, want_residual)
+        assert y.shape == (1, n) and y.dtype == dtype
+        torch.testing.assert_close(y, gemv(h, w, b), atol=2e-2, rtol=2e-2)
+        ref = F.linear(h.float(), w.float(), None if b is None else b.float())
+        torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=2e-2)
+        assert (y != gemv(x, w, b)).float().mean() > 0.9  # the norm did something
+
+
 def _chain(x, weights, norm_weight, rotary):
     """Kernels that each read the one before: products, RMSNorm with the
-    residual add, rotary, silu_and_mul, and a torch kernel between two of them."""
+    residual add (alone and inside a product), rotary, silu_and_mul, and a
+    torch kernel between two of them."""
     from rollout_engine.kernels.activation import silu_and_mul
-    from rollout_engine.kernels.gemv import gemv
+    from rollout_engine.kernels.gemv import gemv, norm_gemv
     from rollout_engine.kernels.rmsnorm import rmsnorm
     from rollout_engine.kernels.rope import rope
 
@@ -169,6 +201,7 @@ def _chain(x, weights, norm_weight, rotary):
     h = gemv(x, big)[:, : x.shape[1]].contiguous()  # a long product first: the next kernel must wait for it
     h, res = rmsnorm(h, norm_weight, 1e-6, residual=x)
     h = gemv(h, square)
+    h, res = norm_gemv(h, res, norm_weight, 1e-6, square)  # reads the product before it and the norm's residual
     heads = h.view(1, -1, 128)
     q, k = rope(*rotary[:1], heads, heads, *rotary[1:])
     h = gemv((q + k).view(1, -1), square)

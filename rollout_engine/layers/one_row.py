@@ -1,7 +1,7 @@
 """The one-row kernels (batch-1 decode) compiled when the engine is built.
 
 At one row the linear layers and the LM head run Triton gemv kernels
-(`kernels/gemv.py`), compiled per weight shape and output dtype on first
+(`kernels/gemv.py`; the products after an RMSNorm with the norm inside), compiled per weight shape and output dtype on first
 use. CUDA-graph capture compiles the layers' kernels, but the LM head runs
 outside the graphs (and without graphs nothing is captured), so the first
 step that decodes a single request would wait on the compiler mid-run
@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from rollout_engine.kernels._triton import use_kernel
-from rollout_engine.kernels.gemv import linear, logits
+from rollout_engine.kernels.gemv import NORM_MAX_K, linear, logits, norm_gemv
 from rollout_engine.layers.embedding import ParallelLMHead
-from rollout_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from rollout_engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                          RowParallelLinear)
 
 
 @torch.inference_mode()
@@ -37,6 +38,12 @@ def compile_one_row_kernels(model: nn.Module) -> int:
         x = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
         if kind == "logits":  # the local product: no collective here
             logits(x, weight)
-        else:
-            linear(x, weight, bias)
+            continue
+        linear(x, weight, bias)
+        # Products that follow an RMSNorm take it inside at one row (models/decoder.py): the
+        # first layer's qkv without a residual add, the others with one.
+        if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)) and weight.shape[1] <= NORM_MAX_K:
+            ones = torch.ones(weight.shape[1], dtype=weight.dtype, device=weight.device)
+            for residual in (None, x):
+                norm_gemv(x, residual, ones, 1e-6, weight, bias)
     return len(seen)

@@ -11,6 +11,7 @@ from torch import nn
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
+from rollout_engine.kernels.gemv import NORM_MAX_K, norm_gemv, one_row
 from rollout_engine.layers.attention import PagedAttention
 from rollout_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -43,9 +44,11 @@ class DecoderAttention(nn.Module):
         p = self.qkv_proj
         self.attn = PagedAttention(layer_id, p.num_heads, p.num_kv_heads, cfg.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | None, fb: "ForwardBatch",
+                qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """`qkv`: the projection already computed (x is then unused)."""
         p = self.qkv_proj
-        q, k, v = p(x).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
+        q, k, v = (p(x) if qkv is None else qkv).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
         q = q.view(-1, p.num_heads, p.head_dim)
         k = k.view(-1, p.num_kv_heads, p.head_dim)
         v = v.view(-1, p.num_kv_heads, p.head_dim)
@@ -67,8 +70,10 @@ class DecoderMLP(nn.Module):
             cfg.hidden_size, [cfg.intermediate_size] * 2, False, comm)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, comm)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor | None, gate_up: torch.Tensor | None = None) -> torch.Tensor:
+        """`gate_up`: the projection already computed (x is then unused)."""
+        if gate_up is None:
+            gate_up = self.gate_up_proj(x)
         act = silu_and_mul(gate_up) if use_kernel(gate_up) else silu_and_mul_ref(gate_up)
         return self.down_proj(act)
 
@@ -85,6 +90,8 @@ class DecoderLayer(nn.Module):
                 fb: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
         """Residual-stream form: the add before each norm is fused into it.
         Returns (this layer's MLP output, the residual stream before it)."""
+        if self.norms_in_products(x, residual):
+            return self._forward_one_row(positions, x, residual, fb)
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -92,6 +99,22 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(positions, h, fb)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def norms_in_products(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """One row on the GPU: each RMSNorm (with its residual add) is computed
+        inside the product after it (`kernels.gemv.norm_gemv`), two launches
+        fewer per layer. Not in batch-invariant mode (its own kernels)."""
+        qkv, norm = self.self_attn.qkv_proj, self.input_layernorm
+        return (one_row(x, qkv.weight) and x.shape[1] <= NORM_MAX_K and not qkv.batch_invariant
+                and not norm.batch_invariant and (residual is None or residual.is_contiguous()))
+
+    def _forward_one_row(self, positions, x, residual, fb):
+        attn, mlp = self.self_attn, self.mlp
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = norm_gemv(x, residual, n1.weight, n1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        h = attn(positions, None, fb, qkv=qkv)
+        gate_up, residual = norm_gemv(h.contiguous(), residual, n2.weight, n2.eps, mlp.gate_up_proj.weight)
+        return mlp(None, gate_up=gate_up), residual
 
 
 class DecoderModel(nn.Module):
