@@ -12,7 +12,7 @@ import torch
 # their wait only what no kernel of a forward pass writes (weights, norm
 # weights), write nothing before it, and let the next kernel start
 # (`gdc_launch_dependents`) only after it, so every kernel before the one
-# before has finished by then. benchmarks/ turn it off to compare.
+# before has finished by then. Tests and A/B runs turn it off to compare.
 PDL_ENABLED = True
 
 
@@ -31,7 +31,7 @@ def _pdl_device(index: int) -> bool:
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
     except ImportError:
         return False
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9  # NVIDIA Hopper on
 
 
 def use_pdl(x: torch.Tensor) -> bool:

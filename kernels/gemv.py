@@ -116,8 +116,9 @@ NORM_MAX_K = 8192  # widest input normalised inside the product (the row is held
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
               weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm(x + residual) W^T (+ b) for one row in one launch (the norm as
-    `kernels.rmsnorm` computes it, then the product as `gemv`). Returns
+    """RMSNorm(x + residual) W^T (+ b) for one row in one launch (the norm
+    rounded as `kernels.rmsnorm` rounds it, its sum of squares possibly added
+    in another order; then the product as `gemv`). Returns
     (product, new residual stream: x + residual, or x when residual is None).
     For `one_row` inputs of at most NORM_MAX_K columns."""
     return _launch(x, weight, bias, norm=(norm_weight, eps), residual=residual)

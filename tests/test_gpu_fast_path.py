@@ -84,6 +84,30 @@ def test_flashinfer_bf16_parity(gpu_models, kind, tie, cuda_graph):
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
+def test_batch_1_decode_with_random_norm_weights_matches_hf(tmp_path, cuda_graph):
+    """At one row each RMSNorm is computed inside the product after it: with
+    norm weights that differ per layer and per norm (the test models' are
+    all ones), a batch-1 decode still matches Hugging Face."""
+    hf = make_hf_model("qwen2", True, initializer_range=INIT_RANGE, **GPU_SHAPES["qwen2"])
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand_like(p) + 0.5)
+    folder = save_model(hf, tmp_path)
+    hf = hf.to("cuda", torch.bfloat16)
+    engine = RolloutEngine(folder, device="cuda", attention_backend="flashinfer", cuda_graph=cuda_graph,
+                           max_total_tokens=4096, cuda_graph_max_batch_size=8)
+    layer = engine.core.parts.runner.model.model.layers[0]
+    assert layer.norms_in_products(torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16), None)
+    gap, _ = _gap_vs_hf(engine, hf, PROMPTS[1:2])
+    engine.shutdown()
+    reference = RolloutEngine(folder, device="cuda", attention_backend="torch", max_total_tokens=4096)
+    ref_gap, _ = _gap_vs_hf(reference, hf, PROMPTS[1:2])
+    reference.shutdown()
+    assert gap < 2 * ref_gap + 5e-3  # a norm weight used in the wrong place would be off by far more
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
 def test_flashinfer_large_decode_batch_of_a_two_head_group(gpu_models, cuda_graph):
     """Two query heads per KV head take the tensor-core decode kernel from
     TENSOR_CORE_MIN_BATCH rows on (eager and in the graph buckets): parity

@@ -141,7 +141,8 @@ def test_argmax_logsumexp_matches_reference():
     assert torch.equal(argmax_logsumexp(small)[0], small.argmax(-1))
 
 
-@pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (4096, 14336, False), (1000, 1000, True), (28672, 4096, True)])
+@pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (4096, 14336, False), (1000, 1000, True), (28672, 4096, True),
+                                     (3584, 3584, False), (3584, 18944, False), (1000, 2500, True)])
 def test_gemv_matches_linear(n, k, bias):
     import torch.nn.functional as F
 
@@ -158,7 +159,8 @@ def test_gemv_matches_linear(n, k, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (4608, 3584, True), (28672, 4096, False), (1000, 1000, True)])
+@pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (4608, 3584, True), (28672, 4096, False), (1000, 1000, True),
+                                     (3584, 3584, False), (1000, 2500, True)])
 def test_norm_gemv_is_the_norm_then_the_product(dtype, n, k, bias):
     """RMSNorm (with or without the residual add) computed inside the one-row
     product: the residual stream is the norm kernel's bit for bit, the
@@ -228,26 +230,27 @@ def test_dependent_launch_keeps_each_kernel_after_the_one_it_reads(graph, monkey
     norm_weight = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
     angles = torch.arange(8, device="cuda", dtype=torch.float32)[:, None] * torch.linspace(0, 1, 128, device="cuda")
     rotary = (torch.tensor([5], device="cuda"), angles.cos(), angles.sin())  # position 5; cos, sin tables
+    inputs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(seed))
+              for seed in range(5)]
     outs = {}
     for pdl in (False, True):
         monkeypatch.setattr(_triton, "PDL_ENABLED", pdl)
         assert _triton.use_pdl(norm_weight) == pdl
+        if not graph:
+            outs[pdl] = [_chain(x, weights, norm_weight, rotary) for x in inputs]
+            continue
+        static = torch.zeros_like(inputs[0])
+        _chain(static, weights, norm_weight, rotary)  # compile outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = _chain(static, weights, norm_weight, rotary)
         results = []
-        for seed in range(5):
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(seed))
-            if not graph:
-                results.append(_chain(x, weights, norm_weight, rotary))
-                continue
-            static = x.clone()
-            _chain(static, weights, norm_weight, rotary)  # compile outside the capture
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = _chain(static, weights, norm_weight, rotary)
-            for _ in range(3):
-                g.replay()
+        for x in inputs:  # a new input before every replay: a kernel reading early would see the last one's
+            static.copy_(x)
+            g.replay()
             results.append(out.clone())
-        torch.cuda.synchronize()
         outs[pdl] = results
+    torch.cuda.synchronize()
     for off, on in zip(outs[False], outs[True]):
         assert torch.equal(off, on)
     assert not torch.equal(outs[True][0], outs[True][1])

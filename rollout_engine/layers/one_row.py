@@ -31,7 +31,8 @@ def compile_one_row_kernels(model: nn.Module) -> int:
         else:
             continue
         weight, bias = module.weight, getattr(module, "bias", None)
-        key = (kind, tuple(weight.shape), weight.dtype, bias is not None)
+        normed = isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)) and weight.shape[1] <= NORM_MAX_K
+        key = (kind, tuple(weight.shape), weight.dtype, bias is not None, normed)
         if module.batch_invariant or key in seen or not use_kernel(weight):
             continue
         seen.add(key)
@@ -42,7 +43,7 @@ def compile_one_row_kernels(model: nn.Module) -> int:
         linear(x, weight, bias)
         # Products that follow an RMSNorm take it inside at one row (models/decoder.py): the
         # first layer's qkv without a residual add, the others with one.
-        if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)) and weight.shape[1] <= NORM_MAX_K:
+        if normed:
             ones = torch.ones(weight.shape[1], dtype=weight.dtype, device=weight.device)
             for residual in (None, x):
                 norm_gemv(x, residual, ones, 1e-6, weight, bias)
