@@ -1,8 +1,8 @@
 """The one-row kernels (batch-1 decode) compiled when the engine is built.
 
 At one row the linear layers and the LM head run Triton gemv kernels
-(`kernels/gemv.py`; the products after an RMSNorm with the norm inside), compiled per weight shape and output dtype on first
-use. CUDA-graph capture compiles the layers' kernels, but the LM head runs
+(`kernels/gemv.py`; the products after an RMSNorm with the norm inside),
+compiled per weight shape and output dtype on first use. CUDA-graph capture compiles the layers' kernels, but the LM head runs
 outside the graphs (and without graphs nothing is captured), so the first
 step that decodes a single request would wait on the compiler mid-run
 (~0.2 s for the LM head's fp32 variant)."""
@@ -41,10 +41,10 @@ def compile_one_row_kernels(model: nn.Module) -> int:
             logits(x, weight)
             continue
         linear(x, weight, bias)
-        # Products that follow an RMSNorm take it inside at one row (models/decoder.py): the
-        # first layer's qkv without a residual add, the others with one.
+        # Products that follow an RMSNorm take it inside at one row (models/decoder.py), with the
+        # residual add before it; only the first layer's qkv has none.
         if normed:
             ones = torch.ones(weight.shape[1], dtype=weight.dtype, device=weight.device)
-            for residual in (None, x):
+            for residual in ((None, x) if isinstance(module, QKVParallelLinear) else (x,)):
                 norm_gemv(x, residual, ones, 1e-6, weight, bias)
     return len(seen)
