@@ -190,25 +190,90 @@ def test_norm_gemv_is_the_norm_then_the_product(dtype, n, k, bias):
         assert (y != gemv(x, w, b)).float().mean() > 0.9  # the norm did something
 
 
+@pytest.mark.parametrize("n,k", [(4096, 14336), (3584, 18944), (1024, 3072), (1000, 2500)])
+def test_silu_mul_gemv_is_the_activation_then_the_product(n, k):
+    """SiLU(gate) * up computed inside the one-row product gives the bits of
+    the activation kernel followed by the product."""
+    from rollout_engine.kernels.activation import silu_and_mul
+    from rollout_engine.kernels.gemv import gemv, silu_mul_gemv
+
+    torch.manual_seed(0)
+    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16) * 2
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    y = silu_mul_gemv(gate_up, w)
+    assert y.shape == (1, n) and torch.equal(y, gemv(silu_and_mul(gate_up), w))
+    with pytest.raises(ValueError, match="gate_up"):
+        silu_mul_gemv(gate_up[:, 2:], w)
+
+
+def _rope_tables(d: int, positions: int = 1000):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    freqs = torch.outer(torch.arange(positions, device="cuda").float(), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nq,nk,d,k,bias", [(32, 8, 128, 4096, False), (28, 4, 128, 3584, True),
+                                            (8, 2, 64, 256, True), (14, 2, 64, 896, True)])
+def test_rope_and_kv_store_inside_the_qkv_product(dtype, nq, nk, d, k, bias):
+    """The one-row qkv product with the rotary embedding and the K/V store
+    inside: q, the caches and the residual stream are bit for bit those of
+    the product followed by the rotary kernel; only the token's slot is written."""
+    from rollout_engine.kernels.gemv import RopeStore, norm_gemv, rope_fits
+    from rollout_engine.kernels.rope import rope_and_store
+
+    torch.manual_seed(0)
+    n = (nq + 2 * nk) * d
+    assert rope_fits(n, k, d)
+    x = torch.randn(1, k, device="cuda", dtype=dtype) * 3
+    r = torch.randn(1, k, device="cuda", dtype=dtype)
+    g = torch.rand(k, device="cuda", dtype=dtype) + 0.5
+    w = torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    cos, sin = _rope_tables(d)
+    pos, slot = torch.tensor([777], device="cuda"), torch.tensor([5], device="cuda")
+    k_cache = torch.randn(16, nk, d, device="cuda", dtype=dtype)
+    v_cache = torch.randn(16, nk, d, device="cuda", dtype=dtype)
+    for residual in (None, r):
+        kc, vc, kc_ref, vc_ref = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+        q, res = norm_gemv(x, residual, g, 1e-6, w, b, rope=RopeStore(pos, cos, sin, kc, vc, slot, nq, nk))
+        qkv, res_ref = norm_gemv(x, residual, g, 1e-6, w, b)
+        qs, ks, vs = qkv.split([nq * d, nk * d, nk * d], dim=-1)
+        q_ref = rope_and_store(pos, qs.view(1, nq, d), ks.view(1, nk, d), vs.view(1, nk, d), cos, sin, kc_ref,
+                               vc_ref, slot)
+        assert q.shape == (1, nq * d) and torch.equal(q, q_ref.view(1, -1))
+        assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref) and torch.equal(res, res_ref)
+        assert not torch.equal(kc[5], k_cache[5]) and not torch.equal(q, qs)  # written, and rotated
+    with pytest.raises(ValueError, match="rope"):  # heads that do not add up to the weight
+        norm_gemv(x, None, g, 1e-6, w, b, rope=RopeStore(pos, cos, sin, k_cache, v_cache, slot, nq + 1, nk))
+
+
 def _chain(x, weights, norm_weight, rotary):
     """Kernels that each read the one before: products, RMSNorm with the
-    residual add (alone and inside a product), rotary, silu_and_mul, and a
-    torch kernel between two of them."""
+    residual add (alone and inside a product), rotary (alone and inside a
+    qkv product that stores K/V), silu_and_mul (alone and inside a product),
+    and torch kernels between some of them."""
     from rollout_engine.kernels.activation import silu_and_mul
-    from rollout_engine.kernels.gemv import gemv, norm_gemv
+    from rollout_engine.kernels.gemv import RopeStore, gemv, norm_gemv, silu_mul_gemv
     from rollout_engine.kernels.rmsnorm import rmsnorm
     from rollout_engine.kernels.rope import rope
 
-    big, square, gate_up = weights
+    big, square, gate_up, qkv = weights
+    positions, cos, sin, k_cache, v_cache, slot = rotary
     h = gemv(x, big)[:, : x.shape[1]].contiguous()  # a long product first: the next kernel must wait for it
     h, res = rmsnorm(h, norm_weight, 1e-6, residual=x)
     h = gemv(h, square)
     h, res = norm_gemv(h, res, norm_weight, 1e-6, square)  # reads the product before it and the norm's residual
     heads = h.view(1, -1, 128)
-    q, k = rope(*rotary[:1], heads, heads, *rotary[1:])
+    q, k = rope(positions, heads, heads, cos, sin)
     h = gemv((q + k).view(1, -1), square)
     h = silu_and_mul(gemv(h, gate_up))
     h = silu_and_mul(torch.cat([h, h], dim=1))
+    q, res = norm_gemv(h, res, norm_weight, 1e-6, qkv, rope=RopeStore(positions, cos, sin, k_cache, v_cache, slot,
+                                                                      q.shape[1], k_cache.shape[1]))
+    kv = (k_cache[1] + v_cache[1]).view(1, -1).repeat(1, x.shape[1] // k_cache[1].numel())
+    h = silu_mul_gemv(torch.cat([q, kv], dim=1), square)  # reads the slot the product before wrote
     return gemv(h, square) + res
 
 
@@ -226,10 +291,13 @@ def test_dependent_launch_keeps_each_kernel_after_the_one_it_reads(graph, monkey
     k = 2048
     weights = (torch.randn(64 * k, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5,
                torch.randn(k, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5,
-               torch.randn(2 * k, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5)
+               torch.randn(2 * k, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5,
+               torch.randn(3 * k // 2, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5)  # 16 + 2 x 4 heads
     norm_weight = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
     angles = torch.arange(8, device="cuda", dtype=torch.float32)[:, None] * torch.linspace(0, 1, 128, device="cuda")
-    rotary = (torch.tensor([5], device="cuda"), angles.cos(), angles.sin())  # position 5; cos, sin tables
+    caches = [torch.zeros(2, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    rotary = (torch.tensor([5], device="cuda"), angles.cos(), angles.sin(), *caches,  # position 5; cos, sin tables
+              torch.tensor([1], device="cuda"))  # the K/V slot
     inputs = [torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(seed))
               for seed in range(5)]
     outs = {}

@@ -1,21 +1,21 @@
 """The one-row kernels (batch-1 decode) compiled when the engine is built.
 
 At one row the linear layers and the LM head run Triton gemv kernels
-(`kernels/gemv.py`; the products after an RMSNorm with the norm inside),
-compiled per weight shape and output dtype on first use. CUDA-graph capture compiles the layers' kernels, but the LM head runs
-outside the graphs (and without graphs nothing is captured), so the first
-step that decodes a single request would wait on the compiler mid-run
-(~0.2 s for the LM head's fp32 variant)."""
+(`kernels/gemv.py`; in decoder layers with the norm, rotary embedding or
+activation inside: their `compile_one_row`), compiled per weight shape and
+output dtype on first use. CUDA-graph capture compiles the layers' kernels,
+but the LM head runs outside the graphs (and without graphs nothing is
+captured), so the first step that decodes a single request would wait on the
+compiler mid-run (~0.2 s for the LM head's fp32 variant)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from rollout_engine.kernels._triton import use_kernel
-from rollout_engine.kernels.gemv import NORM_MAX_K, linear, logits, norm_gemv
+from rollout_engine.kernels.gemv import linear, logits
 from rollout_engine.layers.embedding import ParallelLMHead
-from rollout_engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                          RowParallelLinear)
+from rollout_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
 @torch.inference_mode()
@@ -31,8 +31,7 @@ def compile_one_row_kernels(model: nn.Module) -> int:
         else:
             continue
         weight, bias = module.weight, getattr(module, "bias", None)
-        normed = isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)) and weight.shape[1] <= NORM_MAX_K
-        key = (kind, tuple(weight.shape), weight.dtype, bias is not None, normed)
+        key = (kind, tuple(weight.shape), weight.dtype, bias is not None)
         if module.batch_invariant or key in seen or not use_kernel(weight):
             continue
         seen.add(key)
@@ -41,10 +40,9 @@ def compile_one_row_kernels(model: nn.Module) -> int:
             logits(x, weight)
             continue
         linear(x, weight, bias)
-        # Products that follow an RMSNorm take it inside at one row (models/decoder.py), with the
-        # residual add before it; only the first layer's qkv has none.
-        if normed:
-            ones = torch.ones(weight.shape[1], dtype=weight.dtype, device=weight.device)
-            for residual in ((None, x) if isinstance(module, QKVParallelLinear) else (x,)):
-                norm_gemv(x, residual, ones, 1e-6, weight, bias)
+    # The products with a norm, rotary embedding or activation inside (models/decoder.py): the layers
+    # of a model share their shapes, so the first layer's variants are all of them.
+    layer = next((m for m in model.modules() if hasattr(m, "compile_one_row")), None)
+    if layer is not None and use_kernel(next(layer.parameters())):
+        layer.compile_one_row()
     return len(seen)

@@ -11,7 +11,7 @@ from torch import nn
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
-from rollout_engine.kernels.gemv import NORM_MAX_K, norm_gemv, one_row
+from rollout_engine.kernels.gemv import NORM_MAX_K, RopeStore, norm_gemv, one_row, rope_fits, silu_mul_gemv
 from rollout_engine.layers.attention import PagedAttention
 from rollout_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -44,11 +44,17 @@ class DecoderAttention(nn.Module):
         p = self.qkv_proj
         self.attn = PagedAttention(layer_id, p.num_heads, p.num_kv_heads, cfg.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor | None, fb: "ForwardBatch",
-                qkv: torch.Tensor | None = None) -> torch.Tensor:
-        """`qkv`: the projection already computed (x is then unused)."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
+        return self.attend(self._rotate_and_store(positions, self.qkv_proj(x), fb), fb)
+
+    def attend(self, q: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
+        """Attention of rotated q over the cache (this step's K/V stored), then o_proj."""
         p = self.qkv_proj
-        q, k, v = (p(x) if qkv is None else qkv).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
+        return self.o_proj(self.attn(q.view(-1, p.num_heads, p.head_dim), fb))
+
+    def _rotate_and_store(self, positions: torch.Tensor, qkv: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
+        p = self.qkv_proj
+        q, k, v = qkv.split([p.q_size, p.kv_size, p.kv_size], dim=-1)
         q = q.view(-1, p.num_heads, p.head_dim)
         k = k.view(-1, p.num_kv_heads, p.head_dim)
         v = v.view(-1, p.num_kv_heads, p.head_dim)
@@ -58,9 +64,24 @@ class DecoderAttention(nn.Module):
                 qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rotary.rotate_and_store(positions, q, k, v, fb.kv_pool.k[self.attn.layer_id],
-                                         fb.kv_pool.v[self.attn.layer_id], fb.out_cache_loc, qk_norm)
-        return self.o_proj(self.attn(q, fb))
+        return self.rotary.rotate_and_store(positions, q, k, v, fb.kv_pool.k[self.attn.layer_id],
+                                            fb.kv_pool.v[self.attn.layer_id], fb.out_cache_loc, qk_norm)
+
+    def one_row_q(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                  fb: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
+        """One row (`DecoderLayer.norms_in_products`): RMSNorm(x + residual)
+        inside the qkv product, and without q/k norms the rotary embedding
+        and the K/V store too (one launch). Returns (rotated q, residual)."""
+        p = self.qkv_proj
+        if self.q_norm is None and rope_fits(*p.weight.shape, p.head_dim):
+            return norm_gemv(x, residual, norm.weight, norm.eps, p.weight, p.bias, rope=self.rope_store(positions, fb))
+        qkv, residual = norm_gemv(x, residual, norm.weight, norm.eps, p.weight, p.bias)
+        return self._rotate_and_store(positions, qkv, fb), residual
+
+    def rope_store(self, positions: torch.Tensor, fb: "ForwardBatch") -> RopeStore:
+        i, p = self.attn.layer_id, self.qkv_proj
+        return RopeStore(positions, self.rotary.cos, self.rotary.sin, fb.kv_pool.k[i], fb.kv_pool.v[i],
+                         fb.out_cache_loc, p.num_heads, p.num_kv_heads)
 
 
 class DecoderMLP(nn.Module):
@@ -71,11 +92,15 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, comm)
 
     def forward(self, x: torch.Tensor | None, gate_up: torch.Tensor | None = None) -> torch.Tensor:
-        """`gate_up`: the projection already computed (x is then unused)."""
+        """`gate_up`: the projection already computed (x is then unused). At
+        one row on the GPU, SiLU(gate) * up is computed inside the down product."""
         if gate_up is None:
             gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        if one_row(gate_up, down.weight) and not down.batch_invariant:
+            return down.reduce(silu_mul_gemv(gate_up, down.weight))
         act = silu_and_mul(gate_up) if use_kernel(gate_up) else silu_and_mul_ref(gate_up)
-        return self.down_proj(act)
+        return down(act)
 
 
 class DecoderLayer(nn.Module):
@@ -102,18 +127,42 @@ class DecoderLayer(nn.Module):
 
     def norms_in_products(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """One row on the GPU: each RMSNorm (with its residual add) is computed
-        inside the product after it (`kernels.gemv.norm_gemv`), two launches
-        fewer per layer. Not in batch-invariant mode (its own kernels)."""
+        inside the product after it (`kernels.gemv.norm_gemv`), and without
+        q/k norms the rotary embedding and K/V store inside the qkv product:
+        three launches fewer per layer (four with SiLU * mul inside the down
+        product, `DecoderMLP`). Not in batch-invariant mode (its own kernels)."""
         qkv, norm = self.self_attn.qkv_proj, self.input_layernorm
         return (one_row(x, qkv.weight) and x.shape[1] <= NORM_MAX_K and not qkv.batch_invariant
                 and not norm.batch_invariant and (residual is None or residual.is_contiguous()))
 
-    def _forward_one_row(self, positions, x, residual, fb):
+    @torch.inference_mode()
+    def compile_one_row(self) -> None:
+        """Run this layer's fused one-row products once on dummy inputs (each
+        variant `_forward_one_row` takes), so none compiles mid-run."""
         attn, mlp = self.self_attn, self.mlp
-        n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = norm_gemv(x, residual, n1.weight, n1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        h = attn(positions, None, fb, qkv=qkv)
-        gate_up, residual = norm_gemv(h.contiguous(), residual, n2.weight, n2.eps, mlp.gate_up_proj.weight)
+        p, w = attn.qkv_proj, attn.qkv_proj.weight
+        x = torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)
+        if self.norms_in_products(x, None):
+            ones = torch.ones(w.shape[1], dtype=w.dtype, device=w.device)
+            rope = None
+            if attn.q_norm is None and rope_fits(*w.shape, p.head_dim):
+                cache = torch.zeros(1, p.num_kv_heads, p.head_dim, dtype=w.dtype, device=w.device)
+                slot = torch.zeros(1, dtype=torch.int64, device=w.device)
+                rope = RopeStore(slot, attn.rotary.cos, attn.rotary.sin, cache, cache.clone(), slot, p.num_heads,
+                                 p.num_kv_heads)
+            for residual in (None, x):  # the first layer's qkv has no residual to add
+                norm_gemv(x, residual, ones, 1e-6, w, p.bias, rope=rope)
+            norm_gemv(x, x, ones, 1e-6, mlp.gate_up_proj.weight)
+        down = mlp.down_proj.weight
+        gate_up = torch.zeros(1, 2 * down.shape[1], dtype=down.dtype, device=down.device)
+        if one_row(gate_up, down) and not mlp.down_proj.batch_invariant:
+            silu_mul_gemv(gate_up, down)
+
+    def _forward_one_row(self, positions, x, residual, fb):
+        attn, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
+        q, residual = attn.one_row_q(positions, x, residual, self.input_layernorm, fb)
+        h = attn.attend(q, fb)
+        gate_up, residual = norm_gemv(h.contiguous(), residual, norm.weight, norm.eps, mlp.gate_up_proj.weight)
         return mlp(None, gate_up=gate_up), residual
 
 
