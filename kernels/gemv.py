@@ -38,35 +38,38 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _input(x_ptr, r_ptr, g_ptr, k, k_mask, K, inv, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-               ACT: tl.constexpr):
-        """A block of the product's input in fp32: x; with NORM the RMSNorm of
-        x (+ the residual), rounded as the RMSNorm kernel rounds (`inv`: 1 / rms);
-        with ACT SiLU(x[:K]) * x[K:], rounded as `kernels.activation` rounds."""
+    def _input(x_ptr, r_ptr, g_ptr, k, k_mask, inv, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+        """A block of the product's input in fp32: x, or with NORM the RMSNorm of
+        x (+ the residual), rounded as the RMSNorm kernel rounds (`inv`: 1 / rms)."""
         x = tl.load(x_ptr + k, mask=k_mask, other=0.0)
-        dt = x.dtype
         if NORM:
+            dt = x.dtype
             if HAS_RES:
                 x = (x.to(tl.float32) + tl.load(r_ptr + k, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
             g = tl.load(g_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
             x = ((x.to(tl.float32) * inv).to(dt).to(tl.float32) * g).to(dt)
-        if ACT:
-            gate = x.to(tl.float32)
-            up = tl.load(x_ptr + K + k, mask=k_mask, other=0.0).to(tl.float32)
-            x = ((gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up).to(dt)
         return x.to(tl.float32)
 
     @triton.jit
-    def _rows(pid, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr):
-        """The weight rows of program `pid`: BLOCK_N in a row; with ROPE the
-        first BLOCK_N / 2 rows of one half of a head and the rows HALF after
-        them (the other half of each rotary pair)."""
+    def _rows(pid, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr, HALF: tl.constexpr):
+        """The weight rows of program `pid`: BLOCK_N in a row; PAIRED, BLOCK_N / 2
+        rows of the first half of a segment of 2 * HALF rows (a head for the
+        rotary embedding, the whole gate_up weight for SiLU * mul) and the
+        rows HALF after them (the other element of each pair)."""
         i = tl.arange(0, BLOCK_N)
-        if ROPE:
+        if PAIRED:
             pairs: tl.constexpr = BLOCK_N // 2
             head = pid // (HALF // pairs)
             return head * 2 * HALF + (pid % (HALF // pairs)) * pairs + i % pairs + (i // pairs) * HALF
         return pid * BLOCK_N + i
+
+    @triton.jit
+    def _pairs(y, dt, BLOCK_N: tl.constexpr):
+        """The two elements of each pair of `_rows` (first halves, second
+        halves), rounded to dt as the product's output would be."""
+        halves = tl.reshape(y.to(dt).to(tl.float32), (2, BLOCK_N // 2))
+        first = tl.arange(0, 2)[:, None] == 0
+        return tl.sum(tl.where(first, halves, 0.0), axis=0), tl.sum(tl.where(first, 0.0, halves), axis=0)
 
     @triton.jit
     def _rotate_and_store(y, pid, y_ptr, pos_ptr, loc_ptr, cos_ptr, sin_ptr, cs_stride, kc_ptr, vc_ptr,
@@ -75,10 +78,7 @@ def _kernel():
         rounds: q to y, k and v to the caches at the token's slot."""
         pairs: tl.constexpr = BLOCK_N // 2
         dt = y_ptr.dtype.element_ty
-        halves = tl.reshape(y.to(dt).to(tl.float32), (2, pairs))
-        first = tl.arange(0, 2)[:, None] == 0
-        y1 = tl.sum(tl.where(first, halves, 0.0), axis=0)
-        y2 = tl.sum(tl.where(first, 0.0, halves), axis=0)
+        y1, y2 = _pairs(y, dt, BLOCK_N)
         head = pid // (HALF // pairs)
         j = (pid % (HALF // pairs)) * pairs + tl.arange(0, pairs)
         if head < NQ + NK:
@@ -104,17 +104,18 @@ def _kernel():
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, N, K, stride_w, eps,
                     pos_ptr, loc_ptr, cos_ptr, sin_ptr, cs_stride, kc_ptr, vc_ptr,
                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, K_P2: tl.constexpr,
-                    ACT: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    GATED: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, NQ: tl.constexpr,
+                    NK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """y = x W^T (+ b). NORM: y = RMSNorm(x (+ r)) W^T (+ b), the norm's
         weight at g; with HAS_RES, x + r is the new residual stream, written
-        to r_out by the first program. ACT: y = (SiLU(x[:K]) * x[K:]) W^T.
-        ROPE (a qkv product, NQ and NK heads of 2 * HALF): q rotated into y,
+        to r_out by the first program. GATED (W: gate rows then up rows,
+        HALF of each): y = SiLU(gate) * up, rounded as `kernels.activation`
+        rounds. ROPE (a qkv product, NQ and NK heads of 2 * HALF): q rotated into y,
         k rotated and v written to the caches at the token's slot. PDL: the
         first weight block is read before waiting for the kernel before (no
         kernel writes weights); x and r only after."""
         pid = tl.program_id(0)
-        n = _rows(pid, BLOCK_N, ROPE, HALF)
+        n = _rows(pid, BLOCK_N, ROPE or GATED, HALF)
         n_mask = n < N
         k = tl.arange(0, BLOCK_K)
         w0 = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
@@ -131,18 +132,24 @@ def _kernel():
                     tl.store(r_out_ptr + kk, row, mask=kk < K)
             rf = row.to(tl.float32)
             inv = tl.rsqrt(tl.sum(rf * rf, axis=0) / K + eps)
-        acc = w0.to(tl.float32) * _input(x_ptr, r_ptr, g_ptr, k, k < K, K, inv, NORM, HAS_RES, ACT)[None, :]
+        acc = w0.to(tl.float32) * _input(x_ptr, r_ptr, g_ptr, k, k < K, inv, NORM, HAS_RES)[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             kb = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_ptr + n[:, None] * stride_w + kb[None, :], mask=n_mask[:, None] & (kb < K)[None, :],
                         other=0.0)
-            acc += w.to(tl.float32) * _input(x_ptr, r_ptr, g_ptr, kb, kb < K, K, inv, NORM, HAS_RES, ACT)[None, :]
+            acc += w.to(tl.float32) * _input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
         if ROPE:
             _rotate_and_store(y, pid, y_ptr, pos_ptr, loc_ptr, cos_ptr, sin_ptr, cs_stride, kc_ptr, vc_ptr,
                               BLOCK_N, HALF, NQ, NK)
+        elif GATED:
+            dt = y_ptr.dtype.element_ty
+            gate, up = _pairs(y, dt, BLOCK_N)
+            act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
+            pairs: tl.constexpr = BLOCK_N // 2
+            tl.store(y_ptr + pid * pairs + tl.arange(0, pairs), (act * up).to(dt))
         else:
             tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
@@ -171,26 +178,31 @@ class RopeStore(NamedTuple):
     num_kv_heads: int
 
 
-def _launch(x, weight, bias=None, out_dtype=None, config=None, norm=None, residual=None, act=False, rope=None):
+def _launch(x, weight, bias=None, out_dtype=None, config=None, norm=None, residual=None, gated=False, rope=None):
     n, k = weight.shape
     bn, bk, warps, *stages = config or _config(n, k)
     r_out = torch.empty_like(x) if residual is not None else x
     g, eps = norm if norm is not None else (weight, 0.0)
     nq = nk = half = 1
+    n_out = n
     ptrs = (weight, weight, weight, weight, 0, weight, weight)  # the rope pointers, unused without it
     if rope is not None:
         nq, nk, half = rope.num_q_heads, rope.num_kv_heads, rope.k_cache.shape[-1] // 2
-        if not (rope_fits(n, k, 2 * half) and n == (nq + 2 * nk) * 2 * half and rope.k_cache.is_contiguous()
+        if not (pairs_fit(n, k, 2 * half) and n == (nq + 2 * nk) * 2 * half and rope.k_cache.is_contiguous()
                 and rope.v_cache.is_contiguous()):
             raise ValueError(f"rope: a qkv product of {nq} + 2 x {nk} heads of {2 * half} cannot take "
                              f"a weight of shape {tuple(weight.shape)}")
         ptrs = (rope.positions, rope.loc, rope.cos, rope.sin, rope.cos.stride(0), rope.k_cache, rope.v_cache)
         n_out = nq * 2 * half
-    y = torch.empty((1, n_out if rope is not None else n), dtype=out_dtype or x.dtype, device=x.device)
+    elif gated:
+        if not pairs_fit(n, k, n):
+            raise ValueError(f"gated: a gate_up weight of shape {tuple(weight.shape)} does not split in pairs")
+        n_out = half = n // 2
+    y = torch.empty((1, n_out), dtype=out_dtype or x.dtype, device=x.device)
     _kernel()[(-(-n // bn),)](x, weight, bias if bias is not None else weight, y,
                               residual if residual is not None else x, g, r_out, n, k, weight.stride(0), eps, *ptrs,
                               HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RES=residual is not None,
-                              K_P2=next_pow2(k) if norm is not None else 1, ACT=act, ROPE=rope is not None,
+                              K_P2=next_pow2(k) if norm is not None else 1, GATED=gated, ROPE=rope is not None,
                               HALF=half, NQ=nq, NK=nk, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                               **pdl_args(x), **({"num_stages": stages[0]} if stages else {}))
     return y, r_out
@@ -200,31 +212,27 @@ NORM_MAX_K = 8192  # widest input normalised inside the product (the row is held
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-              weight: torch.Tensor, bias: torch.Tensor | None = None,
-              rope: RopeStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              weight: torch.Tensor, bias: torch.Tensor | None = None, rope: RopeStore | None = None,
+              gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x + residual) W^T (+ b) for one row in one launch (the norm
     rounded as `kernels.rmsnorm` rounds it, its sum of squares possibly added
     in another order; then the product as `gemv`). Returns
     (product, new residual stream: x + residual, or x when residual is None).
-    For `one_row` inputs of at most NORM_MAX_K columns. With `rope` (a qkv
-    product, `rope_fits`), the product is q after the rotary embedding, and
-    k and v are written to the caches, as `kernels.rope.rope_and_store` does."""
-    return _launch(x, weight, bias, norm=(norm_weight, eps), residual=residual, rope=rope)
+    For `one_row` inputs of at most NORM_MAX_K columns. Each program can
+    compute pairs of rows and finish them (`pairs_fit`): with `rope` (a qkv
+    product) the result is q after the rotary embedding, and k and v are
+    written to the caches, as `kernels.rope.rope_and_store` does; `gated` (a
+    gate_up product) gives SiLU(gate) * up, as `kernels.activation.silu_and_mul`."""
+    return _launch(x, weight, bias, norm=(norm_weight, eps), residual=residual, gated=gated, rope=rope)
 
 
-def rope_fits(n: int, k: int, head_dim: int) -> bool:
-    """Whether a qkv product of weight [n, k] can take the rotary embedding
-    inside (`norm_gemv`): each program's rows are rotary pairs of one head."""
+def pairs_fit(n: int, k: int, segment: int) -> bool:
+    """Whether the one-row product of a weight [n, k] can compute the rows of
+    each segment of `segment` rows in pairs (row i with row i + segment / 2:
+    rotary pairs of a head, a gate with its up), each program's rows all
+    from one segment's halves."""
     pairs = _config(n, k)[0] // 2
-    return head_dim % 2 == 0 and n % head_dim == 0 and pairs > 0 and (head_dim // 2) % pairs == 0
-
-
-def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(SiLU(gate) * up) W^T for gate_up [1, 2K] (gate first) and W [N, K] in
-    one launch, rounded as `kernels.activation.silu_and_mul` then `gemv`."""
-    if gate_up.shape[-1] != 2 * weight.shape[1]:
-        raise ValueError(f"gate_up: {gate_up.shape[-1]} columns for a weight of {weight.shape[1]}")
-    return _launch(gate_up, weight, act=True)[0]
+    return segment % 2 == 0 and n % segment == 0 and pairs > 0 and (segment // 2) % pairs == 0
 
 
 def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ import torch
 from conftest import MODEL_KINDS
 from models import make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams
-from rollout_engine.kernels.gemv import rope_fits
+from rollout_engine.kernels.gemv import pairs_fit
 
 pytestmark = pytest.mark.gpu
 
@@ -87,8 +87,8 @@ def test_flashinfer_bf16_parity(gpu_models, kind, tie, cuda_graph):
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_batch_1_decode_with_random_norm_weights_matches_hf(tmp_path, cuda_graph):
     """At one row each RMSNorm is computed inside the product after it (and
-    the rotary embedding inside the qkv product, SiLU * mul inside the down
-    product): with norm weights that differ per layer and per norm (the test
+    the rotary embedding inside the qkv product, SiLU * mul inside the
+    gate_up product): with norm weights that differ per layer and per norm (the test
     models' are all ones), a batch-1 decode still matches Hugging Face."""
     hf = make_hf_model("qwen2", True, initializer_range=INIT_RANGE, **GPU_SHAPES["qwen2"])
     with torch.no_grad():
@@ -102,7 +102,7 @@ def test_batch_1_decode_with_random_norm_weights_matches_hf(tmp_path, cuda_graph
     layer = engine.core.parts.runner.model.model.layers[0]
     assert layer.norms_in_products(torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16), None)
     qkv = layer.self_attn.qkv_proj  # no q/k norms: the rotary embedding and K/V store go inside the product too
-    assert layer.self_attn.q_norm is None and rope_fits(*qkv.weight.shape, qkv.head_dim)
+    assert layer.self_attn.q_norm is None and pairs_fit(*qkv.weight.shape, qkv.head_dim)
     gap, _ = _gap_vs_hf(engine, hf, PROMPTS[1:2])
     engine.shutdown()
     reference = RolloutEngine(folder, device="cuda", attention_backend="torch", max_total_tokens=4096)

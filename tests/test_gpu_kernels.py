@@ -190,20 +190,25 @@ def test_norm_gemv_is_the_norm_then_the_product(dtype, n, k, bias):
         assert (y != gemv(x, w, b)).float().mean() > 0.9  # the norm did something
 
 
-@pytest.mark.parametrize("n,k", [(4096, 14336), (3584, 18944), (1024, 3072), (1000, 2500)])
-def test_silu_mul_gemv_is_the_activation_then_the_product(n, k):
-    """SiLU(gate) * up computed inside the one-row product gives the bits of
-    the activation kernel followed by the product."""
+@pytest.mark.parametrize("n,k", [(28672, 4096), (37888, 3584), (6144, 1024), (2000, 1000)])
+def test_gated_norm_gemv_is_the_product_then_the_activation(n, k):
+    """SiLU(gate) * up computed by the one-row gate_up product itself gives
+    the bits of the product followed by the activation kernel."""
     from rollout_engine.kernels.activation import silu_and_mul
-    from rollout_engine.kernels.gemv import gemv, silu_mul_gemv
+    from rollout_engine.kernels.gemv import norm_gemv, pairs_fit
 
     torch.manual_seed(0)
-    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16) * 2
+    assert pairs_fit(n, k, n)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16) * 3
+    r = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    g = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
-    y = silu_mul_gemv(gate_up, w)
-    assert y.shape == (1, n) and torch.equal(y, gemv(silu_and_mul(gate_up), w))
-    with pytest.raises(ValueError, match="gate_up"):
-        silu_mul_gemv(gate_up[:, 2:], w)
+    for residual in (None, r):
+        act, res = norm_gemv(x, residual, g, 1e-6, w, gated=True)
+        gate_up, res_ref = norm_gemv(x, residual, g, 1e-6, w)
+        assert act.shape == (1, n // 2) and torch.equal(act, silu_and_mul(gate_up)) and torch.equal(res, res_ref)
+    with pytest.raises(ValueError, match="gated"):  # an odd number of rows per half
+        norm_gemv(x, None, g, 1e-6, w[: n - 2], gated=True)
 
 
 def _rope_tables(d: int, positions: int = 1000):
@@ -220,12 +225,12 @@ def test_rope_and_kv_store_inside_the_qkv_product(dtype, nq, nk, d, k, bias):
     """The one-row qkv product with the rotary embedding and the K/V store
     inside: q, the caches and the residual stream are bit for bit those of
     the product followed by the rotary kernel; only the token's slot is written."""
-    from rollout_engine.kernels.gemv import RopeStore, norm_gemv, rope_fits
+    from rollout_engine.kernels.gemv import RopeStore, norm_gemv, pairs_fit
     from rollout_engine.kernels.rope import rope_and_store
 
     torch.manual_seed(0)
     n = (nq + 2 * nk) * d
-    assert rope_fits(n, k, d)
+    assert pairs_fit(n, k, d)
     x = torch.randn(1, k, device="cuda", dtype=dtype) * 3
     r = torch.randn(1, k, device="cuda", dtype=dtype)
     g = torch.rand(k, device="cuda", dtype=dtype) + 0.5
@@ -255,7 +260,7 @@ def _chain(x, weights, norm_weight, rotary):
     qkv product that stores K/V), silu_and_mul (alone and inside a product),
     and torch kernels between some of them."""
     from rollout_engine.kernels.activation import silu_and_mul
-    from rollout_engine.kernels.gemv import RopeStore, gemv, norm_gemv, silu_mul_gemv
+    from rollout_engine.kernels.gemv import RopeStore, gemv, norm_gemv
     from rollout_engine.kernels.rmsnorm import rmsnorm
     from rollout_engine.kernels.rope import rope
 
@@ -272,8 +277,9 @@ def _chain(x, weights, norm_weight, rotary):
     h = silu_and_mul(torch.cat([h, h], dim=1))
     q, res = norm_gemv(h, res, norm_weight, 1e-6, qkv, rope=RopeStore(positions, cos, sin, k_cache, v_cache, slot,
                                                                       q.shape[1], k_cache.shape[1]))
-    kv = (k_cache[1] + v_cache[1]).view(1, -1).repeat(1, x.shape[1] // k_cache[1].numel())
-    h = silu_mul_gemv(torch.cat([q, kv], dim=1), square)  # reads the slot the product before wrote
+    kv = k_cache[1].view(1, -1)  # the slot the product before wrote, read by the next kernel
+    h = q + gemv(kv, big[: x.shape[1], : kv.shape[1]]) + v_cache[1].view(1, -1).repeat(1, x.shape[1] // kv.shape[1])
+    h, res = norm_gemv(h, res, norm_weight, 1e-6, gate_up, gated=True)
     return gemv(h, square) + res
 
 

@@ -127,10 +127,5 @@ class RowParallelLinear(nn.Module):
     batch_invariant = False  # layers/invariant.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(invariant_linear(x, self.weight) if self.batch_invariant else linear(x, self.weight))
-
-    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """The layer's output from this rank's product with its weight (computed
-        by the caller: e.g. with the activation inside, `DecoderMLP`)."""
-        y = self.comm.all_reduce(partial)
+        y = self.comm.all_reduce(invariant_linear(x, self.weight) if self.batch_invariant else linear(x, self.weight))
         return y if self.bias is None else y + self.bias

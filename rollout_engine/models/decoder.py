@@ -11,7 +11,7 @@ from torch import nn
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
-from rollout_engine.kernels.gemv import NORM_MAX_K, RopeStore, norm_gemv, one_row, rope_fits, silu_mul_gemv
+from rollout_engine.kernels.gemv import NORM_MAX_K, RopeStore, norm_gemv, one_row, pairs_fit
 from rollout_engine.layers.attention import PagedAttention
 from rollout_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -73,7 +73,7 @@ class DecoderAttention(nn.Module):
         inside the qkv product, and without q/k norms the rotary embedding
         and the K/V store too (one launch). Returns (rotated q, residual)."""
         p = self.qkv_proj
-        if self.q_norm is None and rope_fits(*p.weight.shape, p.head_dim):
+        if self.q_norm is None and pairs_fit(*p.weight.shape, p.head_dim):
             return norm_gemv(x, residual, norm.weight, norm.eps, p.weight, p.bias, rope=self.rope_store(positions, fb))
         qkv, residual = norm_gemv(x, residual, norm.weight, norm.eps, p.weight, p.bias)
         return self._rotate_and_store(positions, qkv, fb), residual
@@ -91,16 +91,20 @@ class DecoderMLP(nn.Module):
             cfg.hidden_size, [cfg.intermediate_size] * 2, False, comm)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, comm)
 
-    def forward(self, x: torch.Tensor | None, gate_up: torch.Tensor | None = None) -> torch.Tensor:
-        """`gate_up`: the projection already computed (x is then unused). At
-        one row on the GPU, SiLU(gate) * up is computed inside the down product."""
-        if gate_up is None:
-            gate_up = self.gate_up_proj(x)
-        down = self.down_proj
-        if one_row(gate_up, down.weight) and not down.batch_invariant:
-            return down.reduce(silu_mul_gemv(gate_up, down.weight))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
         act = silu_and_mul(gate_up) if use_kernel(gate_up) else silu_and_mul_ref(gate_up)
-        return down(act)
+        return self.down_proj(act)
+
+    def one_row_act(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row (`DecoderLayer.norms_in_products`): RMSNorm(x + residual)
+        inside the gate_up product, and SiLU(gate) * up too when its rows pair
+        up. Returns (the down product's input, residual)."""
+        w = self.gate_up_proj.weight
+        if pairs_fit(*w.shape, w.shape[0]):
+            return norm_gemv(x, residual, norm.weight, norm.eps, w, gated=True)
+        gate_up, residual = norm_gemv(x, residual, norm.weight, norm.eps, w)
+        return silu_and_mul(gate_up), residual
 
 
 class DecoderLayer(nn.Module):
@@ -129,8 +133,8 @@ class DecoderLayer(nn.Module):
         """One row on the GPU: each RMSNorm (with its residual add) is computed
         inside the product after it (`kernels.gemv.norm_gemv`), and without
         q/k norms the rotary embedding and K/V store inside the qkv product:
-        three launches fewer per layer (four with SiLU * mul inside the down
-        product, `DecoderMLP`). Not in batch-invariant mode (its own kernels)."""
+        and SiLU * mul inside the gate_up product: four launches fewer per
+        layer. Not in batch-invariant mode (its own kernels)."""
         qkv, norm = self.self_attn.qkv_proj, self.input_layernorm
         return (one_row(x, qkv.weight) and x.shape[1] <= NORM_MAX_K and not qkv.batch_invariant
                 and not norm.batch_invariant and (residual is None or residual.is_contiguous()))
@@ -142,28 +146,24 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         p, w = attn.qkv_proj, attn.qkv_proj.weight
         x = torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)
-        if self.norms_in_products(x, None):
-            ones = torch.ones(w.shape[1], dtype=w.dtype, device=w.device)
-            rope = None
-            if attn.q_norm is None and rope_fits(*w.shape, p.head_dim):
-                cache = torch.zeros(1, p.num_kv_heads, p.head_dim, dtype=w.dtype, device=w.device)
-                slot = torch.zeros(1, dtype=torch.int64, device=w.device)
-                rope = RopeStore(slot, attn.rotary.cos, attn.rotary.sin, cache, cache.clone(), slot, p.num_heads,
-                                 p.num_kv_heads)
-            for residual in (None, x):  # the first layer's qkv has no residual to add
-                norm_gemv(x, residual, ones, 1e-6, w, p.bias, rope=rope)
-            norm_gemv(x, x, ones, 1e-6, mlp.gate_up_proj.weight)
-        down = mlp.down_proj.weight
-        gate_up = torch.zeros(1, 2 * down.shape[1], dtype=down.dtype, device=down.device)
-        if one_row(gate_up, down) and not mlp.down_proj.batch_invariant:
-            silu_mul_gemv(gate_up, down)
+        if not self.norms_in_products(x, None):
+            return
+        rope = None
+        if attn.q_norm is None and pairs_fit(*w.shape, p.head_dim):
+            cache = torch.zeros(1, p.num_kv_heads, p.head_dim, dtype=w.dtype, device=w.device)
+            slot = torch.zeros(1, dtype=torch.int64, device=w.device)
+            rope = RopeStore(slot, attn.rotary.cos, attn.rotary.sin, cache, cache.clone(), slot, p.num_heads,
+                             p.num_kv_heads)
+        norm = self.input_layernorm
+        for residual in (None, x):  # the first layer's qkv has no residual to add
+            norm_gemv(x, residual, norm.weight, norm.eps, w, p.bias, rope=rope)
+        mlp.one_row_act(x, x, self.post_attention_layernorm)
 
     def _forward_one_row(self, positions, x, residual, fb):
-        attn, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
+        attn, mlp = self.self_attn, self.mlp
         q, residual = attn.one_row_q(positions, x, residual, self.input_layernorm, fb)
-        h = attn.attend(q, fb)
-        gate_up, residual = norm_gemv(h.contiguous(), residual, norm.weight, norm.eps, mlp.gate_up_proj.weight)
-        return mlp(None, gate_up=gate_up), residual
+        act, residual = mlp.one_row_act(attn.attend(q, fb).contiguous(), residual, self.post_attention_layernorm)
+        return mlp.down_proj(act), residual
 
 
 class DecoderModel(nn.Module):
