@@ -5,6 +5,7 @@ the prefix cache serving the shared prompt to every sample.
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 from rollout_engine import RolloutEngine, SamplingParams
@@ -12,7 +13,8 @@ from rollout_engine import RolloutEngine, SamplingParams
 QUESTIONS = ["What is 12 * 7?", "Name a prime number larger than 20.", "What colour is the sky on a clear day?"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     engine = RolloutEngine("smollm2-135m", max_total_tokens=16384)
     prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=48, seed=0)

@@ -8,6 +8,7 @@ ROLLOUT_ENGINE_DEBUG=1 to get the traceback of a run-time failure instead.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -44,6 +45,18 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
+class SubcommandParser(Parser):
+    """A subcommand's parser: an argument it does not know is reported here,
+    pointing at the subcommand's help (argparse would leave it to the top
+    parser, which points at `rollout-engine --help`)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 # ---- download ---------------------------------------------------------------------
 
 def cmd_download(args: argparse.Namespace) -> int:
@@ -61,7 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_engine_args(config)
     check_tp_args(config)
     prompts, ids = _prompts(args, config)
-    check_prompt_args(config, prompts, ids, params.max_new_tokens)
+    check_prompt_args(config, prompts, ids, params)
     engine = _make_engine(config)
     try:
         if args.chat:
@@ -224,7 +237,8 @@ def _check_bench_args(args: argparse.Namespace) -> None:
 def build_parser() -> Parser:
     parser = Parser(prog=PROG, description="LLM inference engine for RL rollouts.",
                     epilog="Errors are one line; ROLLOUT_ENGINE_DEBUG=1 shows the traceback of run-time failures.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=SubcommandParser)
     _add_download(sub)
     _add_generate(sub)
     _add_demo(sub)
@@ -232,6 +246,16 @@ def build_parser() -> Parser:
     _add_bench(sub)
     _add_serve(sub)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version; the package's own in a source tree that is not installed."""
+    try:
+        return importlib.metadata.version("rollout-engine")
+    except importlib.metadata.PackageNotFoundError:
+        import rollout_engine
+
+        return rollout_engine.__version__
 
 
 def _subparser(sub: Any, name: str, help: str) -> Parser:

@@ -18,6 +18,7 @@ from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.tokenizer import has_tokenizer_files
+from rollout_engine.validation import Limits, check_request
 
 # Help text of every EngineConfig field; tests/test_cli.py checks that none is
 # missing, so a new field cannot reach the command line undocumented.
@@ -119,10 +120,12 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
 
 def _named(exc: ValueError, fields: Iterable[str]) -> UsageError:
     """Config and sampling errors start with the field name ("page_size must be
+    ..."), a request's after its index ("request 0: sampling_params.max_new_tokens
     ..."); say it as the flag, the way argparse does."""
-    match = re.match(r"(?:sampling_params\.)?(\w+) (.*)", str(exc), re.S)
+    match = re.match(r"(?:request \d+: )?(?:sampling_params\.)?(\w+) (.*)", str(exc), re.S)
     if match and match.group(1) in fields:
-        return UsageError(f"argument {flag_of(match.group(1))}: {match.group(2)}")
+        rest = re.sub(r"^[(](\S+)[)] ", r"\1 ", match.group(2))  # "(8190) plus the prompt ...": the value itself
+        return UsageError(f"argument {flag_of(match.group(1))}: {rest}")
     return UsageError(str(exc))
 
 
@@ -138,32 +141,39 @@ def check_tp_args(config: EngineConfig) -> None:
 
 
 def check_prompt_args(config: EngineConfig, prompts: list[str] | None, ids: list[list[int]] | None,
-                      max_new_tokens: int) -> None:
+                      params: SamplingParams) -> None:
     """What the engine would refuse in the prompts, said before it loads:
     an empty text prompt, a prompt and its new tokens past
-    --max-total-tokens (a text prompt counted as one token at least), a
-    token id outside the model's vocabulary (read from the model's config,
-    not its weights)."""
+    --max-total-tokens (a text prompt counted as one token at least), and for
+    token-id prompts a token id outside the model's vocabulary or a prompt and
+    its new tokens past the model's context (both read from the model's
+    config, not its weights)."""
     for i, prompt in enumerate(prompts or []):
         if not prompt:
             raise UsageError(f"argument prompts: prompt {i} is empty")
     capacity = config.max_total_tokens
     longest = max(map(len, ids)) if ids else 1  # a text prompt's length is known once tokenized
-    if capacity is not None and longest + max_new_tokens > capacity:
+    if capacity is not None and longest + params.max_new_tokens > capacity:
         prompt = f"a {longest}-token prompt" if ids else "any prompt"
         raise UsageError(f"argument --max-total-tokens: a KV cache of {capacity} tokens cannot hold {prompt} "
-                         f"and --max-new-tokens {max_new_tokens}")
+                         f"and --max-new-tokens {params.max_new_tokens}")
     if not ids:
         return
     from rollout_engine.model_zoo import resolve_model_path
     from rollout_engine.runner.model_loader import read_hf_config
 
-    vocab = ModelConfig.from_hf(*read_hf_config(resolve_model_path(config.model, config.load_format))).vocab_size
+    mc = ModelConfig.from_hf(*read_hf_config(resolve_model_path(config.model, config.load_format)))
+    # The KV cache's capacity was checked above (unset, it is not known before the engine sizes it).
+    limits = Limits(mc.vocab_size, mc.max_position, kv_capacity=capacity or mc.max_position)
     for i, row in enumerate(ids):
-        outside = [t for t in row if t >= vocab]
+        outside = [t for t in row if t >= mc.vocab_size]
         if outside:
             raise UsageError(f"argument --input-ids: prompt {i} has token id {outside[0]}, outside the "
-                             f"vocabulary of {config.model} [0, {vocab})")
+                             f"vocabulary of {config.model} [0, {mc.vocab_size})")
+        try:
+            check_request(i, row, params, limits, has_tokenizer(config))
+        except ValueError as exc:
+            raise _named(exc, SAMPLING_FIELDS) from None
 
 
 def check_engine_args(config: EngineConfig) -> None:

@@ -142,6 +142,7 @@ def test_generate_chat_with_tokenizer_flag(smollm2_dir, tmp_path, capsys, monkey
     (["--tp", "3", "--input-ids", "1"], "--tp-size"),  # 4 heads do not split in 3
     (["--max-total-tokens", "4", "--input-ids", "1"], "--max-total-tokens"),  # 1 + 16 new tokens > 4
     (["--max-total-tokens", "20", "--max-new-tokens", "16", "--input-ids", "1,2,3,4,5"], "--max-total-tokens"),
+    (["--max-new-tokens", "510", "--input-ids", "1,2,3"], "--max-new-tokens"),  # 3 + 510 > the context of 512
 ])
 def test_bad_generate_flags(llama, flags, named, capsys, no_model_load):
     _, folder = llama
@@ -178,6 +179,22 @@ def test_cuda_device_without_gpu(llama, capsys, no_model_load):
 def test_demo_has_no_chat_flag(capsys, no_model_load):
     assert main(["demo", "--chat"]) == 2
     assert "--chat" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("argv", [["generate", "--bogus-flag", "hi"], ["demo", "extra_positional"]])
+def test_unrecognized_arguments_point_at_the_subcommands_help(argv, capsys, no_model_load):
+    assert main(argv) == 2
+    line = _one_line_error(capsys)
+    assert f"unrecognized arguments: {argv[1]}" in line and line.endswith(f"(see 'rollout-engine {argv[0]} --help')")
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"rollout-engine {version('rollout-engine')}\n"
 
 
 def test_ctrl_c_while_the_command_imports_is_one_line(monkeypatch, capsys):

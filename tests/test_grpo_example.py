@@ -54,6 +54,13 @@ def test_two_grpo_steps_with_wandb_offline(smollm2_dir, tmp_path, monkeypatch):
             plot_run.main(bad)
 
 
+def test_grpo_rollout_help_prints_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _load("grpo_rollout").main(["--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: ")
+
+
 def test_the_logger_is_a_no_op_without_a_run(smollm2_dir):
     from rollout_engine import RolloutEngine, SamplingParams
     from rollout_engine.integrations.wandb import RolloutLogger
