@@ -111,6 +111,31 @@ def test_batch_1_decode_with_random_norm_weights_matches_hf(tmp_path, cuda_graph
     assert gap < 2 * ref_gap + 5e-3  # a norm weight used in the wrong place would be off by far more
 
 
+@pytest.mark.multigpu
+def test_tp2_batch_1_decode_with_random_norm_weights_matches_hf(tmp_path):
+    """At one row each rank runs the fused one-row products on its shard (the
+    norm, rotary + K/V store and SiLU * mul inside): a batch-1 decode on two
+    GPUs stays as close to Hugging Face as on one."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    hf = make_hf_model("qwen2", True, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                       num_key_value_heads=2, initializer_range=INIT_RANGE)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand_like(p) + 0.5)
+    folder = save_model(hf, tmp_path)
+    hf = hf.to("cuda", torch.bfloat16)
+    gaps = {}
+    for tp in (1, 2):
+        engine = RolloutEngine(folder, device="cuda", attention_backend="flashinfer", tp_size=tp,
+                               max_total_tokens=4096, cuda_graph_max_batch_size=8)
+        gaps[tp], _ = _gap_vs_hf(engine, hf, PROMPTS[1:2])
+        engine.check_integrity()
+        engine.shutdown()
+    assert gaps[2] < 2 * gaps[1] + 5e-3
+
+
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_flashinfer_large_decode_batch_of_a_two_head_group(gpu_models, cuda_graph):
     """Two query heads per KV head take the tensor-core decode kernel from
