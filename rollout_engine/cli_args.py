@@ -155,7 +155,8 @@ def check_prompt_args(config: EngineConfig, prompts: list[str] | None, ids: list
     longest = max(map(len, ids)) if ids else 1  # a text prompt's length is known once tokenized
     if capacity is not None and longest + params.max_new_tokens > capacity:
         prompt = f"a {longest}-token prompt" if ids else "any prompt"
-        raise UsageError(f"argument --max-total-tokens: a KV cache of {capacity} tokens cannot hold {prompt} "
+        raise UsageError(f"argument --max-total-tokens: a KV cache of {capacity} token{'s' * (capacity != 1)} "
+                         f"cannot hold {prompt} "
                          f"and --max-new-tokens {params.max_new_tokens}")
     if not ids:
         return

@@ -186,6 +186,15 @@ EMPTY_CALLS = {
 }
 
 
+@pytest.mark.parametrize("kwargs,words", [({"max_total_token": 4096}, "did you mean 'max_total_tokens'"),
+                                          ({"bogus": 1}, "'bogus'")])
+def test_an_unknown_engine_option_is_named_as_the_engines(kwargs, words):
+    """Refused before anything loads, naming RolloutEngine (not an internal
+    class) and the closest option."""
+    with pytest.raises(TypeError, match=f"RolloutEngine\\(\\) got an unexpected keyword argument .*{words}"):
+        RolloutEngine("smollm2-135m", **kwargs)
+
+
 @pytest.mark.parametrize("call", EMPTY_CALLS.values(), ids=EMPTY_CALLS.keys())
 def test_no_prompts_give_no_outputs_at_once(engine, baseline, call):
     assert _within(10, lambda: call(engine)) == []
