@@ -5,9 +5,12 @@ closer to the memory bandwidth (BENCHMARKS.md). Other shapes use F.linear.
 
 `logits` is the LM head's product with an fp32 result written by the product
 itself (the accumulator, not a bf16 copy widened by a second kernel: the
-sampler reads fp32 logits). On Hopper the kernel is launched with
-programmatic dependent launch (`_triton.PDL_ENABLED`): its first weight block
-is read while the kernel before it finishes."""
+sampler reads fp32 logits). `norm_gemv` takes the RMSNorm before the product
+inside it and, with each program computing its rows in pairs, the rotary
+embedding and K/V store after a qkv product or SiLU * mul after a gate_up
+product: at batch 1 a decoder layer is five launches. On Hopper the kernel is
+launched with programmatic dependent launch (`_triton.PDL_ENABLED`): its first
+weight block is read while the kernel before it finishes."""
 from __future__ import annotations
 
 import functools
