@@ -2,7 +2,9 @@
 arguments, validated once, passed explicitly to every part."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+from dataclasses import dataclass, fields
+from typing import Mapping
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
@@ -66,3 +68,14 @@ class EngineConfig:
         if self.deterministic and self.attention_backend != "auto":
             bad("attention_backend", "must stay 'auto' with deterministic=True (which uses its own "
                                      "batch-invariant attention)")
+
+
+def check_options(options: Mapping) -> None:
+    """Keyword arguments of `RolloutEngine(model, **options)`: an unknown one
+    is named as the engine's, with the closest option."""
+    known = [f.name for f in fields(EngineConfig) if f.name != "model"]
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else " (the options: rollout_engine.config.EngineConfig)"
+            raise TypeError(f"RolloutEngine() got an unexpected keyword argument {name!r}{hint}")

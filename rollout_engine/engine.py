@@ -5,15 +5,13 @@ A facade: it validates arguments, submits to the engine's step loop
 controls and request creation live in core/."""
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import gc
 import weakref
 from typing import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from rollout_engine.config import EngineConfig
+from rollout_engine.config import EngineConfig, check_options
 from rollout_engine.core import calls
 from rollout_engine.core.controls import PAUSE_MODES
 from rollout_engine.core.engine_core import start_core
@@ -29,19 +27,9 @@ InputIds = Sequence[Sequence[int]] | None
 Params = SamplingParams | Sequence[SamplingParams] | None
 
 
-def _check_options(kwargs: Mapping) -> None:
-    """An unknown keyword is named as the engine's, with the closest option."""
-    options = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
-    for name in kwargs:
-        if name not in options:
-            close = difflib.get_close_matches(name, options, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else " (the options: rollout_engine.config.EngineConfig)"
-            raise TypeError(f"RolloutEngine() got an unexpected keyword argument {name!r}{hint}")
-
-
 class RolloutEngine:
     def __init__(self, model: str, **kwargs):
-        _check_options(kwargs)
+        check_options(kwargs)
         self.config = cfg = EngineConfig(model=model, **kwargs)
         self.core = start_core(cfg)  # its loop thread builds the parts
         parts = self.core.parts
