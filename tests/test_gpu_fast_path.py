@@ -7,7 +7,6 @@ import torch
 from conftest import MODEL_KINDS
 from models import make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams
-from rollout_engine.kernels.gemv import pairs_fit
 
 pytestmark = pytest.mark.gpu
 
@@ -84,25 +83,31 @@ def test_flashinfer_bf16_parity(gpu_models, kind, tie, cuda_graph):
     engine.check_integrity()
 
 
+def _qwen2_with_random_norm_weights(tmp_path, **shape):
+    """A qwen2 model whose norm weights differ per layer and per norm (the
+    test models' are all ones), saved; returned on the GPU in bf16."""
+    hf = make_hf_model("qwen2", True, initializer_range=INIT_RANGE, **shape)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand_like(p) + 0.5)
+    folder = save_model(hf, tmp_path)
+    return hf.to("cuda", torch.bfloat16), folder
+
+
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_batch_1_decode_with_random_norm_weights_matches_hf(tmp_path, cuda_graph):
     """At one row each RMSNorm is computed inside the product after it (and
     the rotary embedding inside the qkv product, SiLU * mul inside the
     gate_up product): with norm weights that differ per layer and per norm (the test
     models' are all ones), a batch-1 decode still matches Hugging Face."""
-    hf = make_hf_model("qwen2", True, initializer_range=INIT_RANGE, **GPU_SHAPES["qwen2"])
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.rand_like(p) + 0.5)
-    folder = save_model(hf, tmp_path)
-    hf = hf.to("cuda", torch.bfloat16)
+    hf, folder = _qwen2_with_random_norm_weights(tmp_path, **GPU_SHAPES["qwen2"])
     engine = RolloutEngine(folder, device="cuda", attention_backend="flashinfer", cuda_graph=cuda_graph,
                            max_total_tokens=4096, cuda_graph_max_batch_size=8)
     layer = engine.core.parts.runner.model.model.layers[0]
     assert layer.norms_in_products(torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16), None)
-    qkv = layer.self_attn.qkv_proj  # no q/k norms: the rotary embedding and K/V store go inside the product too
-    assert layer.self_attn.q_norm is None and pairs_fit(*qkv.weight.shape, qkv.head_dim)
+    # no q/k norms: the rotary embedding and K/V store go inside the qkv product too
+    assert layer.self_attn.rope_in_product and layer.mlp.gated_in_product
     gap, _ = _gap_vs_hf(engine, hf, PROMPTS[1:2])
     engine.shutdown()
     reference = RolloutEngine(folder, device="cuda", attention_backend="torch", max_total_tokens=4096)
@@ -118,14 +123,8 @@ def test_tp2_batch_1_decode_with_random_norm_weights_matches_hf(tmp_path):
     GPUs stays as close to Hugging Face as on one."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    hf = make_hf_model("qwen2", True, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                       num_key_value_heads=2, initializer_range=INIT_RANGE)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.rand_like(p) + 0.5)
-    folder = save_model(hf, tmp_path)
-    hf = hf.to("cuda", torch.bfloat16)
+    hf, folder = _qwen2_with_random_norm_weights(tmp_path, hidden_size=512, intermediate_size=1024,
+                                                 num_attention_heads=8, num_key_value_heads=2)
     gaps = {}
     for tp in (1, 2):
         engine = RolloutEngine(folder, device="cuda", attention_backend="flashinfer", tp_size=tp,

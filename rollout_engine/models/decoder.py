@@ -43,6 +43,9 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         p = self.qkv_proj
         self.attn = PagedAttention(layer_id, p.num_heads, p.num_kv_heads, cfg.head_dim)
+        # At one row the qkv product also rotates q and k and stores K/V (`one_row_q`); not after q/k norms,
+        # which need whole heads.
+        self.rope_in_product = not cfg.qk_norm and pairs_fit(*p.weight.shape, cfg.head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
         return self.attend(self._rotate_and_store(positions, self.qkv_proj(x), fb), fb)
@@ -72,16 +75,18 @@ class DecoderAttention(nn.Module):
         """One row (`DecoderLayer.norms_in_products`): RMSNorm(x + residual)
         inside the qkv product, and without q/k norms the rotary embedding
         and the K/V store too (one launch). Returns (rotated q, residual)."""
-        p = self.qkv_proj
-        if self.q_norm is None and pairs_fit(*p.weight.shape, p.head_dim):
-            return norm_gemv(x, residual, norm.weight, norm.eps, p.weight, p.bias, rope=self.rope_store(positions, fb))
+        p, i = self.qkv_proj, self.attn.layer_id
+        if self.rope_in_product:
+            rope = self.rope_store(positions, fb.kv_pool.k[i], fb.kv_pool.v[i], fb.out_cache_loc)
+            return norm_gemv(x, residual, norm.weight, norm.eps, p.weight, p.bias, rope=rope)
         qkv, residual = norm_gemv(x, residual, norm.weight, norm.eps, p.weight, p.bias)
         return self._rotate_and_store(positions, qkv, fb), residual
 
-    def rope_store(self, positions: torch.Tensor, fb: "ForwardBatch") -> RopeStore:
-        i, p = self.attn.layer_id, self.qkv_proj
-        return RopeStore(positions, self.rotary.cos, self.rotary.sin, fb.kv_pool.k[i], fb.kv_pool.v[i],
-                         fb.out_cache_loc, p.num_heads, p.num_kv_heads)
+    def rope_store(self, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   loc: torch.Tensor) -> RopeStore:
+        p = self.qkv_proj
+        return RopeStore(positions, self.rotary.cos, self.rotary.sin, k_cache, v_cache, loc, p.num_heads,
+                         p.num_kv_heads)
 
 
 class DecoderMLP(nn.Module):
@@ -90,6 +95,8 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, False, comm)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, comm)
+        w = self.gate_up_proj.weight  # at one row SiLU * mul inside the gate_up product (`one_row_act`)
+        self.gated_in_product = pairs_fit(*w.shape, w.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -101,7 +108,7 @@ class DecoderMLP(nn.Module):
         inside the gate_up product, and SiLU(gate) * up too when its rows pair
         up. Returns (the down product's input, residual)."""
         w = self.gate_up_proj.weight
-        if pairs_fit(*w.shape, w.shape[0]):
+        if self.gated_in_product:
             return norm_gemv(x, residual, norm.weight, norm.eps, w, gated=True)
         gate_up, residual = norm_gemv(x, residual, norm.weight, norm.eps, w)
         return silu_and_mul(gate_up), residual
@@ -131,10 +138,10 @@ class DecoderLayer(nn.Module):
 
     def norms_in_products(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """One row on the GPU: each RMSNorm (with its residual add) is computed
-        inside the product after it (`kernels.gemv.norm_gemv`), and without
-        q/k norms the rotary embedding and K/V store inside the qkv product:
-        and SiLU * mul inside the gate_up product: four launches fewer per
-        layer. Not in batch-invariant mode (its own kernels)."""
+        inside the product after it (`kernels.gemv.norm_gemv`), without q/k
+        norms the rotary embedding and K/V store inside the qkv product, and
+        SiLU * mul inside the gate_up product: four launches fewer per layer.
+        Not in batch-invariant mode (its own kernels)."""
         qkv, norm = self.self_attn.qkv_proj, self.input_layernorm
         return (one_row(x, qkv.weight) and x.shape[1] <= NORM_MAX_K and not qkv.batch_invariant
                 and not norm.batch_invariant and (residual is None or residual.is_contiguous()))
@@ -149,11 +156,10 @@ class DecoderLayer(nn.Module):
         if not self.norms_in_products(x, None):
             return
         rope = None
-        if attn.q_norm is None and pairs_fit(*w.shape, p.head_dim):
+        if attn.rope_in_product:
             cache = torch.zeros(1, p.num_kv_heads, p.head_dim, dtype=w.dtype, device=w.device)
             slot = torch.zeros(1, dtype=torch.int64, device=w.device)
-            rope = RopeStore(slot, attn.rotary.cos, attn.rotary.sin, cache, cache.clone(), slot, p.num_heads,
-                             p.num_kv_heads)
+            rope = attn.rope_store(slot, cache, cache.clone(), slot)
         norm = self.input_layernorm
         for residual in (None, x):  # the first layer's qkv has no residual to add
             norm_gemv(x, residual, norm.weight, norm.eps, w, p.bias, rope=rope)
