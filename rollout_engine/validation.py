@@ -38,6 +38,10 @@ def resolve_prompts(prompts: Sequence[str] | None, input_ids: Sequence[Sequence[
         return out
     if not _is_sequence(input_ids):
         raise ValueError("input_ids must be a list of lists of token ids")
+    rows = input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids
+    if rows and all(isinstance(t, int) and not isinstance(t, bool) for t in rows):
+        raise ValueError("input_ids must be a list of prompts, each a list of token ids; got one flat list of "
+                         "ids (for one prompt pass [ids])")
     return [_token_ids(i, ids, limits.vocab_size) for i, ids in enumerate(input_ids)]
 
 

@@ -100,6 +100,7 @@ CASES = [
     ("token >= vocab", _gen(input_ids=[[10**6]]), ValueError, "vocabulary", None),
     ("negative token", _gen(input_ids=[[-1]]), ValueError, "vocabulary", None),
     ("input_ids a string", _gen(input_ids="abc"), ValueError, "input_ids", None),
+    ("input_ids one flat list", _gen(input_ids=[1, 2, 3]), ValueError, "for one prompt pass [ids]", None),
     ("params list too short", _gen(prompts=PROMPT * 2, sampling_params=[GREEDY]), ValueError, "sampling_params",
      None),
     ("params not SamplingParams", _gen(prompts=PROMPT, sampling_params=[{"n": 1}]), ValueError, "sampling_params",
