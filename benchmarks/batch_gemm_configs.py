@@ -1,0 +1,118 @@
+"""The matrix products of decode batches (2 to a few hundred rows) by launch
+shape: each linear layer's `kernels.batch_gemm` at every configuration of a
+grid (tile sizes, split of K, warps, stages, swapped operands) against
+F.linear (cuBLAS, what the engine ran before), over weight copies that spill
+the L2 cache as a model's layers do. Reports, per shape and row count, the
+fastest configuration, its time against F.linear's and its largest
+difference from F.linear's result. On a CUDA GPU:
+
+    python3 benchmarks/batch_gemm_configs.py --model qwen3-0.6b --rows 64 128 256 --out gemm.json
+"""
+from __future__ import annotations
+
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from gemm_shapes import shapes, write_out  # benchmarks/, the script's own folder
+from rollout_engine.bench.roofline import measure_device
+from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
+from rollout_engine.kernels.batch_gemm import GemmConfig, batch_gemm
+from rollout_engine.models.config import ModelConfig
+from rollout_engine.models.presets import PRESETS, PresetConfig
+
+SPILL_BYTES = 256 << 20  # weight copies per shape: past the L2 cache
+
+
+def grid(m: int) -> list[GemmConfig]:
+    out = []
+    for bm, bn, bk, split in itertools.product((64, 128), (32, 64, 128), (64, 128), (1, 2, 4, 8)):
+        if bm > max(64, m):
+            continue
+        for warps in (4, 8) if bm * bn >= 128 * 64 else (4,):
+            for stages in (3, 4) if bk == 64 else (3,):
+                out.append(GemmConfig(bm, bn, bk, split, warps, stages))
+    if m <= 64:
+        for bm, bn, split in itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8)):
+            if bm <= max(16, m):
+                out.append(GemmConfig(bm, bn, 128, split, 4, 3, swap=True))
+    return out
+
+
+def time_us(fn, copies: int) -> float:
+    """Device time per product: one CUDA graph of `copies` products (one per
+    weight copy), replayed."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 10
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / (reps * copies)
+
+
+def run(model: str, rows: list[int], only: list[str] | None) -> dict:
+    mc = ModelConfig.from_hf(PresetConfig(**PRESETS[model]))
+    limits = measure_device()
+    out = {"model": model, "device": torch.cuda.get_device_name(), "rows": []}
+    dev, dt = "cuda", torch.bfloat16
+    for name, (n, k, has_bias) in shapes(mc).items():
+        if name == "lm_head" or (only and name not in only):
+            continue
+        copies = max(1, SPILL_BYTES // (2 * n * k))
+        ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
+        b = torch.randn(n, device=dev, dtype=dt) if has_bias else None
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            ref = F.linear(x, ws[0], b)
+            row = {"shape": name, "m": m, "n": n, "k": k,
+                   "linear_us": round(time_us(lambda: [F.linear(x, w, b) for w in ws], copies), 2),
+                   "floor_us": round(max(2 * m * n * k / limits.flops, 2 * n * k / limits.bandwidth) * 1e6, 2),
+                   "configs": {}}
+            for cfg in grid(m):
+                try:
+                    got = batch_gemm(x, ws[0], b, cfg)
+                    err = (got.float() - ref.float()).abs().max().item()
+                    us = time_us(lambda: [batch_gemm(x, w, b, cfg) for w in ws], copies)
+                except Exception as e:  # a shape Triton cannot build (shared memory): recorded, skipped
+                    row["configs"][",".join(map(str, cfg))] = str(e).splitlines()[0][:120]
+                    continue
+                row["configs"][",".join(map(str, cfg))] = {"us": round(us, 2), "max_err": round(err, 4)}
+            timed = {c: v for c, v in row["configs"].items() if isinstance(v, dict)}
+            best = min(timed, key=lambda c: timed[c]["us"])
+            row.update(best=best, best_us=timed[best]["us"], best_err=timed[best]["max_err"],
+                       speedup=round(row["linear_us"] / timed[best]["us"], 3))
+            out["rows"].append(row)
+            top = sorted(timed, key=lambda c: timed[c]["us"])[:5]
+            print(json.dumps({key: row[key] for key in ("shape", "m", "n", "k", "linear_us", "floor_us", "best",
+                                                         "best_us", "best_err", "speedup")}),
+                  "| next:", ", ".join(f"{c} {timed[c]['us']}" for c in top[1:]), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ScriptParser("batch_gemm_configs.py", __doc__)
+    p.add_argument("--model", choices=sorted(PRESETS), default="qwen3-0.6b", help="preset whose shapes to time")
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[64, 128, 256], help="row counts (tokens)")
+    p.add_argument("--shapes", nargs="+", choices=["qkv", "o", "gate_up", "down"], help="only these products")
+    p.add_argument("--out", help="write the rows here (JSON)")
+    args = p.parse_args(argv)
+    needs_cuda(p, "the products are timed on the GPU")
+    write_out(args.out, run(args.model, args.rows, args.shapes))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""Matrix products at decode batch sizes (2 to a few hundred rows):
+y = x W^T (+ b) for x [M, K], W [N, K], with the reduction over K split
+between programs when the output tiles alone would leave most of the GPU
+idle (a 1,024-wide product at 256 rows is 16 tiles of 128 x 128 for 132 SMs).
+
+Each program sums one slice of K for one output tile in fp32. With a split,
+it writes its partial sums to a workspace and counts itself done on the
+tile's counter; the program that finishes last adds the partials in slice
+order (0, 1, ...: the same bits whichever program finishes last), adds the
+bias, rounds once and sets the counter back to zero for the next launch (or
+the next replay of a CUDA graph). `swap` computes each tile as W x^T (the
+weight's rows fill the tensor cores' long side when M is small).
+
+The counters live in one small per-device buffer allocated outside any
+memory-saver region (`counters`), so a release and resume of the engine's
+memory leaves them zero."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import NamedTuple
+
+import torch
+
+from rollout_engine.kernels._triton import pdl_args
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int  # slices of K, each summed by its own program
+    warps: int
+    stages: int
+    swap: bool = False  # tiles computed as W x^T
+
+
+MAX_TILES = 4096  # counters per device: output tiles of one launch with a split
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the helpers
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["M", "K_PER"])
+    def batch_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, K_PER, stride_xm, stride_wn,
+                          stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr):
+        """Program (tile, s): output tile `tile` summed over K in
+        [s * K_PER, (s + 1) * K_PER) (K_PER a multiple of BLOCK_K)."""
+        tile = tl.program_id(0)
+        s = tl.program_id(1)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        rm = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rm < M
+        n_ok = rn < N
+        k_lo = s * K_PER
+        k_hi = tl.minimum(k_lo + K_PER, K)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < k_hi
+            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            b = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            if SWAP:
+                acc = tl.dot(b, tl.trans(a), acc)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+        if SWAP:
+            acc = tl.trans(acc)
+        if SPLIT > 1:
+            # partials of tile `tile`: [SPLIT, BLOCK_M, BLOCK_N] fp32, contiguous
+            i = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            base = p_ptr + tile.to(tl.int64) * (SPLIT * BLOCK_M * BLOCK_N)
+            tl.store(base + s * (BLOCK_M * BLOCK_N) + i, acc)
+            tl.debug_barrier()  # every thread's partials stored before the count
+            done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:  # the last program of the tile adds the slices in order
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for j in range(SPLIT):
+                    acc += tl.load(base + j * (BLOCK_M * BLOCK_N) + i, cache_modifier=".cg")
+                tl.store(cnt_ptr + tile, 0)
+                if HAS_BIAS:
+                    acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                         mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
+
+
+@functools.cache
+def counters(device: torch.device) -> torch.Tensor:
+    """The per-tile counters of split launches on `device`, zero between
+    launches. Allocated once, by the engine before any memory-saver region
+    (a region's memory is not kept across a release)."""
+    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+
+
+def _device(x: torch.Tensor) -> torch.device:
+    if x.device.type == "cuda" and x.device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return x.device
+
+
+def batch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig,
+               workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (unit column stride) @ weight [N, K]^T (+ bias [N]) in x's
+    dtype, with the launch shape `config`."""
+    m, k = x.shape
+    n = weight.shape[0]
+    bm, bn, bk, split, warps, stages, swap = config
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = _cdiv(m, bm) * _cdiv(n, bn)
+    k_per = _cdiv(_cdiv(k, split), bk) * bk
+    split = _cdiv(k, k_per)  # slices that hold any of K
+    if split > 1 and tiles > MAX_TILES:
+        raise ValueError(f"batch_gemm: {tiles} output tiles with a split of K, at most {MAX_TILES}")
+    cnt = counters(_device(x)) if split > 1 else y
+    part = y
+    if split > 1:
+        part = workspace if workspace is not None else torch.empty(tiles * split * bm * bn, dtype=torch.float32,
+                                                                   device=x.device)
+    batch_gemm_kernel[(tiles, split)](x, weight, bias if bias is not None else y, y, part, cnt, m, n, k, k_per,
+                                      x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+                                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, SWAP=swap, num_warps=warps,
+                                      num_stages=stages, **pdl_args(x))
+    return y
