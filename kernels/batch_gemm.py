@@ -49,7 +49,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     @triton.jit(do_not_specialize=["M", "K_PER"])
     def batch_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, K_PER, stride_xm, stride_wn,
                           stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
+                          PDL: tl.constexpr):
         """Program (tile, s): output tile `tile` summed over K in
         [s * K_PER, (s + 1) * K_PER) (K_PER a multiple of BLOCK_K)."""
         tile = tl.program_id(0)
@@ -61,6 +62,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         n_ok = rn < N
         k_lo = s * K_PER
         k_hi = tl.minimum(k_lo + K_PER, K)
+        x_rows = x_ptr + rm[:, None] * stride_xm
+        w_rows = w_ptr + rn[:, None] * stride_wn
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -69,12 +72,14 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
+            # a slice ends at a multiple of BLOCK_K or at K: only K masks a block
             k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < k_hi
-            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            b = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0)
+            if EVEN_K:
+                a = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+                b = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+                b = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
             if SWAP:
                 acc = tl.dot(b, tl.trans(a), acc)
             else:
@@ -84,7 +89,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         if SPLIT > 1:
             # partials of tile `tile`: [SPLIT, BLOCK_M, BLOCK_N] fp32, contiguous
             i = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            base = p_ptr + tile.to(tl.int64) * (SPLIT * BLOCK_M * BLOCK_N)
+            base = p_ptr + tile * (SPLIT * BLOCK_M * BLOCK_N)
             tl.store(base + s * (BLOCK_M * BLOCK_N) + i, acc)
             tl.debug_barrier()  # every thread's partials stored before the count
             done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -95,12 +100,12 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                 tl.store(cnt_ptr + tile, 0)
                 if HAS_BIAS:
                     acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                          mask=m_ok[:, None] & n_ok[None, :])
         else:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+            tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -138,6 +143,7 @@ def batch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                                                    device=x.device)
     batch_gemm_kernel[(tiles, split)](x, weight, bias if bias is not None else y, y, part, cnt, m, n, k, k_per,
                                       x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, SWAP=swap, num_warps=warps,
+                                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, SWAP=swap, EVEN_K=k % bk == 0,
+                                      num_warps=warps,
                                       num_stages=stages, **pdl_args(x))
     return y
