@@ -60,7 +60,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         rn = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = rm < M
         n_ok = rn < N
-        k_lo = s * K_PER
+        k_lo = tl.multiple_of(s * K_PER, BLOCK_K)  # K_PER is a multiple of BLOCK_K: loads stay vectorised
         k_hi = tl.minimum(k_lo + K_PER, K)
         x_rows = x_ptr + rm[:, None] * stride_xm
         w_rows = w_ptr + rn[:, None] * stride_wn
@@ -71,9 +71,9 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for i in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
             # a slice ends at a multiple of BLOCK_K or at K: only K masks a block
-            k = k0 + tl.arange(0, BLOCK_K)
+            k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 a = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
                 b = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
