@@ -12,6 +12,7 @@ Needs a CUDA GPU and flashinfer.
 """
 from __future__ import annotations
 
+import itertools
 import json
 
 import torch
@@ -26,10 +27,12 @@ def time_ms(fn) -> float:
 
 
 def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: int, tensor_cores: bool,
-             graph: bool, **plan_kw) -> float:
+             graph: bool, backend: str = "fa2", shared: int = 0, group: int = 1, **plan_kw) -> float:
     """Milliseconds of one decode attention call over sequences of `lens`
     tokens; `graph`: planned and replayed as the engine's CUDA graphs are.
-    `plan_kw`: more arguments for the plan (e.g. FlashInfer's split-KV controls)."""
+    `shared`: each `group` of consecutive sequences has the pages of its first
+    `shared` tokens in common (n samples of one prompt). `plan_kw`: more
+    arguments for the plan (e.g. FlashInfer's split-KV controls)."""
     dev = torch.device("cuda")
     batch = len(lens)
     pages = -(-lens // page)
@@ -40,6 +43,12 @@ def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: 
     v = torch.randn_like(k)
     # Pages of one sequence scattered over the pool, as after many requests came and went.
     indices = torch.randperm(num_pages, device=dev, dtype=torch.int64).to(torch.int32)
+    if shared:
+        common = shared // page  # whole pages only
+        for b in range(batch):
+            if b % group:
+                head = int(indptr[b - b % group])
+                indices[int(indptr[b]): int(indptr[b]) + common] = indices[head: head + common]
     last = (lens - (pages - 1) * page).to(torch.int32)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=dev)
@@ -47,7 +56,7 @@ def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: 
     if graph:
         kw = dict(use_cuda_graph=True, paged_kv_indptr_buffer=indptr.to(dev), paged_kv_indices_buffer=indices,
                   paged_kv_last_page_len_buffer=last.to(dev))
-    w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores, backend="fa2", **kw)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores, backend=backend, **kw)
 
     def plan(indptr, last):
         w.plan(indptr, indices, last, heads, kv_heads, dim, page, q_data_type=torch.bfloat16,
@@ -73,6 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 32, 128, 256], help="requests per batch")
     p.add_argument("--contexts", type=positive_int, nargs="+", default=[512, 1024, 4096],
                    help="mean tokens of KV per request")
+    p.add_argument("--backends", nargs="+", default=["fa2"], choices=["fa2", "fa3"], help="FlashInfer kernels")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens at the start of each sequence whose pages a group of --group sequences shares")
+    p.add_argument("--group", type=positive_int, default=8, help="sequences per shared prefix")
+    p.add_argument("--engine-only", action="store_true",
+                   help="only what the engine runs from 64 rows on: tensor cores, no split, page 16, in a graph, "
+                        "ragged lengths")
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_checked(argv)
     needs_cuda(p, "it times FlashInfer's kernels")
@@ -88,18 +104,30 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     for batch in args.batch_sizes:
         for context in args.contexts:
-            for ragged in (False, True):
+            for ragged in (True,) if args.engine_only else (False, True):
                 # ragged: lengths spread over [context / 4, 7 context / 4), mean `context`
                 lens = (torch.randint(context // 4, 7 * context // 4, (batch,), generator=gen) if ragged
                         else torch.full((batch,), context))
+                if args.shared_prefix:
+                    lens = lens + args.shared_prefix
                 kv_bytes = 2 * int(lens.sum()) * kv_heads * dim * 2
-                for page in (1, 16):
-                    for tc, split in ((False, True), (True, True), (True, False)):
-                        for graph in (False, True):
+                for page in (16,) if args.engine_only else (1, 16):
+                    kernels = (((True, False),) if args.engine_only
+                               else ((False, True), (True, True), (True, False)))
+                    for (tc, split), backend in itertools.product(kernels, args.backends):
+                        if backend != "fa2" and not tc:
+                            continue
+                        for graph in (True,) if args.engine_only else (False, True):
                             kw = {} if split else {"disable_split_kv": True}
-                            ms = run_case(flashinfer, heads, kv_heads, dim, lens, page, tc, graph, **kw)
+                            try:
+                                ms = run_case(flashinfer, heads, kv_heads, dim, lens, page, tc, graph, backend,
+                                              args.shared_prefix, args.group, **kw)
+                            except Exception as e:  # a kernel this build lacks: recorded
+                                print(backend, "failed:", str(e).splitlines()[0][:200], flush=True)
+                                continue
                             row = {"batch": batch, "context": context, "ragged": ragged, "page_size": page,
-                                   "tensor_cores": tc, "split_kv": split, "graph": graph,
+                                   "tensor_cores": tc, "split_kv": split, "graph": graph, "backend": backend,
+                                   "shared_prefix": args.shared_prefix, "group": args.group,
                                    "us": round(ms * 1e3, 1), "kv_TBps": round(kv_bytes / ms / 1e9, 3)}
                             rows.append(row)
                             print(row, flush=True)
