@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="tokens at the start of each sequence whose pages a group of --group sequences shares")
     p.add_argument("--group", type=positive_int, default=8, help="sequences per shared prefix")
+    p.add_argument("--page-sizes", type=positive_int, nargs="+", default=[1, 16], help="tokens per KV page")
     p.add_argument("--engine-only", action="store_true",
-                   help="only what the engine runs from 64 rows on: tensor cores, no split, page 16, in a graph, "
+                   help="only what the engine runs from 64 rows on: tensor cores, no split, in a graph, "
                         "ragged lengths")
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_checked(argv)
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                 if args.shared_prefix:
                     lens = lens + args.shared_prefix
                 kv_bytes = 2 * int(lens.sum()) * kv_heads * dim * 2
-                for page in (16,) if args.engine_only else (1, 16):
+                for page in args.page_sizes:
                     kernels = (((True, False),) if args.engine_only
                                else ((False, True), (True, True), (True, False)))
                     for (tc, split), backend in itertools.product(kernels, args.backends):
