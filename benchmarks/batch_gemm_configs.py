@@ -4,7 +4,8 @@ grid (tile sizes, split of K, warps, stages, swapped operands) against
 F.linear (cuBLAS, what the engine ran before), over weight copies that spill
 the L2 cache as a model's layers do. Reports, per shape and row count, the
 fastest configuration, its time against F.linear's and its largest
-difference from F.linear's result. On a CUDA GPU:
+difference from F.linear's result, and the time of the configuration the
+engine picks (`kernels.batch_gemm.pick`, up to 32 rows). On a CUDA GPU:
 
     python3 benchmarks/batch_gemm_configs.py --model qwen3-0.6b --rows 64 128 256 --out gemm.json
 """
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from gemm_shapes import shapes, write_out  # benchmarks/, the script's own folder
 from rollout_engine.bench.roofline import measure_device
 from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
-from rollout_engine.kernels.batch_gemm import GemmConfig, batch_gemm
+from rollout_engine.kernels.batch_gemm import GemmConfig, batch_gemm, new_counters, pick, use_counters
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS, PresetConfig
 
@@ -28,16 +29,18 @@ SPILL_BYTES = 256 << 20  # weight copies per shape: past the L2 cache
 
 def grid(m: int) -> list[GemmConfig]:
     out = []
-    for bm, bn, bk, split in itertools.product((64, 128), (32, 64, 128), (64, 128), (1, 2, 4, 8)):
-        if bm > max(64, m):
-            continue
-        for warps in (4, 8) if bm * bn >= 128 * 64 else (4,):
-            for stages in (3, 4) if bk == 64 else (3,):
-                out.append(GemmConfig(bm, bn, bk, split, warps, stages))
-    if m <= 64:
-        for bm, bn, split in itertools.product((16, 32, 64), (64, 128), (1, 2, 4, 8)):
-            if bm <= max(16, m):
-                out.append(GemmConfig(bm, bn, 128, split, 4, 3, swap=True))
+    if m > 32:
+        for bm, bn, bk, split in itertools.product((64, 128), (32, 64, 128), (64, 128), (1, 2, 4, 8)):
+            if bm > max(64, m):
+                continue
+            for warps in (4, 8) if bm * bn >= 128 * 64 else (4,):
+                for stages in (3, 4) if bk == 64 else (3,):
+                    out.append(GemmConfig(bm, bn, bk, split, warps, stages))
+    if m <= 64:  # the weight's rows on the tensor cores' long side, x's rows on the short one
+        bm = max(16, 1 << (m - 1).bit_length())
+        for bn, bk, split, stages in itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16), (3, 4)):
+            if bk * bn <= 128 * 128:
+                out.append(GemmConfig(bm, bn, bk, split, 4, stages, swap=True))
     return out
 
 
@@ -81,7 +84,8 @@ def run(model: str, rows: list[int], only: list[str] | None) -> dict:
                    "linear_us": round(time_us(lambda: [F.linear(x, w, b) for w in ws], copies), 2),
                    "floor_us": round(max(2 * m * n * k / limits.flops, 2 * n * k / limits.bandwidth) * 1e6, 2),
                    "configs": {}}
-            for cfg in grid(m):
+            engine = pick(m, n, k, True) if m <= 32 else None
+            for cfg in grid(m) + ([engine] if engine and engine not in grid(m) else []):
                 try:
                     got = batch_gemm(x, ws[0], b, cfg)
                     err = (got.float() - ref.float()).abs().max().item()
@@ -94,10 +98,14 @@ def run(model: str, rows: list[int], only: list[str] | None) -> dict:
             best = min(timed, key=lambda c: timed[c]["us"])
             row.update(best=best, best_us=timed[best]["us"], best_err=timed[best]["max_err"],
                        speedup=round(row["linear_us"] / timed[best]["us"], 3))
+            if engine is not None:  # the shape kernels.batch_gemm.pick chooses
+                key = ",".join(map(str, engine))
+                row.update(engine=key, engine_us=timed[key]["us"],
+                           engine_speedup=round(row["linear_us"] / timed[key]["us"], 3))
             out["rows"].append(row)
             top = sorted(timed, key=lambda c: timed[c]["us"])[:5]
             print(json.dumps({key: row[key] for key in ("shape", "m", "n", "k", "linear_us", "floor_us", "best",
-                                                         "best_us", "best_err", "speedup")}),
+                                                         "best_us", "best_err", "speedup", "engine_us") if key in row}),
                   "| next:", ", ".join(f"{c} {timed[c]['us']}" for c in top[1:]), flush=True)
     return out
 
@@ -110,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_args(argv)
     needs_cuda(p, "the products are timed on the GPU")
-    write_out(args.out, run(args.model, args.rows, args.shapes))
+    with use_counters(new_counters(torch.device("cuda", torch.cuda.current_device()))):
+        write_out(args.out, run(args.model, args.rows, args.shapes))
     return 0
 
 

@@ -1,28 +1,30 @@
-"""Matrix products at decode batch sizes (2 to a few hundred rows):
-y = x W^T (+ b) for x [M, K], W [N, K], with the reduction over K split
-between programs when the output tiles alone would leave most of the GPU
-idle (a 1,024-wide product at 256 rows is 16 tiles of 128 x 128 for 132 SMs).
+"""Matrix products at small decode batches (2 to MAX_ROWS rows):
+y = x W^T (+ b) for x [M, K], W [N, K]. cuBLAS takes 5-8 us for any such
+product of a small model (a 1,024-wide one at 16 rows: 32 output tiles of a
+size built for more rows); here each tile is computed as W x^T (the weight's
+rows on the tensor cores' long side, x's few rows on the short one), and the
+reduction over K is split between programs when the tiles alone would leave
+most of the GPU idle (`pick`, measured on H200: benchmarks/batch_gemm_configs.py).
 
 Each program sums one slice of K for one output tile in fp32. With a split,
 it writes its partial sums to a workspace and counts itself done on the
 tile's counter; the program that finishes last adds the partials in slice
 order (0, 1, ...: the same bits whichever program finishes last), adds the
 bias, rounds once and sets the counter back to zero for the next launch (or
-the next replay of a CUDA graph). `swap` computes each tile as W x^T (the
-weight's rows fill the tensor cores' long side when M is small).
-
-The counters live in one small per-device buffer allocated outside any
-memory-saver region (`counters`), so a release and resume of the engine's
-memory leaves them zero."""
+the next replay of a CUDA graph). The counters belong to whoever runs the
+launches in order (an engine's model runner: `use_counters`); without them
+a product is not split. On Hopper the kernel is launched with programmatic
+dependent launch and touches nothing before the kernel before it is done."""
 from __future__ import annotations
 
-import functools
+import contextlib
 import importlib.util
-from typing import NamedTuple
+import threading
+from typing import Iterator, NamedTuple
 
 import torch
 
-from rollout_engine.kernels._triton import pdl_args
+from rollout_engine.kernels._triton import next_pow2, pdl_args, use_kernel
 
 
 class GemmConfig(NamedTuple):
@@ -35,7 +37,9 @@ class GemmConfig(NamedTuple):
     swap: bool = False  # tiles computed as W x^T
 
 
-MAX_TILES = 4096  # counters per device: output tiles of one launch with a split
+MAX_ROWS = 32  # from 64 rows on cuBLAS is as fast on some shapes, faster on others (batch_gemm_configs.py)
+MAX_TILES = 4096  # counters of one owner: output tiles of one launch with a split
+SMS = 132  # the split aims at about one program per SM of an H100 / H200
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -109,41 +113,72 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                      mask=m_ok[:, None] & n_ok[None, :])
 
 
-@functools.cache
-def counters(device: torch.device) -> torch.Tensor:
-    """The per-tile counters of split launches on `device`, zero between
-    launches. Allocated once, by the engine before any memory-saver region
-    (a region's memory is not kept across a release)."""
+_local = threading.local()
+
+
+def new_counters(device: torch.device) -> torch.Tensor:
+    """Counters for one owner's split launches (zero between launches).
+    Allocate them outside any memory-saver region: a region's memory is not
+    kept across a release."""
     return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
-def _device(x: torch.Tensor) -> torch.device:
-    if x.device.type == "cuda" and x.device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return x.device
+@contextlib.contextmanager
+def use_counters(counters: torch.Tensor | None) -> Iterator[None]:
+    """Products launched by this thread inside the block may split their
+    reduction, counting on `counters` (launches in stream order only: two
+    owners running at once on one GPU need two sets)."""
+    prior = getattr(_local, "counters", None)
+    _local.counters = counters
+    try:
+        yield
+    finally:
+        _local.counters = prior
 
 
-def batch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig,
-               workspace: torch.Tensor | None = None) -> torch.Tensor:
+def pick(m: int, n: int, k: int, can_split: bool) -> GemmConfig:
+    """The launch shape for x [m, K] W [n, K]^T, m <= MAX_ROWS: W x^T tiles
+    of 32 (narrow weights) or 64 weight rows; K split in two to eight slices
+    when the tiles are few (a quarter of the SMs) or K is long, up to about
+    one program per SM and slices of at least 256."""
+    bm = max(16, next_pow2(m))
+    bn = 32 if n <= 2048 else 64
+    tiles = _cdiv(n, bn) * _cdiv(m, bm)
+    split = 1
+    if can_split and (tiles <= SMS // 4 or k >= 4096):
+        while split < 8 and tiles * split * 2 <= SMS and k // (split * 2) >= 256:
+            split *= 2
+    return GemmConfig(bm, bn, 128, split, 4, 4, swap=True)
+
+
+def small_batch(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x W^T takes `batch_gemm`: 2 to MAX_ROWS contiguous
+    half-precision rows on the GPU, a weight with unit column stride."""
+    return (x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS and x.is_contiguous() and weight.stride(1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and use_kernel(x))
+
+
+def batch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               config: GemmConfig | None = None) -> torch.Tensor:
     """x [M, K] (unit column stride) @ weight [N, K]^T (+ bias [N]) in x's
-    dtype, with the launch shape `config`."""
+    dtype, with the launch shape `config` (default: `pick`'s)."""
     m, k = x.shape
     n = weight.shape[0]
-    bm, bn, bk, split, warps, stages, swap = config
+    counters = getattr(_local, "counters", None)
+    bm, bn, bk, split, warps, stages, swap = config or pick(m, n, k, counters is not None)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = _cdiv(m, bm) * _cdiv(n, bn)
     k_per = _cdiv(_cdiv(k, split), bk) * bk
     split = _cdiv(k, k_per)  # slices that hold any of K
-    if split > 1 and tiles > MAX_TILES:
-        raise ValueError(f"batch_gemm: {tiles} output tiles with a split of K, at most {MAX_TILES}")
-    cnt = counters(_device(x)) if split > 1 else y
-    part = y
+    part = cnt = y
     if split > 1:
-        part = workspace if workspace is not None else torch.empty(tiles * split * bm * bn, dtype=torch.float32,
-                                                                   device=x.device)
+        if counters is None:
+            raise ValueError("batch_gemm: a split of K needs counters (use_counters)")
+        if tiles > MAX_TILES:
+            raise ValueError(f"batch_gemm: {tiles} output tiles with a split of K, at most {MAX_TILES}")
+        part, cnt = torch.empty(tiles * split * bm * bn, dtype=torch.float32, device=x.device), counters
     batch_gemm_kernel[(tiles, split)](x, weight, bias if bias is not None else y, y, part, cnt, m, n, k, k_per,
                                       x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
                                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, SWAP=swap, EVEN_K=k % bk == 0,
-                                      num_warps=warps,
-                                      num_stages=stages, **pdl_args(x))
+                                      num_warps=warps, num_stages=stages, **pdl_args(x))
     return y

@@ -1,7 +1,8 @@
 """Matrix-vector product for one-token steps (batch-1 decode): y = x W^T (+ b)
 for x [1, K], W [N, K]. At one row the GEMM libraries pick tiles built for
 more rows (and split-K reductions); a plain streaming kernel reads the weight
-closer to the memory bandwidth (BENCHMARKS.md). Other shapes use F.linear.
+closer to the memory bandwidth (BENCHMARKS.md). 2-32 rows take
+`kernels.batch_gemm`, other shapes F.linear.
 
 `logits` is the LM head's product with an fp32 result written by the product
 itself (the accumulator, not a bf16 copy widened by a second kernel: the
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_engine.kernels._triton import next_pow2, pdl_args, use_kernel
+from rollout_engine.kernels.batch_gemm import batch_gemm, small_batch
 
 
 def _config(n: int, k: int) -> tuple[int, int, int]:
@@ -245,9 +247,12 @@ def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with the one-row GPU case in `gemv`."""
+    """F.linear, with the one-row GPU case in `gemv` and small batches in
+    `kernels.batch_gemm`."""
     if one_row(x, weight):
         return gemv(x, weight, bias)
+    if small_batch(x, weight):
+        return batch_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -18,7 +18,8 @@ from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.forward_batch import ForwardBatch, TableMirror
 from rollout_engine.models.decoder import DecoderForCausalLM
 from rollout_engine.plan import SamplingPlan, StepOutput, StepPlan
-from rollout_engine.kernels._triton import use_kernel
+from rollout_engine.kernels._triton import triton_available, use_kernel
+from rollout_engine.kernels.batch_gemm import new_counters, use_counters
 from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.runner.sampler import (INVARIANT_ROWS, TORCH_ROWS, SamplingBatch, raw_logprobs_per_row, sample,
                                            sample_per_row, score)
@@ -47,12 +48,15 @@ class ModelRunner:
         self.table = TableMirror(*table_shape, device, on_device=backend.needs_device_table,
                                  on_host=not backend.needs_device_table)
         self.graphs = None  # a CudaGraphRunner once captured
+        # The split small-batch products' counters (kernels/batch_gemm.py): this
+        # runner's own, allocated here, outside the memory-saver regions.
+        self.gemm_counters = new_counters(device) if device.type == "cuda" and triton_available() else None
 
     def capture_cuda_graphs(self, max_bs: int, capture_context) -> None:
         from rollout_engine.runner.cuda_graph import CudaGraphRunner
 
         self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_pool, self.table, max_bs, self.device,
-                                      capture_context)
+                                      capture_context, self.gemm_counters)
         self.graphs.capture()
 
     @torch.inference_mode()
@@ -71,7 +75,8 @@ class ModelRunner:
             fb = ForwardBatch.from_plan(plan, self.table, self.kv_pool, self.backend, self.device)
             if input_ids is not None:
                 fb.input_ids = input_ids
-            hidden = self.model(fb.input_ids, fb.positions, fb)
+            with use_counters(self.gemm_counters):
+                hidden = self.model(fb.input_ids, fb.positions, fb)
         if not len(plan.logit_rows):
             return StepHandle(plan, None, None, None)
         if not plan.logits_for_all_rows:

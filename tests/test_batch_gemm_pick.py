@@ -1,0 +1,49 @@
+"""The small-batch product's launch shapes (kernels/batch_gemm.py), chosen on
+the host: measured choices kept, splits only with counters, and the products
+that take it at all."""
+from __future__ import annotations
+
+import torch
+
+from rollout_engine.kernels.batch_gemm import MAX_ROWS, SMS, new_counters, pick, small_batch, use_counters
+
+
+def test_narrow_products_split_the_reduction_and_wide_ones_do_not():
+    # qwen3-0.6b at 16 rows (benchmarks/batch_gemm_configs.py, H200): o and down
+    # split in 4, qkv and gate_up (64-96 tiles, K = 1024) not at all
+    assert pick(16, 1024, 2048, True).split == 4
+    assert pick(16, 1024, 3072, True).split == 4
+    assert pick(16, 4096, 1024, True).split == 1
+    assert pick(16, 6144, 1024, True).split == 1
+    # llama-3.1-8b: a long K splits in two even with 64 tiles
+    assert pick(8, 4096, 14336, True).split == 2
+    assert pick(8, 6144, 4096, True).split == 1  # 96 tiles: twice that would pass the SM count
+
+
+def test_programs_stay_about_one_per_sm_and_slices_long():
+    for m in (2, 7, 16, 32):
+        for n in (128, 1000, 1024, 4096, 6144, 28672, 151936):
+            for k in (64, 1000, 2048, 4096, 14336):
+                c = pick(m, n, k, True)
+                tiles = -(-n // c.block_n) * -(-m // c.block_m)
+                assert c.block_m >= m and c.swap
+                assert c.split == 1 or (tiles * c.split <= SMS and k // c.split >= 256)
+                assert pick(m, n, k, False).split == 1
+
+
+def test_counters_are_scoped_to_the_block():
+    from rollout_engine.kernels import batch_gemm as bg
+
+    a, b = new_counters(torch.device("cpu")), new_counters(torch.device("cpu"))
+    assert getattr(bg._local, "counters", None) is None
+    with use_counters(a):
+        with use_counters(b):
+            assert bg._local.counters is b
+        assert bg._local.counters is a
+    assert bg._local.counters is None
+
+
+def test_only_small_gpu_batches_take_it():
+    w = torch.zeros(64, 32, dtype=torch.bfloat16)
+    assert not small_batch(torch.zeros(4, 32, dtype=torch.bfloat16), w)  # on the CPU: F.linear
+    assert MAX_ROWS == 32
