@@ -90,9 +90,12 @@ def test_batched_decode_runs_the_small_batch_product_and_matches_hf(tmp_path, mo
     calls = []
     real = gemv.batch_gemm
     monkeypatch.setattr(gemv, "batch_gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    hf = make_hf_model("qwen2", tie=False)
+    # head_dim 64: FlashInfer's kernels, so decode steps replay CUDA graphs
+    hf = make_hf_model("qwen2", tie=False, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=2)
     folder = save_model(hf, tmp_path)
-    engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", max_total_tokens=8192)
+    engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+                           max_total_tokens=8192)
     assert 8 in calls  # captured at the batch-8 bucket
     prompt = list(range(100, 140))
     outs = engine.generate(input_ids=[prompt], sampling_params=SamplingParams(
