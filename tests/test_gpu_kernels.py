@@ -154,8 +154,11 @@ def test_gemv_matches_linear(n, k, bias):
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
     torch.testing.assert_close(gemv(x, w, b).float(), ref, atol=3e-2, rtol=2e-2)
-    two = torch.randn(2, k, device="cuda", dtype=torch.bfloat16)  # more rows: the library path
-    torch.testing.assert_close(linear(two, w, b), F.linear(two, w, b))
+    two = torch.randn(2, k, device="cuda", dtype=torch.bfloat16)  # a small batch: kernels/batch_gemm.py
+    torch.testing.assert_close(linear(two, w, b).float(), F.linear(two.float(), w.float(), None if b is None
+                                                                    else b.float()), atol=3e-2, rtol=2e-2)
+    many = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)  # more rows: the library path
+    torch.testing.assert_close(linear(many, w, b), F.linear(many, w, b))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
