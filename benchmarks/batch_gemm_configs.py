@@ -17,7 +17,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from gemm_shapes import shapes, write_out  # benchmarks/, the script's own folder
+from gemm_shapes import graph_time_us, shapes, write_out  # benchmarks/, the script's own folder
 from rollout_engine.bench.roofline import measure_device
 from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
 from rollout_engine.kernels.batch_gemm import GemmConfig, batch_gemm, new_counters, pick, use_counters
@@ -45,25 +45,9 @@ def grid(m: int) -> list[GemmConfig]:
 
 
 def time_us(fn, copies: int) -> float:
-    """Device time per product: one CUDA graph of `copies` products (one per
-    weight copy), replayed."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 10
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / (reps * copies)
+    """Device time per product: `fn` runs `copies` products (one per weight
+    copy), captured in a CUDA graph and replayed."""
+    return graph_time_us(fn, reps=1) / copies
 
 
 def run(model: str, rows: list[int], only: list[str] | None) -> dict:
