@@ -47,5 +47,17 @@ def pdl_args(x: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def half_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x W^T can take one of the engine's product kernels: x 2-D,
+    contiguous, bf16 or fp16 on a GPU with Triton; W of x's dtype with unit
+    column stride."""
+    return (x.dim() == 2 and x.is_contiguous() and weight.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and use_kernel(x))
+
+
 def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()

@@ -24,7 +24,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from rollout_engine.kernels._triton import next_pow2, pdl_args, use_kernel
+from rollout_engine.kernels._triton import cdiv, half_rows_on_gpu, next_pow2, pdl_args
 
 
 class GemmConfig(NamedTuple):
@@ -40,10 +40,6 @@ class GemmConfig(NamedTuple):
 MAX_ROWS = 32  # from 64 rows on cuBLAS is as fast on some shapes, faster on others (batch_gemm_configs.py)
 MAX_TILES = 4096  # counters of one owner: output tiles of one launch with a split
 SMS = 132  # the split aims at about one program per SM of an H100 / H200
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the helpers
@@ -143,7 +139,7 @@ def pick(m: int, n: int, k: int, can_split: bool) -> GemmConfig:
     one program per SM and slices of at least 256."""
     bm = max(16, next_pow2(m))
     bn = 32 if n <= 2048 else 64
-    tiles = _cdiv(n, bn) * _cdiv(m, bm)
+    tiles = cdiv(n, bn) * cdiv(m, bm)
     split = 1
     if can_split and (tiles <= SMS // 4 or k >= 4096):
         while split < 8 and tiles * split * 2 <= SMS and k // (split * 2) >= 256:
@@ -154,8 +150,7 @@ def pick(m: int, n: int, k: int, can_split: bool) -> GemmConfig:
 def small_batch(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x W^T takes `batch_gemm`: 2 to MAX_ROWS contiguous
     half-precision rows on the GPU, a weight with unit column stride."""
-    return (x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS and x.is_contiguous() and weight.stride(1) == 1
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and use_kernel(x))
+    return half_rows_on_gpu(x, weight) and 2 <= x.shape[0] <= MAX_ROWS
 
 
 def batch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -167,9 +162,9 @@ def batch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     counters = getattr(_local, "counters", None)
     bm, bn, bk, split, warps, stages, swap = config or pick(m, n, k, counters is not None)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tiles = _cdiv(m, bm) * _cdiv(n, bn)
-    k_per = _cdiv(_cdiv(k, split), bk) * bk
-    split = _cdiv(k, k_per)  # slices that hold any of K
+    tiles = cdiv(m, bm) * cdiv(n, bn)
+    k_per = cdiv(cdiv(k, split), bk) * bk
+    split = cdiv(k, k_per)  # slices that hold any of K
     part = cnt = y
     if split > 1:
         if counters is None:

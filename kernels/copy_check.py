@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from rollout_engine.kernels._triton import cdiv
+
 BLOCK = 8192
 
 
@@ -49,8 +51,4 @@ def copy_and_check(dst: torch.Tensor, src: torch.Tensor, flag: torch.Tensor) -> 
         copy_and_check_ref(dst, src, flag)
         return
     n = dst.numel()
-    _kernel()[(triton_cdiv(n, BLOCK),)](src, dst, n, flag, BLOCK=BLOCK, num_warps=8)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    _kernel()[(cdiv(n, BLOCK),)](src, dst, n, flag, BLOCK=BLOCK, num_warps=8)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rollout_engine.kernels._triton import next_pow2, pdl_args, use_kernel
+from rollout_engine.kernels._triton import half_rows_on_gpu, next_pow2, pdl_args
 from rollout_engine.kernels.batch_gemm import batch_gemm, small_batch
 
 
@@ -242,8 +242,7 @@ def pairs_fit(n: int, k: int, segment: int) -> bool:
 
 def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x W^T takes the gemv kernel: one contiguous half-precision row, on the GPU."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
-            and x.dtype in (torch.bfloat16, torch.float16) and use_kernel(x))
+    return half_rows_on_gpu(x, weight) and x.shape[0] == 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout_engine.kernels._triton import cdiv
+
 
 @dataclass(frozen=True)
 class Tiles:
@@ -54,10 +56,6 @@ CHUNK_BASIS_N = 128  # chunk_k counts output tiles of this width, whatever the l
 MIN_CHUNK_BLOCKS = 4  # a chunk spans at least this many BLOCK_K slices
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":  # Triton's interpreter (tests on the CPU): an H100's count
@@ -69,9 +67,9 @@ def chunk_k(n: int, k: int, sms: int, block_k: int) -> int:
     """The reduction's chunk length: from (N, K), BLOCK_K and the GPU only.
     Enough chunks that a row block of 128-wide tiles, split by chunk, fills
     the GPU twice."""
-    want = max(1, _cdiv(2 * sms, _cdiv(n, CHUNK_BASIS_N)))
-    chunk = _cdiv(_cdiv(k, want), block_k) * block_k
-    return min(max(chunk, MIN_CHUNK_BLOCKS * block_k), _cdiv(k, block_k) * block_k)
+    want = max(1, cdiv(2 * sms, cdiv(n, CHUNK_BASIS_N)))
+    chunk = cdiv(cdiv(k, want), block_k) * block_k
+    return min(max(chunk, MIN_CHUNK_BLOCKS * block_k), cdiv(k, block_k) * block_k)
 
 
 if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the helpers
@@ -166,8 +164,8 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if tiles is None:
         tiles = DECODE_TILES if m <= DECODE_MAX_ROWS else PREFILL_TILES
     chunk = chunk_k(n, k, sms, tiles.block_k)
-    chunks = _cdiv(k, chunk)
-    tiles_m, tiles_n = _cdiv(m, tiles.block_m), _cdiv(n, tiles.block_n)
+    chunks = cdiv(k, chunk)
+    tiles_m, tiles_n = cdiv(m, tiles.block_m), cdiv(n, tiles.block_n)
     if split is None:
         split = chunks > 1 and tiles_m * tiles_n < sms
     consts = dict(CHUNK=chunk, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
@@ -183,7 +181,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         partial = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device)
         split_kernel[(tiles_m, tiles_n, chunks)](xa, wa, partial, m, n, k, x2.stride(0), w.stride(0), **consts)
         block = 1024
-        reduce_kernel[(_cdiv(m * n, block),)](partial, b, y, m, n, y.stride(0), chunks, HAS_BIAS=bias is not None,
+        reduce_kernel[(cdiv(m * n, block),)](partial, b, y, m, n, y.stride(0), chunks, HAS_BIAS=bias is not None,
                                              BLOCK=block)
     else:
         tile_kernel[(tiles_m, tiles_n)](xa, wa, b, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0), chunks,

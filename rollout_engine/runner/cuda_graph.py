@@ -26,7 +26,6 @@ from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.forward_batch import ForwardBatch, TableMirror
 from rollout_engine.memory.saver import plain_graph_capture
 from rollout_engine.plan import StepPlan
-from rollout_engine.kernels.batch_gemm import use_counters
 from rollout_engine.runner.device_lock import DEVICE_WIDE
 
 GraphContext = Callable[[torch.cuda.CUDAGraph, object], ContextManager]
@@ -40,9 +39,8 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_pool: KVPool,
                  table: TableMirror, max_bs: int, device: torch.device,
-                 capture_context: GraphContext = plain_graph_capture, gemm_counters: torch.Tensor | None = None):
+                 capture_context: GraphContext = plain_graph_capture):
         self.model, self.backend, self.kv_pool = model, backend, kv_pool
-        self.gemm_counters = gemm_counters  # the runner's (kernels/batch_gemm.py): baked into the graphs
         self.table, self.device = table, device
         self.max_bs = max_bs
         self.buckets = batch_size_buckets(max_bs)
@@ -95,13 +93,12 @@ class CudaGraphRunner:
         for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
             fb = self._static_batch(bs)
             fb.attn_metadata = self.backend.graph_metadata(bs, fb)
-            with use_counters(self.gemm_counters):
-                for _ in range(2):  # warm-up outside the graph (lazy inits, JIT, autotuning)
-                    self.model(fb.input_ids, fb.positions, fb)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with self.capture_context(graph, self.mempool):
-                    self.outputs[bs] = self.model(fb.input_ids, fb.positions, fb)
+            for _ in range(2):  # warm-up outside the graph (lazy inits, JIT, autotuning)
+                self.model(fb.input_ids, fb.positions, fb)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with self.capture_context(graph, self.mempool):
+                self.outputs[bs] = self.model(fb.input_ids, fb.positions, fb)
             self.graphs[bs], self.batches[bs] = graph, fb
         torch.cuda.synchronize(self.device)
 

@@ -56,8 +56,9 @@ class ModelRunner:
         from rollout_engine.runner.cuda_graph import CudaGraphRunner
 
         self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_pool, self.table, max_bs, self.device,
-                                      capture_context, self.gemm_counters)
-        self.graphs.capture()
+                                      capture_context)
+        with use_counters(self.gemm_counters):  # the graphs' split products count on this runner's counters
+            self.graphs.capture()
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, prev: StepHandle | None = None, to_host: bool = True) -> StepHandle:
