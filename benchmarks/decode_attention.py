@@ -18,7 +18,7 @@ import json
 import torch
 
 from rollout_engine.bench.common import cuda_time_ms
-from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
+from rollout_engine.cli_args import ScriptParser, needs_cuda, non_negative_int, positive_int
 from rollout_engine.models.presets import PRESETS
 
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--contexts", type=positive_int, nargs="+", default=[512, 1024, 4096],
                    help="mean tokens of KV per request")
     p.add_argument("--backends", nargs="+", default=["fa2"], choices=["fa2", "fa3"], help="FlashInfer kernels")
-    p.add_argument("--shared-prefix", type=int, default=0,
+    p.add_argument("--shared-prefix", type=non_negative_int, default=0,
                    help="tokens at the start of each sequence whose pages a group of --group sequences shares")
     p.add_argument("--group", type=positive_int, default=8, help="sequences per shared prefix")
     p.add_argument("--page-sizes", type=positive_int, nargs="+", default=[1, 16], help="tokens per KV page")

@@ -277,6 +277,10 @@ def positive_int(text: str) -> int:
     return _number(text, int, lambda v: v >= 1, "an integer >= 1")
 
 
+def non_negative_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
 def unit_fraction(text: str) -> float:
     """A float in (0, 1]."""
     return _number(text, float, lambda v: 0 < v <= 1, "in (0, 1]")

@@ -119,7 +119,7 @@ def resolve_request_ids(request_ids: Sequence[str] | None, num: int, taken: set[
     if request_ids is None:
         return None
     if not isinstance(request_ids, (list, tuple)) or len(request_ids) != num:
-        raise ValueError(f"request_ids must be a list of {num} strings, one per prompt")
+        raise ValueError(f"request_ids must be a list of {num} string{'s' if num != 1 else ''}, one per prompt")
     seen: set[str] = set()
     for i, rid in enumerate(request_ids):
         if not isinstance(rid, str) or not rid:
