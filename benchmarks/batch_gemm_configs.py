@@ -8,6 +8,7 @@ difference from F.linear's result, and the time of the configuration the
 engine picks (`kernels.batch_gemm.pick`, up to 32 rows). On a CUDA GPU:
 
     python3 benchmarks/batch_gemm_configs.py --model qwen3-0.6b --rows 64 128 256 --out gemm.json
+    python3 benchmarks/batch_gemm_configs.py --model llama-3.1-8b --rows 2 8 32 --pick-only
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def time_us(fn, copies: int) -> float:
     return graph_time_us(fn, reps=1) / copies
 
 
-def run(model: str, rows: list[int], only: list[str] | None) -> dict:
+def run(model: str, rows: list[int], only: list[str] | None, pick_only: bool = False) -> dict:
     mc = ModelConfig.from_hf(PresetConfig(**PRESETS[model]))
     limits = measure_device()
     out = {"model": model, "device": torch.cuda.get_device_name(), "rows": []}
@@ -69,7 +70,8 @@ def run(model: str, rows: list[int], only: list[str] | None) -> dict:
                    "floor_us": round(max(2 * m * n * k / limits.flops, 2 * n * k / limits.bandwidth) * 1e6, 2),
                    "configs": {}}
             engine = pick(m, n, k, True) if m <= 32 else None
-            for cfg in grid(m) + ([engine] if engine and engine not in grid(m) else []):
+            configs = [engine] if pick_only else grid(m) + ([engine] if engine and engine not in grid(m) else [])
+            for cfg in configs:
                 try:
                     got = batch_gemm(x, ws[0], b, cfg)
                     err = (got.float() - ref.float()).abs().max().item()
@@ -99,11 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=sorted(PRESETS), default="qwen3-0.6b", help="preset whose shapes to time")
     p.add_argument("--rows", type=positive_int, nargs="+", default=[64, 128, 256], help="row counts (tokens)")
     p.add_argument("--shapes", nargs="+", choices=["qkv", "o", "gate_up", "down"], help="only these products")
+    p.add_argument("--pick-only", action="store_true",
+                   help="time only the shape the engine picks against F.linear (rows up to 32): a quick check "
+                        "of the rule on another GPU")
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_args(argv)
+    if args.pick_only and max(args.rows) > 32:
+        p.error(f"argument --rows: --pick-only times the small-batch kernel, which takes up to 32 rows "
+                f"(got {max(args.rows)})")
     needs_cuda(p, "the products are timed on the GPU")
     with use_counters(new_counters(torch.device("cuda", torch.cuda.current_device()))):
-        write_out(args.out, run(args.model, args.rows, args.shapes))
+        write_out(args.out, run(args.model, args.rows, args.shapes, args.pick_only))
     return 0
 
 
