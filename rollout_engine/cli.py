@@ -82,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kwargs = {"input_ids": ids} if ids is not None else {"prompts": prompts}
         start = time.perf_counter()
         outs = engine.generate(sampling_params=params, progress=True, **kwargs)
-        _print_outputs(outs, prompts or ids, params.n, time.perf_counter() - start)
+        _print_outputs(outs, prompts or ids, params, time.perf_counter() - start)
         template = getattr(engine.tokenizer, "chat_template", None)
         if not args.chat and template and any(o.finish_reason == "stop" and len(o.output_token_ids) <= 1
                                               for o in outs):
@@ -120,7 +120,12 @@ def _make_engine(config: EngineConfig) -> Any:
     return RolloutEngine(config.model, **kwargs)
 
 
-def _print_outputs(outs: list[Any], prompts: list[Any], n: int, elapsed: float) -> None:
+LOGPROB_MODES = {"processed": "of the distribution sampled from, after temperature and top-k/top-p/min-p",
+                 "raw": "of the model's unmodified softmax"}
+
+
+def _print_outputs(outs: list[Any], prompts: list[Any], params: Any, elapsed: float) -> None:
+    n = params.n
     for i, out in enumerate(outs):
         lps = out.output_logprobs or []
         mean_lp = sum(lps) / len(lps) if lps else float("nan")
@@ -131,7 +136,8 @@ def _print_outputs(outs: list[Any], prompts: list[Any], n: int, elapsed: float) 
         print(f"    {count} token{'s' if count != 1 else ''}, finish={out.finish_reason}, mean logprob={mean_lp:.3f}, "
               f"first logprobs={[round(x, 3) for x in lps[:5]]}")
     total = sum(len(o.output_token_ids) for o in outs)
-    print(f"{len(outs)} samples, {total} output tokens in {elapsed:.2f} s: {total / elapsed:.1f} tok/s")
+    print(f"{len(outs)} samples, {total} output tokens in {elapsed:.2f} s: {total / elapsed:.1f} tok/s; "
+          f"logprobs {params.logprob_mode} ({LOGPROB_MODES[params.logprob_mode]})")
 
 
 def _short(prompt: str | list[int]) -> str:

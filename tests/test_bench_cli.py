@@ -31,6 +31,7 @@ def test_demo_runs_on_the_default_model(smollm2_dir, capsys, monkeypatch):
     assert main(["demo", "--max-new-tokens", "8", "-n", "2", "--max-total-tokens", "2048"]) == 0
     printed = capsys.readouterr().out
     assert "8 samples" in printed and "tok/s" in printed and "mean logprob" in printed
+    assert "logprobs processed (of the distribution sampled from" in printed  # which logprobs these are
 
 
 def test_bench_weights_times_in_process_and_disk_updates(llama, tmp_path):

@@ -208,15 +208,49 @@ def test_the_progress_bar_counts_tokens_while_a_batch_runs(engine, capsys, monke
     alone would sit at 0/4 until the end: it also shows the tokens made."""
     import re
 
+    from rollout_engine import progress
     from rollout_engine.core import calls
 
     monkeypatch.setattr(calls, "PROGRESS_TICK_SECONDS", 0.001)
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)  # stderr is captured (a log): a line at every update
     params = SamplingParams(n=4, max_new_tokens=200, temperature=1.0, seed=1, ignore_eos=True)
     outs = engine.generate(input_ids=[[1, 2, 3]], sampling_params=params, progress=True)
     err = capsys.readouterr().err
     counts = [int(t) for t in re.findall(r"tokens=(\d+)", err)]
     assert "4/4" in err and counts and counts[-1] == sum(len(o.output_token_ids) for o in outs) == 800, err[-500:]
     assert any(0 < c < 800 for c in counts), counts  # seen while the batch ran
+    assert "\r" not in err and len(err.splitlines()) == 1 + len(counts)  # the start, then a line per redraw
+
+
+def test_the_progress_bar_in_a_log_writes_lines_not_redraws(engine, capsys, monkeypatch):
+    """stderr redirected (a batch job's log): no carriage returns, and no
+    line more often than every LOG_EVERY_S (30 s), however often the bar
+    updates: the first line says it started, the last how it ended."""
+    from rollout_engine.core import calls
+
+    monkeypatch.setattr(calls, "PROGRESS_TICK_SECONDS", 0.001)
+    params = SamplingParams(n=8, max_new_tokens=100, temperature=1.0, seed=1, ignore_eos=True)
+    engine.generate(input_ids=[[1, 2, 3], [4, 5]], sampling_params=params, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and not any("\r" in line for line in lines), lines
+    assert lines[0].startswith("rollout:   0%") and "0/16" in lines[0], lines
+    assert lines[1].startswith("rollout: 100%") and "16/16" in lines[1] and "tokens=1600" in lines[1], lines
+
+
+def test_the_progress_bar_on_a_terminal_redraws_in_place(engine, monkeypatch):
+    """On a terminal: tqdm's live bar, redrawn in place."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    params = SamplingParams(n=2, max_new_tokens=50, temperature=1.0, seed=1, ignore_eos=True)
+    engine.generate(input_ids=[[1, 2, 3]], sampling_params=params, progress=True)
+    out = term.getvalue()
+    assert out.count("\r") >= 2 and "2/2" in out, out
 
 
 def test_ctrl_c_while_the_engine_builds_exits_cleanly(peaked, tmp_path):

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 from rollout_engine.core.engine_core import EngineCore
 from rollout_engine.core.subscription import Subscription
 from rollout_engine.outputs import RolloutOutput
+from rollout_engine.progress import Progress
 from rollout_engine.sampling_params import SamplingParams
 
 ABORT_WAIT_SECONDS = 10.0
@@ -82,8 +83,6 @@ PROGRESS_TICK_SECONDS = 0.5
 
 
 def generate(core: EngineCore, inputs: Inputs, progress: bool) -> list[RolloutOutput]:
-    from tqdm import tqdm
-
     q: queue.SimpleQueue = queue.SimpleQueue()
     sub = Subscription(q.put, progress=progress)
 
@@ -95,13 +94,12 @@ def generate(core: EngineCore, inputs: Inputs, progress: bool) -> list[RolloutOu
         except queue.Empty:
             return "tick", None
 
-    with tqdm(total=sum(p.n for p in inputs[1]), disable=not progress, desc="rollout", unit="req") as bar:
+    with Progress(sum(p.n for p in inputs[1]), "rollout", "req", show=progress) as bar:
         for kind, value in _items(core, inputs, sub, get):
             if kind in ("progress", "tick"):
-                bar.update(value or 0)
                 # Requests of one batch finish together: the tokens made so
                 # far show that it moves meanwhile (read racily, for display).
-                bar.set_postfix(tokens=sum(r.num_output_tokens for r in sub.reqs), refresh=kind == "tick")
+                bar.update(value or 0, redraw=kind == "tick", tokens=sum(r.num_output_tokens for r in sub.reqs))
             elif kind == "end":
                 return value
 

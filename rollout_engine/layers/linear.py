@@ -83,16 +83,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             self.num_kv_heads = 1
             self.kv_replicas = divide(tp, num_kv_heads)
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
-        super().__init__(hidden, out, bias, comm)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+        # This rank's widths of q and of k (and v) in the fused output.
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden, (self.q_size + 2 * self.kv_size) * tp, bias, comm)
 
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
         rank = self.comm.tp_rank

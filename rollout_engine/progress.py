@@ -1,0 +1,65 @@
+"""Progress bars suited to where they are shown. On a terminal: tqdm's live
+bar. In a log (stderr redirected to a file or a pipe, as in batch jobs): a
+plain line at most every LOG_EVERY_S seconds and one at the end, instead of
+a bar redrawn with carriage returns many times a second into one long line."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+LOG_EVERY_S = 30.0
+NEVER_S = 1e9
+
+
+class _Lines:
+    """A file for tqdm that writes each redraw as a line of its own."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").rstrip()
+        if text:  # tqdm's clears and its closing newline write nothing here
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _on_terminal(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+class Progress:
+    """A counted bar (`total` items of `unit`); `show=False` shows nothing."""
+
+    def __init__(self, total: int, desc: str, unit: str, show: bool = True):
+        from tqdm import tqdm
+
+        stream = sys.stderr
+        self.live = _on_terminal(stream)
+        # In a log the lines are timed here, so tqdm's own redraws (and its monitor's) are off.
+        extra = {} if self.live else {"file": _Lines(stream), "mininterval": NEVER_S, "maxinterval": NEVER_S,
+                                      "ncols": 100}
+        self.bar = tqdm(total=total, desc=desc, unit=unit, disable=not show, **extra)
+        self.last_line = time.monotonic()
+
+    def update(self, n: int = 0, redraw: bool = False, **postfix: Any) -> None:
+        """`n` more items done; `postfix` (e.g. tokens=...) shown beside the
+        count. On a terminal the bar redraws now if `redraw`, else at tqdm's
+        pace; in a log a line is written once LOG_EVERY_S has passed since
+        the last one."""
+        self.bar.update(n)
+        if postfix:
+            self.bar.set_postfix(refresh=redraw and self.live, **postfix)
+        if not self.live and time.monotonic() - self.last_line >= LOG_EVERY_S:
+            self.last_line = time.monotonic()
+            self.bar.refresh()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.close()
