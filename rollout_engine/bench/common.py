@@ -66,5 +66,5 @@ def free_device_memory(engine=None) -> None:
 
 
 def show_progress() -> bool:
-    """A progress bar on a terminal; none in logs (one line per refresh)."""
+    """A progress bar on a terminal; none in logs, whose lines would add nothing to the report."""
     return sys.stderr.isatty()
