@@ -12,6 +12,12 @@ for --tp 2):
 With --tp k the trace is rank 0's (its GPU's kernels); the other ranks run
 the same steps.
 
+Kernels launched with programmatic dependent launch (the fused one-row
+products) start before the kernel they follow has ended and wait inside
+until it has: their durations in the trace include that wait, so time by
+kind counts some of the previous kernel's time twice, and busy time (the
+union of kernel spans) is the figure to compare across runs.
+
 Needs a CUDA GPU (two for --tp 2): the device timeline holds the kernels of every thread,
 while the profiler would see only this thread's CPU operators (the engine
 runs its steps on a thread of its own).
