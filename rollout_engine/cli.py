@@ -345,13 +345,17 @@ def _add_serve(sub: Any) -> None:
 # ---- entry point --------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
+    args = None
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
     except UsageError as exc:
-        return _fail(exc, 2)
+        message = str(exc)
+        if args is not None and "--help')" not in message:  # a command's own check, after argparse's
+            message += f" (see '{PROG} {args.command} --help')"
+        return _fail(message, 2)
     except (ValueError, FileNotFoundError) as exc:  # the engine's checks of its input
         return _fail(exc, 2, reraise=True)
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:

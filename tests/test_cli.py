@@ -188,6 +188,15 @@ def test_unrecognized_arguments_point_at_the_subcommands_help(argv, capsys, no_m
     assert f"unrecognized arguments: {argv[1]}" in line and line.endswith(f"(see 'rollout-engine {argv[0]} --help')")
 
 
+@pytest.mark.parametrize("argv,words", [(["generate", "--input-ids", "1,2", "hi"], "not both"),
+                                        (["run"], "run needs a program")])
+def test_a_commands_own_checks_point_at_its_help_once(argv, words, capsys, no_model_load):
+    """Checks made after argparse's (the command's own) end as argparse's do."""
+    assert main(argv) == 2
+    line = _one_line_error(capsys)
+    assert words in line and line.endswith(f"(see 'rollout-engine {argv[0]} --help')") and line.count("--help") == 1
+
+
 def test_version(capsys):
     from importlib.metadata import version
 
