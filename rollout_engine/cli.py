@@ -136,7 +136,7 @@ def _print_outputs(outs: list[Any], prompts: list[Any], params: Any, elapsed: fl
         print(f"    {count} token{'s' if count != 1 else ''}, finish={out.finish_reason}, mean logprob={mean_lp:.3f}, "
               f"first logprobs={[round(x, 3) for x in lps[:5]]}")
     total = sum(len(o.output_token_ids) for o in outs)
-    print(f"{len(outs)} samples, {total} output tokens in {elapsed:.2f} s: {total / elapsed:.1f} tok/s; "
+    print(f"{len(outs)} sample{'s' if len(outs) != 1 else ''}, {total} output token{'s' if total != 1 else ''} in {elapsed:.2f} s: {total / elapsed:.1f} tok/s; "
           f"logprobs {params.logprob_mode} ({LOGPROB_MODES[params.logprob_mode]})")
 
 

@@ -183,8 +183,9 @@ def check_engine_args(config: EngineConfig) -> None:
     model, dummy = config.model, config.load_format == "dummy"
     if not os.path.isdir(model):
         if dummy and model not in PRESETS:
+            hint = " (a zoo model: add --load-format auto)" if model in ZOO else ""
             raise UsageError(f"argument --model: {model!r} is neither a folder nor a preset "
-                             f"({', '.join(sorted(PRESETS))})")
+                             f"({', '.join(sorted(PRESETS))}){hint}")
         if not dummy and model not in ZOO:
             hint = " (a preset: add --load-format dummy)" if model in PRESETS else ""
             raise UsageError(f"argument --model: {model!r} is neither a folder nor a zoo model "

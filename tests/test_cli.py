@@ -117,7 +117,7 @@ def test_generate_chat_with_tokenizer_flag(smollm2_dir, tmp_path, capsys, monkey
     assert rc == 0
     assert calls == [[{"role": "user", "content": "What is 2+2?"}]]
     out = capsys.readouterr().out
-    assert "'What is 2+2?'" in out and "1 samples, 3 output tokens" in out
+    assert "'What is 2+2?'" in out and "1 sample, 3 output tokens" in out
 
 
 # ---- bad input: one line, exit 2, before the model loads ---------------------------------
@@ -189,7 +189,8 @@ def test_unrecognized_arguments_point_at_the_subcommands_help(argv, capsys, no_m
 
 
 @pytest.mark.parametrize("argv,words", [(["generate", "--input-ids", "1,2", "hi"], "not both"),
-                                        (["run"], "run needs a program")])
+                                        (["run"], "run needs a program"),
+                                        (["bench", "--model", "smollm2-135m"], "a zoo model: add --load-format auto")])
 def test_a_commands_own_checks_point_at_its_help_once(argv, words, capsys, no_model_load):
     """Checks made after argparse's (the command's own) end as argparse's do."""
     assert main(argv) == 2
