@@ -38,8 +38,7 @@ def resolve_prompts(prompts: Sequence[str] | None, input_ids: Sequence[Sequence[
         return out
     if not _is_sequence(input_ids):
         raise ValueError("input_ids must be a list of lists of token ids")
-    rows = input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids
-    if rows and all(isinstance(t, int) and not isinstance(t, bool) for t in rows):
+    if _is_flat(input_ids):
         raise ValueError("input_ids must be a list of prompts, each a list of token ids; got one flat list of "
                          "ids (for one prompt pass [ids])")
     return [_token_ids(i, ids, limits.vocab_size) for i, ids in enumerate(input_ids)]
@@ -48,6 +47,14 @@ def resolve_prompts(prompts: Sequence[str] | None, input_ids: Sequence[Sequence[
 def _is_sequence(x: Any) -> bool:
     """A list or tuple, or a 1-d/2-d array (numpy, torch) of integers."""
     return isinstance(x, (list, tuple)) or (hasattr(x, "tolist") and getattr(x, "ndim", 0) >= 1)
+
+
+def _is_flat(x: Any) -> bool:
+    """One prompt's ids where a list of prompts belongs: a 1-d array, or a
+    non-empty list of ints (arrays are not converted to find out)."""
+    if hasattr(x, "ndim"):
+        return x.ndim == 1 and len(x) > 0
+    return bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 def _token_ids(i: int, ids: Any, vocab_size: int) -> list[int]:

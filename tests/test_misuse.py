@@ -101,6 +101,7 @@ CASES = [
     ("negative token", _gen(input_ids=[[-1]]), ValueError, "vocabulary", None),
     ("input_ids a string", _gen(input_ids="abc"), ValueError, "input_ids", None),
     ("input_ids one flat list", _gen(input_ids=[1, 2, 3]), ValueError, "for one prompt pass [ids]", None),
+    ("input_ids one flat array", _gen(input_ids=np.array([1, 2, 3])), ValueError, "for one prompt pass [ids]", None),
     ("params list too short", _gen(prompts=PROMPT * 2, sampling_params=[GREEDY]), ValueError, "sampling_params",
      None),
     ("params not SamplingParams", _gen(prompts=PROMPT, sampling_params=[{"n": 1}]), ValueError, "sampling_params",
