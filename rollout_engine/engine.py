@@ -6,6 +6,7 @@ controls and request creation live in core/."""
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from typing import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
@@ -15,7 +16,7 @@ from rollout_engine.config import EngineConfig, check_options
 from rollout_engine.core import calls
 from rollout_engine.core.controls import PAUSE_MODES
 from rollout_engine.core.engine_core import start_core
-from rollout_engine.distributed.weight_sync import DEFAULT_BUCKET_BYTES
+from rollout_engine.distributed.weight_sync import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S
 from rollout_engine.memory.manager import TAGS
 from rollout_engine.outputs import RolloutOutput
 from rollout_engine.runner.device_lock import DEVICE_WIDE
@@ -89,13 +90,21 @@ class RolloutEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                        version: int | None = None, flush_cache: bool = True) -> int:
-        """Copy new weights in place (HF names, any dtype or device). A list or
-        dict is checked whole first; a generator is streamed. NaN/inf raises
-        ValueError; after a failure that copied tensors, generating is refused
-        until a complete update. Returns the new weight version."""
+        """Copy new weights in place (HF names, any dtype or device); returns
+        the new weight version. A list or dict applies whole or not at all:
+        names, shapes and NaN/inf are checked before the first copy, and a
+        refusal (ValueError) leaves weights, version and cache as they were.
+        A generator is streamed: if it stops part-way, the tensors it wrote
+        are named in the error (IncompleteUpdate) and generation is refused
+        until they are written again. The prefix cache never serves KV of
+        other weights, so `flush_cache=False` no longer keeps it (kept for
+        compatibility; it warns)."""
+        if not flush_cache:
+            warnings.warn("update_weights(flush_cache=False) no longer keeps the prefix cache: KV computed with "
+                          "other weights is never served", DeprecationWarning, stacklevel=2)
         if isinstance(named_tensors, Mapping):
             named_tensors = list(named_tensors.items())
-        return self._call("update_weights", named_tensors, version, flush_cache)
+        return self._call("update_weights", named_tensors, version)
 
     def update_weights_from_disk(self, path: str, version: int | None = None) -> int:
         return self._call("update_from_disk", path, version)
@@ -108,11 +117,18 @@ class RolloutEngine:
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[torch.dtype],
                                         shapes: Sequence[Sequence[int]], src_rank: int = 0,
                                         version: int | None = None, group_name: str = "weight_sync",
-                                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+                                        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                                        timeout_s: float | None = DEFAULT_TIMEOUT_S) -> int:
         """Receive weights broadcast in buckets; a bad name or shape raises
-        ValueError after the broadcasts were drained, with nothing changed."""
+        ValueError after the broadcasts were drained, with nothing changed. A
+        sender that stops sending fails the call within `timeout_s` (None:
+        wait for ever) and breaks the group; the tensors received before that
+        are named and refused until written again (see update_weights)."""
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
         return self._call("update_from_distributed", names, dtypes, shapes, src_rank, version,
-                          group_name, bucket_bytes)
+                          group_name, bucket_bytes, timeout_s)
 
     def destroy_weight_sync_group(self, group_name: str = "weight_sync") -> None:
         return self._call("destroy_weight_sync_group", group_name)

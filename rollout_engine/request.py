@@ -29,6 +29,7 @@ class Request:
     kv_len: int = 0
     locked_len: int = 0
     cache_node: Any = None
+    kv_epoch: int = 0  # the prefix cache's weight epoch when this KV started; another epoch's KV is never cached
     num_cached_tokens: int = 0
     weight_version: int = 0
     num_retractions: int = 0

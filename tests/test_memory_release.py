@@ -214,7 +214,7 @@ def test_graph_modes(make_engine, mode):
     parts = engine.core.parts
     c = parts.controller
     parts.controller = MemoryController(parts.memory, parts.scheduler, parts.prefix_cache, parts.runner,
-                                        engine.device, True, c.all_weights, graph_mode=mode)
+                                        engine.device, True, c.validity, graph_mode=mode)
     freed = engine.release_memory(["cuda_graph"])
     assert engine.memory_state()["cuda_graph"] == "released"
     assert freed == {"cuda_graph": 0 if mode == "keep" else 1234}
@@ -229,7 +229,7 @@ def test_graph_modes(make_engine, mode):
     assert len(engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)) == 2
     with pytest.raises(ValueError, match="graph_mode"):
         MemoryController(parts.memory, parts.scheduler, parts.prefix_cache, parts.runner, engine.device,
-                         True, c.all_weights, graph_mode="drop")
+                         True, c.validity, graph_mode="drop")
 
 
 def test_pause_retract_releases_kv_while_requests_wait(make_engine, llama):

@@ -42,6 +42,13 @@ class PrefixCache(ABC):
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.stats = CacheStats()
+        # Counts weight changes (complete or not). KV carries the epoch it was
+        # computed in; only KV of the current epoch is ever matched.
+        self.epoch = 0
+
+    def advance_epoch(self) -> None:
+        """The weights changed: nothing cached so far may be served again."""
+        self.epoch += 1
 
     @abstractmethod
     def match(self, token_ids: list[int]) -> Match:

@@ -4,6 +4,13 @@ Each node holds a run of tokens (a whole number of pages) and their KV slots.
 A node's `lock_ref` counts the running requests using it (through itself or a
 descendant); locked nodes are never evicted. Eviction frees least recently
 used unlocked leaves, so a parent goes only after its children.
+
+Weight epochs: KV is only valid for the weights it was computed with. When
+the weights change (`advance_epoch`), the whole tree becomes stale: lookups
+and inserts start from a new, empty root, the stale tree's unlocked nodes are
+freed at once and its locked ones (held by requests that were running across
+the update) as soon as their last lock goes. No lookup ever reaches a stale
+node, so KV from other weights is never served.
 """
 from __future__ import annotations
 
@@ -35,9 +42,37 @@ class RadixCache(PrefixCache):
     def __init__(self, allocator: PageAllocator):
         super().__init__(allocator)
         self.root = Node()
+        self._stale_roots: list[Node] = []  # trees of earlier weight epochs, pruned as their locks go
         self._total = 0  # tokens held
         self._protected = 0  # tokens in locked nodes
         self._clock = itertools.count(1)
+
+    def advance_epoch(self) -> None:
+        super().advance_epoch()
+        if self.root.children:
+            self._stale_roots.append(self.root)
+            self.root = Node()
+        self._prune_stale()
+
+    def _prune_stale(self) -> None:
+        """Free every unlocked node of the stale trees (leaves first)."""
+        for root in self._stale_roots:
+            freed = 0
+            stack = [root]
+            order = []
+            while stack:
+                node = stack.pop()
+                order.append(node)
+                stack.extend(node.children.values())
+            for node in reversed(order):  # children before their parents
+                if node is root or node.children or node.lock_ref:
+                    continue
+                self.allocator.free_slots(node.value)
+                freed += len(node.key)
+                del node.parent.children[node.key[: self.page_size]]
+            self._total -= freed
+            self.stats.evicted_tokens += freed
+        self._stale_roots = [r for r in self._stale_roots if r.children]
 
     # ---- lookups ---------------------------------------------------------------
     def _common_pages(self, a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -105,27 +140,29 @@ class RadixCache(PrefixCache):
 
     # ---- locks -----------------------------------------------------------------
     def lock(self, node: Any) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             if node.lock_ref == 0:
                 self._protected += len(node.key)
             node.lock_ref += 1
             node = node.parent
 
     def unlock(self, node: Any) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unlock without lock"
             if node.lock_ref == 0:
                 self._protected -= len(node.key)
             node = node.parent
+        if node is not None and node is not self.root:  # the lock was in a stale tree
+            self._prune_stale()
 
     # ---- eviction ----------------------------------------------------------------
     def _nodes(self):
-        stack = [self.root]
+        stack = [self.root, *self._stale_roots]
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            if node is not self.root:
+            if node.parent is not None:
                 yield node
 
     def evict(self, num_tokens: int) -> int:
@@ -138,10 +175,11 @@ class RadixCache(PrefixCache):
             freed += len(leaf.key)
             parent = leaf.parent
             del parent.children[leaf.key[: self.page_size]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         self._total -= freed
         self.stats.evicted_tokens += freed
+        self._stale_roots = [r for r in self._stale_roots if r.children]
         return freed
 
     def flush(self) -> None:
@@ -164,7 +202,14 @@ class RadixCache(PrefixCache):
         for n in self._nodes():
             assert len(n.key) == len(n.value) and len(n.key) % self.page_size == 0 and n.key
             assert n.lock_ref >= 0 and n.parent.children[n.key[: self.page_size]] is n
+            assert n.lock_ref or self._reaches(n, self.root), "an unlocked node of a stale tree was kept"
             assert all(c.lock_ref <= n.lock_ref for c in n.children.values()), "child locked more than parent"
             total += len(n.key)
             protected += len(n.key) if n.lock_ref else 0
         assert (total, protected) == (self._total, self._protected), "cache counters drifted"
+
+    @staticmethod
+    def _reaches(node: Node, root: Node) -> bool:
+        while node.parent is not None:
+            node = node.parent
+        return node is root

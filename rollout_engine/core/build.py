@@ -40,6 +40,7 @@ from rollout_engine.validation import Limits
 from rollout_engine.weights.loader import WeightLoader
 from rollout_engine.weights.receiver import WeightReceiver
 from rollout_engine.weights.updater import WeightUpdater
+from rollout_engine.weights.validity import WeightValidity
 
 
 @dataclass
@@ -121,9 +122,10 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
                           KVManager(allocator, table, prefix_cache),
                           runner if channel is None else TPStepRunner(runner, channel), stop)
     loader = WeightLoader(model)
+    validity = WeightValidity(loader.hf_names())
     controller = MemoryController(memory, scheduler, prefix_cache, runner, device, cfg.weights_cpu_backup,
-                                  loader.required())
-    updater = WeightUpdater(loader, WeightReceiver(), controller, prefix_cache, device)
+                                  validity)
+    updater = WeightUpdater(loader, WeightReceiver(), controller, validity, prefix_cache, device)
     return EngineParts(cfg, device, dtype, model, tokenizer, memory, kv_pool, limits, prefix_cache, runner,
                        scheduler, controller, updater, comm, channel)
 

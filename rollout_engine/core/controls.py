@@ -62,28 +62,27 @@ class Controls:
         self.scheduler.weight_version = version  # tokens sampled from here on carry it
         return version
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None,
-                       flush_cache: bool) -> int:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None) -> int:
         channel = self.parts.channel
         if channel is None or channel.embedded:  # embedded: every rank passed its own full tensors
-            return self._update("update_weights", named_tensors, version, flush_cache)
+            return self._update("update_weights", named_tensors, version)
         # Standalone: the other ranks get each tensor by broadcast, streamed.
         if isinstance(named_tensors, (list, tuple)):
-            self.parts.updater.loader.validate(named_tensors)  # a bad list changes no rank
+            self.parts.updater.check_whole(named_tensors)  # a bad list changes no rank
 
-        def everywhere(op, version, flush_cache):
+        def everywhere(op, version):
             stream = channel.stream_tensors(named_tensors, self.parts.device)
 
             def local():
                 try:
-                    return self.ops.update_weights(stream, version, flush_cache)
+                    return self.ops.update_weights(stream, version)
                 finally:
                     stream.close()
                     channel.send(("end",))
 
-            return channel.call(op, (version, flush_cache), local)
+            return channel.call(op, (version,), local)
 
-        return self._update("update_weights_broadcast", version, flush_cache, everywhere=everywhere)
+        return self._update("update_weights_broadcast", version, everywhere=everywhere)
 
     def update_from_disk(self, path: str, version: int | None) -> int:
         return self._update("update_from_disk", path, version)
@@ -132,7 +131,7 @@ class Controls:
                 **sched.stats.snapshot(), "cache": self.cache_stats(), "weight_version": self.parts.updater.version,
                 "kv_capacity_tokens": self.parts.limits.kv_capacity,
                 "kv_free_tokens": sched.kv.allocator.num_free_pages * sched.kv.page_size, "memory": self.memory_state(),
-                "paused": self.core.paused}
+                "paused": self.core.paused, "invalid_weights": self.parts.controller.validity.count}
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

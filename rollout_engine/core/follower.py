@@ -139,8 +139,8 @@ class FollowerControls:
     def _rank_op(self, op: str, *args):
         return self.core.run_rank_op(op, lambda: getattr(self.ops, op)(*args))
 
-    def update_weights(self, named_tensors, version, flush_cache: bool) -> int:
-        return self._rank_op("update_weights", named_tensors, version, flush_cache)
+    def update_weights(self, named_tensors, version) -> int:
+        return self._rank_op("update_weights", named_tensors, version)
 
     def update_from_disk(self, path: str, version) -> int:
         return self._rank_op("update_from_disk", path, version)

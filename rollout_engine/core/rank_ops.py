@@ -15,15 +15,15 @@ class RankOps:
         self.tp_rank = tp_rank
         self.link = link  # ranks 1..k-1: the way to rank 0
 
-    def update_weights(self, named_tensors, version, flush_cache: bool) -> int:
-        return self.parts.updater.update(named_tensors, version, flush_cache)
+    def update_weights(self, named_tensors, version) -> int:
+        return self.parts.updater.update(named_tensors, version)
 
-    def update_weights_broadcast(self, version, flush_cache: bool) -> int:
+    def update_weights_broadcast(self, version) -> int:
         """Ranks 1..k-1 of a standalone engine: the tensors come by broadcast
         from rank 0 (see TPChannel.stream_tensors)."""
         stream = self.link.receive_tensors(self.parts.device)
         try:
-            return self.parts.updater.update(stream, version, flush_cache)
+            return self.parts.updater.update(stream, version)
         finally:
             for _ in stream:  # after an error here, keep taking rank 0's broadcasts until it ends
                 pass

@@ -4,6 +4,7 @@ the bucket layout both sides derive from the same (names, dtypes, shapes)."""
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_BUCKET_BYTES = 512 << 20
+DEFAULT_TIMEOUT_S = 300.0  # one update_weights_from_distributed call, every bucket included
 _ALIGN = 256  # byte alignment of each tensor inside a bucket
 
 
@@ -85,12 +87,48 @@ class WeightSyncGroup:
             self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
         else:
             self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size)
+        self.name = group_name
+        self.broken: str | None = None  # why the group can no longer be used
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        self.pg.broadcast(tensor, src).wait()
+    def broadcast(self, tensor: torch.Tensor, src: int, deadline: float | None = None) -> None:
+        """Receive (or send) `tensor`; a peer that has not sent by `deadline`
+        (time.monotonic()) or has died breaks the group: TimeoutError or
+        RuntimeError, never a hang. A broken group refuses further use."""
+        if self.broken:
+            raise RuntimeError(f"weight-sync group {self.name!r} is broken ({self.broken}): "
+                               "destroy_weight_sync_group() and init a new one")
+        work = self.pg.broadcast(tensor, src)
+        if deadline is None:
+            work.wait()
+            return
+        # Poll rather than wait: a wait on a dead peer's collective can block
+        # past any timeout it is given (and for NCCL only the stream waits).
+        pause = 1e-4
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self._break(f"the sender (rank {src}) sent nothing in time")
+                raise TimeoutError(f"weight-sync group {self.name!r}: the broadcast from rank {src} did not arrive "
+                                   "in time; the group is broken: destroy_weight_sync_group() and init a new one")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        try:
+            work.wait()  # completed: raises the collective's own error, if any
+        except Exception as e:
+            self._break(f"the broadcast from rank {src} failed: {e}")
+            raise RuntimeError(f"weight-sync group {self.name!r}: the broadcast from rank {src} failed ({e}); "
+                               "the group is broken: destroy_weight_sync_group() and init a new one") from None
+
+    def _break(self, why: str) -> None:
+        self.broken = why
+        abort = getattr(self.pg, "abort", None)  # NCCL: frees the kernels waiting on the dead peer
+        if abort is not None:
+            try:
+                abort()
+            except Exception:  # noqa: BLE001 - the group is given up either way
+                pass
 
     def destroy(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)
-        if shutdown is not None:
+        if shutdown is not None and not self.broken:
             shutdown()
         self.pg = None

@@ -12,7 +12,7 @@ import contextvars
 
 import torch
 
-from rollout_engine.kernels.copy_check import copy_and_check
+from rollout_engine.kernels.copy_check import check_finite, copy_and_check
 
 FLAGS_PER_BUFFER = 1024
 
@@ -32,6 +32,11 @@ class FiniteCheck:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         copy_and_check(dst, src, self._flag(dst.device, len(self.names) - 1))
+
+    def check(self, name: str, src: torch.Tensor, dtype: torch.dtype) -> None:
+        """Flag tensor `name` if `src` cast to `dtype` is not finite (reads only)."""
+        self.start(name)
+        check_finite(src.detach(), dtype, self._flag(src.device, len(self.names) - 1))
 
     def _flag(self, device: torch.device, index: int) -> torch.Tensor:
         buffers = self._buffers.setdefault(device, [])

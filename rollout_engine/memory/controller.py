@@ -30,7 +30,7 @@ TORCH_HOOK_GRAPH_MODE = "keep"
 
 class MemoryController:
     def __init__(self, manager: MemoryManager, scheduler, prefix_cache, runner, device: torch.device,
-                 weights_cpu_backup: bool, all_weights: set, graph_mode: str | None = None):
+                 weights_cpu_backup: bool, validity, graph_mode: str | None = None):
         self.manager = manager
         if graph_mode is None:
             graph_mode = "pause" if manager.saver.pauses_graphs else TORCH_HOOK_GRAPH_MODE
@@ -42,11 +42,10 @@ class MemoryController:
         self.runner = runner
         self.device = device
         self.weights_cpu_backup = weights_cpu_backup
-        # (parameter, shard)s whose contents are not valid weights (after a
-        # resume without backup, or an update stream that broke off):
-        # generating waits until updates have covered them all.
-        self.all_weights = all_weights
-        self.missing_weights: set = set()
+        # Weights whose contents are not valid (after a resume without backup,
+        # or an update that stopped part-way): generating waits until updates
+        # have covered them all (weights/validity.py).
+        self.validity = validity
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -112,18 +111,14 @@ class MemoryController:
                 continue
             self.manager.resume(tag)
             if tag == "weights" and not self.weights_cpu_backup:
-                self.missing_weights = set(self.all_weights)
+                self.validity.mark_all("released without weights_cpu_backup")
         self._sync()
 
     def check_can_generate(self) -> None:
         released = [t for t in ("weights", "kv_cache") if not self.manager.resident(t)]
         if released:
             raise RuntimeError(f"cannot generate: {released} released; call resume_memory() first")
-        if self.missing_weights:
-            example = sorted(t.param_name for t in self.missing_weights)[0]
-            raise RuntimeError(f"cannot generate: {len(self.missing_weights)} weights hold no valid values "
-                               f"(e.g. {example}): after a release without weights_cpu_backup, or an update that "
-                               "broke off, load a complete set of weights first")
+        self.validity.check()
 
     def state(self) -> dict[str, str]:
         """The tags this engine holds: no "cuda_graph" without captured graphs."""

@@ -30,6 +30,7 @@ class KVManager:
         """Give `req` a table row and lock its longest cached prefix. At least
         one token is left to compute, so the step produces logits."""
         req.row = self.table.alloc_row()
+        req.kv_epoch = self.cache.epoch
         if req.prompt_logprobs is not None and req.wants_prompt_logprobs():
             return  # prompt logprobs need the logits of every prompt position
         match = self.cache.match(req.all_ids[: req.seq_len - 1])
@@ -111,8 +112,8 @@ class KVManager:
         points at the cache's copy and holds a lock on it. Positions past
         `computed_len` may belong to a step scheduled ahead, whose input
         token is still a placeholder."""
-        if not self.cache.enabled or req.row is None:
-            return
+        if not self.cache.enabled or req.row is None or req.kv_epoch != self.cache.epoch:
+            return  # (KV of earlier weights is never shared)
         end = min(req.kv_len, computed_len)
         aligned = end - end % self.page_size
         if aligned <= req.locked_len:
@@ -130,13 +131,16 @@ class KVManager:
 
     def release(self, req: Request) -> None:
         """Hand the request's computed KV to the prefix cache (which keeps or
-        frees it), free the partial tail page, unlock, free the row."""
+        frees it; KV begun under earlier weights is freed), free the partial
+        tail page, unlock, free the row."""
         if req.row is None:
             return
         p = self.page_size
         aligned = req.kv_len - req.kv_len % p
-        ids = req.all_ids
-        self.cache.insert(ids[:aligned], self.table.slots(req.row, 0, aligned).copy())
+        if req.kv_epoch == self.cache.epoch:
+            self.cache.insert(req.all_ids[:aligned], self.table.slots(req.row, 0, aligned).copy())
+        elif aligned > req.locked_len:  # computed under earlier weights: freed, never cached
+            self.allocator.free_slots(self.table.slots(req.row, req.locked_len, aligned))
         if aligned < req.kv_len:
             self.allocator.free_slots(self.table.slots(req.row, aligned, aligned + 1))
         if req.cache_node is not None:

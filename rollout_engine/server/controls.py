@@ -7,9 +7,9 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr
 
-from rollout_engine.distributed.weight_sync import DEFAULT_BUCKET_BYTES
+from rollout_engine.distributed.weight_sync import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S
 from rollout_engine.server.errors import ApiError
 from rollout_engine.server.state import state_of
 
@@ -44,6 +44,7 @@ class DistributedBody(_Body):
     group_name: StrictStr = "weight_sync"
     weight_version: StrictInt | StrictStr | None = None
     bucket_bytes: StrictInt = DEFAULT_BUCKET_BYTES  # as the sender packs them
+    timeout_s: StrictFloat | StrictInt | None = DEFAULT_TIMEOUT_S  # a sender that stops fails the call by then
     flush_cache: bool = True  # always: the cached KV belongs to the old weights
     abort_all_requests: bool = False
 
@@ -123,7 +124,7 @@ async def update_from_distributed(body: DistributedBody, request: Request):
         await _in_thread(engine.abort)
     version = await _in_thread(lambda: engine.update_weights_from_distributed(
         body.names, dtypes, body.shapes, group_name=body.group_name, version=_version(body.weight_version),
-        bucket_bytes=body.bucket_bytes))
+        bucket_bytes=body.bucket_bytes, timeout_s=body.timeout_s))
     return _ok("weights updated", weight_version=version)
 
 

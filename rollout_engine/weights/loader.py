@@ -73,7 +73,16 @@ class WeightLoader:
 
     def required(self) -> set[Target]:
         """Every (parameter, shard) a complete set of weights writes."""
-        return {t for t in (self.resolve(n) for n in self.full_names()) if t is not None}
+        return set(self.hf_names())
+
+    def hf_names(self) -> dict[Target, str]:
+        """Every (parameter, shard) -> the Hugging Face name it is written under."""
+        out = {}
+        for name in self.full_names():
+            target = self.resolve(name)
+            if target is not None:
+                out.setdefault(target, name)
+        return out
 
     def _load_one(self, hf_name: str, tensor: torch.Tensor) -> Target | None:
         target = self.resolve(hf_name)
@@ -99,12 +108,26 @@ class WeightLoader:
         finally:
             VALIDATE_ONLY.reset(token)
 
-    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[Target]:
+    def check_finite(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Raise NonFiniteWeights naming the first tensor holding NaN or inf
+        (in the parameter's dtype), reading the sources where they are and
+        copying nothing: one read-only pass, one host read per device."""
+        check = FiniteCheck()
+        with torch.no_grad():
+            for hf_name, tensor in named_tensors:
+                target = self.resolve(hf_name)
+                if target is not None and tensor.device.type != "meta":
+                    check.check(hf_name, tensor, self.params[target.param_name].dtype)
+        check.raise_if_bad()
+
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], written: set[Target] | None = None
+             ) -> set[Target]:
         """Copy each tensor into its parameter as it arrives (a generator is
         consumed one tensor at a time), checking finiteness in the same pass.
-        Returns the (parameter, shard)s written; raises NonFiniteWeights
-        (after copying) if any value was NaN or infinite."""
-        touched: set[Target] = set()
+        Each (parameter, shard) is added to `written` once copied, so a caller
+        knows what an update that stops part-way changed. Returns them;
+        raises NonFiniteWeights (after copying) if any value was NaN or inf."""
+        written = set() if written is None else written
         check = FiniteCheck()
         token = FINITE_CHECK.set(check)
         try:
@@ -113,11 +136,11 @@ class WeightLoader:
                     check.start(hf_name)
                     target = self._load_one(hf_name, tensor)
                     if target is not None:
-                        touched.add(target)
+                        written.add(target)
         finally:
             FINITE_CHECK.reset(token)
         check.raise_if_bad()
-        return touched
+        return written
 
     def shard_layout(self, hf_name: str) -> tuple[int | None, int, int | None]:
         """How tensor-parallel ranks hold `hf_name`: (the dimension it is split

@@ -2,6 +2,7 @@
 hand their views to the weight loader, one bucket in memory at a time."""
 from __future__ import annotations
 
+import time
 from typing import Iterator, Sequence
 
 import torch
@@ -25,14 +26,15 @@ class WeightReceiver:
         return self.groups[group_name]
 
     def receive(self, specs: Sequence[TensorSpec], src_rank: int, group_name: str, bucket_bytes: int,
-                device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+                device: torch.device, timeout_s: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Receive every bucket (a generator: each arrives when the previous
-        one has been consumed)."""
+        one has been consumed), all within `timeout_s` of the first."""
         group = self.group(group_name)
         buffer_device = device if group.backend == "nccl" else torch.device("cpu")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for bucket in plan_buckets(specs, bucket_bytes):
             flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=buffer_device)
-            group.broadcast(flat, src=src_rank)
+            group.broadcast(flat, src=src_rank, deadline=deadline)
             yield from unpack(bucket, flat)
 
     def destroy(self, group_name: str) -> None:
