@@ -137,6 +137,12 @@ class RolloutEngine:
         """A copy of the weight `name` (HF name), unfused."""
         return self._call("get_weight", name)
 
+    def invalid_weight_count(self) -> int:
+        """Weights holding no valid values (an update that stopped part-way, a
+        release without backup); generation is refused while it is not 0."""
+        self._require_open()
+        return self._updater.validity.count
+
     def weight_names(self) -> list[str]:
         """The HF names that together cover every weight of the model."""
         return self._updater.loader.full_names()

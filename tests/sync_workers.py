@@ -143,3 +143,23 @@ def grpo_fsdp_rank(rank: int, port: int, folder: str, examples: str, out_queue) 
     result = module.main(["--model", folder, "--task", "token", "--fsdp", "--steps", "2", "--prompts", "2",
                           "-n", "4", "--max-new-tokens", "8", "--lr", "1e-2", "--device", "cpu"])
     out_queue.put((rank, result["weight_version"], result["probe"], [r["reward_mean"] for r in result["rows"]]))
+
+
+def dying_trainer(port: int, folder: str, meta_queue, bucket_bytes: int, buckets_before_death: int) -> None:
+    """Sends the first buckets of an update, then is killed (SIGKILL: no
+    goodbye on any socket), as a trainer that crashes mid-broadcast."""
+    import os
+    import signal
+
+    from rollout_engine.distributed.weight_sync import pack, plan_buckets, specs_of
+    from rollout_engine.integrations.weight_sender import WeightSender
+    from rollout_engine.weights.loader import iter_safetensors
+
+    tensors = list(iter_safetensors(folder))
+    sender = WeightSender("127.0.0.1", port, world_size=2, backend="gloo", bucket_bytes=bucket_bytes)
+    names, dtypes, shapes = WeightSender.metadata(tensors)
+    meta_queue.put((names, dtypes, shapes))
+    by_name = dict(tensors)
+    for bucket in plan_buckets(specs_of(names, dtypes, shapes), bucket_bytes)[:buckets_before_death]:
+        sender.group.broadcast(pack(bucket, [by_name[s.name] for s, _ in bucket.entries], sender.device), src=0)
+    os.kill(os.getpid(), signal.SIGKILL)

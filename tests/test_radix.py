@@ -109,7 +109,7 @@ def test_random_operations_keep_integrity():
     alloc, cache = _setup(num_pages=400, page_size=2)
     locked = []
     for _ in range(300):
-        op = rng.integers(4)
+        op = rng.integers(5)
         seq = rng.integers(0, 3, size=int(rng.integers(1, 10)) * 2).tolist()
         if op == 0 and alloc.num_free_pages >= len(seq) // 2:
             cache.insert(seq, _slots(alloc, len(seq)))
@@ -120,6 +120,33 @@ def test_random_operations_keep_integrity():
                 locked.append(m.node)
         elif op == 2 and locked:
             cache.unlock(locked.pop(int(rng.integers(len(locked)))))
+        elif op == 3 and rng.random() < 0.2:
+            cache.advance_epoch()
         else:
             cache.evict(int(rng.integers(1, 20)))
         _owned_ok(alloc, cache)
+
+
+def test_a_new_weight_epoch_never_matches_old_kv():
+    """Entries of earlier weights: unlocked ones are freed at once, locked
+    ones stay for their holders (never matched) and go with their last lock;
+    the same tokens computed again are cached anew."""
+    alloc, cache = _setup(num_pages=32, page_size=2)
+    old_slots = _slots(alloc, 8)
+    held = cache.insert([1, 2, 3, 4, 5, 6, 7, 8], old_slots)
+    cache.insert([9, 9], _slots(alloc, 2))
+    cache.lock(held)
+    cache.advance_epoch()
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 8]).num_tokens == 0
+    assert cache.match([9, 9]).num_tokens == 0 and alloc.num_free_pages == 32 - 4
+    assert cache.evictable_tokens == 0  # the stale entry is locked: not counted as reclaimable
+    _owned_ok(alloc, cache)
+    new_slots = _slots(alloc, 8)
+    cache.insert([1, 2, 3, 4, 5, 6, 7, 8], new_slots)
+    m = cache.match([1, 2, 3, 4, 5, 6, 7, 8])
+    assert m.num_tokens == 8 and m.slots.tolist() == new_slots.tolist()
+    _owned_ok(alloc, cache)
+    cache.unlock(held)  # its holder finished: the stale pages are freed
+    assert set((old_slots // 2).tolist()) <= alloc.free_page_set()
+    assert cache.cached_tokens == 8
+    _owned_ok(alloc, cache)

@@ -101,3 +101,64 @@ def test_fsdp_ranks_update_their_colocated_engines(llama, tmp_path, kind):
         input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
     for rank, version, tokens in results:
         assert version == 1 and tokens == [o.output_token_ids for o in fresh]
+
+
+def test_a_sender_killed_mid_broadcast_fails_the_call_in_time(llama, tmp_path):
+    """The trainer dies after the first buckets: the engine's call fails
+    within its timeout naming what it wrote, refuses to generate, and a new
+    group plus a full update restores it."""
+    import time
+
+    import pytest
+
+    import sync_workers
+    from rollout_engine.weights.updater import IncompleteUpdate
+
+    _, folder_a = llama
+    folder_b = save_model(make_hf_model("llama", seed=17), tmp_path / "b")
+    engine = RolloutEngine(folder_a, max_total_tokens=2048)
+    ctx = mp.get_context("spawn")
+    meta, bucket_bytes = ctx.Queue(), 16 * 1024
+    port = _free_port()
+    dying = ctx.Process(target=sync_workers.dying_trainer, args=(port, folder_b, meta, bucket_bytes, 2))
+    dying.start()
+    try:
+        engine.init_weight_sync_group("127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo")
+        names, dtypes, shapes = meta.get(timeout=120)
+        start = time.monotonic()
+        with pytest.raises(IncompleteUpdate) as info:
+            engine.update_weights_from_distributed(names, dtypes, shapes, bucket_bytes=bucket_bytes, timeout_s=20)
+        assert time.monotonic() - start < 40
+        assert "weight-sync group 'weight_sync'" in str(info.value) and len(info.value.written) > 0
+        assert engine.weight_version == 0 and engine.metrics()["invalid_weights"] == len(info.value.written)
+        with pytest.raises(RuntimeError, match="hold no valid values"):
+            engine.generate(input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=4))
+        with pytest.raises(RuntimeError, match="is broken"):
+            engine.update_weights_from_distributed(names, dtypes, shapes, bucket_bytes=bucket_bytes, timeout_s=5)
+        engine.destroy_weight_sync_group()
+    finally:
+        dying.join(timeout=30)
+        if dying.is_alive():
+            dying.kill()
+    # A new trainer, a new group, a full update: the engine is whole again.
+    out, port = ctx.Queue(), _free_port()
+    trainer = ctx.Process(target=sync_workers.trainer, args=(port, folder_b, meta, bucket_bytes, 2))
+    trainer.start()
+    try:
+        engine.init_weight_sync_group("127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo")
+        names, dtypes, shapes = meta.get(timeout=120)
+        assert engine.update_weights_from_distributed(names, dtypes, shapes, bucket_bytes=bucket_bytes,
+                                                      timeout_s=60) == 1
+        # the trainer's second round (two tensors) completes its script
+        engine.update_weights_from_distributed(names[:2], dtypes[:2], shapes[:2], bucket_bytes=bucket_bytes,
+                                               timeout_s=60)
+        engine.destroy_weight_sync_group()
+    finally:
+        trainer.join(timeout=60)
+        if trainer.is_alive():
+            trainer.kill()
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    assert [o.output_token_ids for o in engine.generate(input_ids=PROMPTS, sampling_params=params)] == \
+        [o.output_token_ids for o in RolloutEngine(folder_b, max_total_tokens=2048).generate(
+            input_ids=PROMPTS, sampling_params=params)]
+    engine.shutdown()

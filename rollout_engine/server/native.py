@@ -154,8 +154,11 @@ def _sse(st, call: GenerateCall, started: float):
 
 
 @router.api_route("/health", methods=["GET", "HEAD"])
-async def health():
-    return {"status": "ok"}
+async def health(request: Request):
+    """200 while the server runs; `invalid_weights` counts weights an update
+    left half-written (generation is refused until they are rewritten)."""
+    invalid = state_of(request).engine.invalid_weight_count()
+    return {"status": "ok" if not invalid else "weights_invalid", "invalid_weights": invalid}
 
 
 @router.get("/get_model_info")
