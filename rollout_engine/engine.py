@@ -137,6 +137,15 @@ class RolloutEngine:
         """A copy of the weight `name` (HF name), unfused."""
         return self._call("get_weight", name)
 
+    def weights_checksum(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """HF name -> a 16-hex-digit checksum of that full tensor in the
+        engine's dtype, computed on the device, the same at any tp_size; a
+        trainer computes the same with rollout_engine.fidelity.weights_checksum
+        to assert a sync. `names`: default every weight (weight_names())."""
+        if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)):
+            raise ValueError("names must be a list of weight names (strings), or None for all")
+        return self._call("weights_checksum", None if names is None else list(names))
+
     def invalid_weight_count(self) -> int:
         """Weights holding no valid values (an update that stopped part-way, a
         release without backup); generation is refused while it is not 0."""

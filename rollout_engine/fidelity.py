@@ -108,3 +108,29 @@ def hf_gap(model_folder: str, sequences: Sequences, scores: list[list[float]], d
             gaps.append((ref.cpu() - torch.tensor(ours)).abs())
     gap = torch.cat(gaps) if gaps else torch.zeros(1)
     return {"mean_abs": float(gap.mean()), "max_abs": float(gap.max()), "tokens": int(gap.numel())}
+
+
+def weights_checksum(named_tensors, dtype: torch.dtype | str) -> dict[str, str]:
+    """The trainer's side of `RolloutEngine.weights_checksum`: name -> the
+    same 16-hex-digit checksum, of each tensor cast to `dtype` (the engine's
+    dtype), computed where the tensor is (one Triton pass on a GPU). Equal
+    digests mean the engine holds exactly these values. `named_tensors`: a
+    dict, or (name, tensor) pairs such as `model.named_parameters()` (names
+    as the engine's, e.g. through integrations.fsdp.iter_hf_tensors)."""
+    from rollout_engine.kernels.checksum import digest, tensor_sums
+
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype")
+        dtype = resolved
+    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+    sums = {}
+    with torch.no_grad():
+        for name, tensor in items:
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{name}: expected a tensor, got {type(tensor).__name__}")
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # a DTensor shard
+            sums[name] = tensor_sums(full.detach().to(dtype))
+    host = torch.stack(list(sums.values())).cpu().tolist() if sums else []
+    return {name: digest((a, b)) for name, (a, b) in zip(sums, host)}

@@ -108,6 +108,24 @@ class Controls:
         full = torch.cat(parts[::replicas], dim=dim)
         return full if trim is None else full.narrow(dim, 0, trim)
 
+    def weights_checksum(self, names: list[str] | None) -> dict[str, str]:
+        from rollout_engine.weights.checksum import combine
+
+        parts = self.parts
+        if not parts.memory.resident("weights"):
+            raise RuntimeError("cannot checksum weights while they are released; resume_memory(['weights']) first")
+        names = parts.updater.loader.full_names() if names is None else names
+        for name in names:
+            parts.updater.loader.shard_layout(name)  # ValueError naming an unknown one, before any rank is asked
+        channel = parts.channel
+        if channel is None:
+            results = [self.ops.checksum_sums(names)]
+        else:
+            args = None if channel.embedded else (names,)
+            results = channel.call_all("checksum_sums", args, lambda: self.ops.checksum_sums(names))
+        joined = {n: self.get_weight(n).to(parts.device) for n in results[0][1]}
+        return combine([sums for sums, _ in results], names, joined)
+
     # ---- memory -----------------------------------------------------------------
     def release_memory(self, tags: Sequence[str]) -> dict[str, int]:
         return self._on_every_rank("release_memory", tags, self.core.paused)

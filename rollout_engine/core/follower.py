@@ -164,6 +164,10 @@ class FollowerControls:
         """This rank's part (rank 0 returns the whole tensor, joined)."""
         return self._rank_op("read_weight", name)
 
+    def weights_checksum(self, names):
+        """This rank's sums (rank 0 returns the digests)."""
+        return self._rank_op("checksum_sums", names)
+
     def memory_state(self) -> dict[str, str]:
         return self.ops.parts.controller.state()
 

@@ -49,6 +49,13 @@ class RankOps:
     def resume_memory(self, tags: Sequence[str]) -> None:
         self.parts.controller.resume(tags)
 
+    def checksum_sums(self, names):
+        """This rank's checksum sums of `names` (weights/checksum.py)."""
+        from rollout_engine.weights.checksum import rank_sums
+
+        comm = self.parts.comm
+        return rank_sums(self.parts.updater.loader, names, comm.tp_rank, comm.tp_size)
+
     def read_weight(self, name: str):
         """This rank's part of weight `name`, on the host."""
         return self.parts.updater.loader.read(name).cpu()

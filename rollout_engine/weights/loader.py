@@ -167,6 +167,10 @@ class WeightLoader:
     def read(self, hf_name: str) -> torch.Tensor:
         """A copy of the tensor `hf_name` as this rank holds it (the full
         tensor at tp_size=1): the fused parameter's slice for that name."""
+        return self.view(hf_name).clone()
+
+    def view(self, hf_name: str) -> torch.Tensor:
+        """`read` without the copy: a view into the parameter."""
         if self.tied and hf_name == "lm_head.weight":
             hf_name = "model.embed_tokens.weight"
         target = self.resolve(hf_name)
@@ -182,7 +186,7 @@ class WeightLoader:
             param = param.narrow(0, sum(owner.out_sizes[: target.shard_id]), owner.out_sizes[target.shard_id])
         if param.shape[0] != getattr(owner, "vocab_size", param.shape[0]):
             param = param[: owner.vocab_size]  # vocabulary padding rows
-        return param.clone()
+        return param
 
     def load_folder(self, folder: str) -> set[str]:
         return self.load(iter_safetensors(folder))
