@@ -15,13 +15,14 @@ so a changed, swapped or moved value changes the sums, and sums of blocks
 add up to the sum of the whole. Not cryptographic: it tells a sync that
 went wrong, not an adversary.
 
-One wrapper (`block_sums`), one torch reference (`block_sums_ref`); both
+One wrapper (`block_sums`), one reference (`block_sums_ref`, numpy); both
 return a device tensor [2] of int64 lane sums (mod 2**32), so many tensors
 can be checked with one host read at the end."""
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from rollout_engine.kernels._triton import cdiv
@@ -38,49 +39,43 @@ def words_per_row(cols: int, itemsize: int) -> int:
     return -(-cols // per_word)
 
 
-def _mul32(a: torch.Tensor, b: torch.Tensor | int) -> torch.Tensor:
-    """(a * b) mod 2**32 for int64 tensors of values < 2**32, without overflow."""
-    return ((((a >> 16) * b) & 0xFFFF) << 16) + (a & 0xFFFF) * b & M32
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32(x, C3)
-    x = x ^ (x >> 15)
-    x = _mul32(x, C4)
-    return x ^ (x >> 16)
-
-
-def _words(block: torch.Tensor) -> torch.Tensor:
-    """[rows, cols] values -> [rows, words] int64 words (< 2**32)."""
-    size = block.element_size()
-    per_word, bits = 4 // size, 8 * size
-    raw = block.contiguous().view(_INT_OF_SIZE[size]).to(torch.int64) & ((1 << bits) - 1)
-    pad = -raw.shape[1] % per_word
+def _words(block: np.ndarray, itemsize: int) -> np.ndarray:
+    """[rows, cols] raw values (unsigned ints of `itemsize` bytes) -> [rows, words] uint32."""
+    per_word, bits = 4 // itemsize, 8 * itemsize
+    pad = -block.shape[1] % per_word
     if pad:
-        raw = torch.nn.functional.pad(raw, (0, pad))
-    raw = raw.view(raw.shape[0], -1, per_word)
-    words = raw[..., 0].clone()
+        block = np.pad(block, ((0, 0), (0, pad)))
+    raw = block.reshape(block.shape[0], -1, per_word).astype(np.uint32)
+    words = raw[..., 0].copy()
     for j in range(1, per_word):
-        words |= raw[..., j] << (bits * j)
+        words |= raw[..., j] << np.uint32(bits * j)
     return words
 
 
 def block_sums_ref(block: torch.Tensor, row_words: int, row0: int, word0: int) -> torch.Tensor:
     """Lane sums of a 2D `block` whose first element is word `word0` of row
-    `row0` of a tensor with `row_words` words per row."""
-    rows_per_chunk = max(1, (1 << 22) // max(1, block.shape[1]))
-    total = torch.zeros(2, dtype=torch.int64, device=block.device)
-    for start in range(0, block.shape[0], rows_per_chunk):
-        words = _words(block[start: start + rows_per_chunk])
-        r = torch.arange(words.shape[0], device=block.device) + row0 + start
-        w = torch.arange(words.shape[1], device=block.device) + word0
-        g = r[:, None] * row_words + w[None, :]
-        lo, hi = g & M32, g >> 32
-        x = _mix(words ^ ((_mul32(lo, C1) + _mul32(hi, C2)) & M32))
-        total[0] += x.sum() & M32
-        total[1] += _mul32(x, (2 * lo + 1) & M32).sum() & M32
-    return total & M32
+    `row0` of a tensor with `row_words` words per row (numpy's wrapping
+    uint32 arithmetic, on the host)."""
+    size = block.element_size()
+    raw = block.detach().cpu().contiguous().view(_INT_OF_SIZE[size]).numpy().view(f"u{size}")
+    rows_per_chunk = max(1, (1 << 22) // max(1, raw.shape[1]))
+    lanes = np.zeros(2, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        for start in range(0, raw.shape[0], rows_per_chunk):
+            words = _words(raw[start: start + rows_per_chunk], size)
+            r = np.arange(words.shape[0], dtype=np.uint64) + np.uint64(row0 + start)
+            w = np.arange(words.shape[1], dtype=np.uint64) + np.uint64(word0)
+            g = r[:, None] * np.uint64(row_words) + w[None, :]
+            lo, hi = g.astype(np.uint32), (g >> np.uint64(32)).astype(np.uint32)
+            x = words ^ (lo * np.uint32(C1) + hi * np.uint32(C2))
+            x ^= x >> np.uint32(16)
+            x *= np.uint32(C3)
+            x ^= x >> np.uint32(15)
+            x *= np.uint32(C4)
+            x ^= x >> np.uint32(16)
+            lanes[0] += x.sum(dtype=np.uint32)
+            lanes[1] += (x * (lo * np.uint32(2) + np.uint32(1))).sum(dtype=np.uint32)
+    return torch.tensor(lanes.astype(np.int64), device=block.device)
 
 
 @functools.cache

@@ -179,6 +179,16 @@ def test_rl_controls(server, tmp_path, smollm2_dir):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     r = server.post("/update_weights_from_disk", {"model_path": str(tmp_path)})
     assert r.status_code == 200 and r.json()["success"]
+    from rollout_engine.fidelity import weights_checksum
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    sums = httpx.get(server.url + "/weights_checksum", params={"names": [name, "model.norm.weight"]}).json()
+    assert sums["weight_version"] == 1 and sums["checksums"] == weights_checksum(
+        {n: tensors[n] for n in (name, "model.norm.weight")}, "float32")
+    assert len(httpx.get(server.url + "/weights_checksum", timeout=120).json()["checksums"]) == 30 * 9 + 2  # all
+    bad_name = httpx.get(server.url + "/weights_checksum", params={"names": "bogus"})
+    assert bad_name.status_code == 400 and "bogus" in bad_name.json()["error"]["message"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "invalid_weights": 0}
     version = server.post("/get_weight_version").status_code  # GET only
     assert version == 405
     assert httpx.get(server.url + "/get_weight_version").json()["weight_version"] == 1

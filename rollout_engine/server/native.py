@@ -3,6 +3,7 @@ streaming), /health and the info routes. Field names and the output's
 `meta_info` follow SGLang's, so RL clients written for it work unchanged."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -169,6 +170,22 @@ async def model_info(request: Request):
             st.engine.config.model, "is_generation": True, "served_model_name": st.model_name,
             "max_context_length": min(mc.max_position, st.engine.limits.kv_capacity),
             "weight_version": st.engine.weight_version}
+
+
+@router.get("/weights_checksum")
+async def weights_checksum(request: Request):
+    """?names=a&names=b (default: every weight) -> {"weight_version",
+    "checksums": {name: 16 hex digits}}, as fidelity.weights_checksum computes
+    them on the trainer's tensors."""
+    engine = state_of(request).engine
+    names = request.query_params.getlist("names") or None
+    try:
+        sums = await asyncio.to_thread(engine.weights_checksum, names)
+    except ValueError as e:
+        raise ApiError(400, str(e), "names") from None
+    except RuntimeError as e:
+        raise ApiError(409, str(e), None) from None
+    return {"weight_version": engine.weight_version, "checksums": sums}
 
 
 @router.get("/get_weight_version")
