@@ -172,6 +172,20 @@ def global_mean(values: list[float], world: int) -> float:
     return float(total[0] / total[1])
 
 
+def check_sync(trainer, engine) -> None:
+    """Raise if the engine does not hold exactly the trainer's weights (cast
+    to the engine's dtype). Collective under FSDP: every rank calls it."""
+    from rollout_engine.fidelity import weights_checksum
+    from rollout_engine.integrations.fsdp import iter_hf_tensors
+
+    with torch.no_grad():
+        ours = weights_checksum(iter_hf_tensors(trainer), engine.dtype)
+    theirs = engine.weights_checksum()
+    wrong = sorted(n for n in theirs if ours.get(n) != theirs[n])
+    if wrong:
+        raise RuntimeError(f"the engine's weights differ from the trainer's in {len(wrong)} tensors: {wrong[:4]}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="zoo name, Hugging Face folder, or a preset")
@@ -192,12 +206,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wandb", action="store_true", help="log to wandb (WANDB_MODE=offline works without network)")
     p.add_argument("--log-json", help="write every step's row here (a JSON list)")
+    p.add_argument("--checksum-every", type=int, default=10, metavar="N",
+                   help="every N steps (and the last) check that the engine holds exactly the trainer's weights "
+                        "(weights_checksum on both sides); 0: never")
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 trainer over the ranks of torchrun; each rank rolls out with its own engine")
     args = p.parse_args(argv)
     for name in ("steps", "prompts", "n", "max_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.checksum_every < 0:
+        p.error("--checksum-every must be >= 0")
     if args.lr is None:
         args.lr = 3e-4 if args.task == "token" else 1e-5
     if not (args.lr > 0 and math.isfinite(args.lr)):
@@ -278,6 +297,11 @@ def main(argv: list[str] | None = None) -> dict:
             with torch.no_grad():
                 sync_to_engine(trainer, engine)
             timings["sync"] = time.perf_counter() - start
+            if args.checksum_every and (step % args.checksum_every == args.checksum_every - 1
+                                        or step == args.steps - 1):
+                start = time.perf_counter()
+                check_sync(trainer, engine)
+                timings["checksum"] = time.perf_counter() - start
             row = logger.step(engine, outs, timings, {"reward_mean": global_mean(rewards, world),
                                                        "bytes_freed": freed, **figures})
             row["step"] = step

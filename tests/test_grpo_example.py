@@ -34,6 +34,7 @@ def test_two_grpo_steps_with_wandb_offline(smollm2_dir, tmp_path, monkeypatch):
         assert row["mismatch_max"] < 1e-4  # fp32: the engine's raw logprobs are the trainer's
         assert row["output_tokens"] == 2 * 2 * 8 and row["time/generate"] > 0 and row["time/sync"] > 0
         assert 0 <= row["reward_mean"] <= 1
+    assert "time/checksum" in rows[1] and "time/checksum" not in rows[0]  # the last step checks the sync
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1
     logged = open(runs[0], "rb").read()
@@ -188,3 +189,16 @@ def test_plot_run_keeps_every_run_apart(tmp_path, capsys):
     with pytest.raises(SystemExit):
         plot_run.main([str(tmp_path / "other.json"), str(tmp_path / "p.png")])
     assert "not a grpo_train.py" in capsys.readouterr().err
+
+
+def test_check_sync_names_tensors_the_engine_holds_differently(llama):
+    from rollout_engine import RolloutEngine
+
+    hf, folder = llama
+    engine = RolloutEngine(folder, max_total_tokens=512)
+    check_sync = _load("grpo_train").check_sync
+    check_sync(hf, engine)  # the same weights: passes
+    name = "model.layers.1.self_attn.v_proj.weight"
+    engine.update_weights([(name, hf.state_dict()[name] * 2)])
+    with pytest.raises(RuntimeError, match=f"differ from the trainer's in 1 tensors: \\['{name}'\\]"):
+        check_sync(hf, engine)

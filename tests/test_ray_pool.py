@@ -91,6 +91,11 @@ def test_update_weights_reaches_every_replica(pool, folders):
     assert _tokens(outs) == _tokens(_single(folders[1], GREEDY, PROMPTS * 2))
     assert {o.weight_version for o in outs} == {1}
     assert [r["weight_version"] for r in pool.replicas()] == [1, 1]
+    from rollout_engine.fidelity import weights_checksum
+
+    expected = weights_checksum(dict(iter_safetensors(folders[1])), "float32")
+    sums = pool.weights_checksum()
+    assert sorted(sums) == [0, 1] and all(s == {n: expected[n] for n in s} for s in sums.values())
 
 
 def test_a_gloo_weight_sync_group_spans_the_trainer_and_every_replica(pool, folders):
