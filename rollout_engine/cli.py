@@ -30,7 +30,7 @@ DEMO_PROMPTS = [
     "Give me three tips for learning to program.",
     "Explain what a prime number is in one sentence.",
 ]
-BENCH_WORKLOADS = ["grpo", "offline", "decode", "prefill", "weights", "memory", "serve", "longtail"]
+BENCH_WORKLOADS = ["grpo", "offline", "decode", "prefill", "weights", "memory", "serve", "longtail", "soak"]
 CPU_WORKLOADS = ("grpo", "weights", "serve", "longtail")  # the others measure the device with torch.cuda
 # Engine fields that bench/run.py's engine factory passes on; other engine
 # flags would be accepted and silently ignored, so bench does not offer them.
@@ -210,7 +210,7 @@ WORKLOAD_FLAGS = {
     "prompt_min": ("grpo", "serve"), "prompt_max": ("grpo", "serve", "prefill"), "output_len": ("grpo", "serve"),
     "baseline": ("offline",), "hf_requests": ("offline",), "hf_batch_size": ("offline",),
     "batch_sizes": ("decode",), "context": ("decode",), "steps": ("decode",), "graphs_only": ("decode",),
-    "nccl": ("weights",), "bucket_mb": ("weights",), "cycles": ("memory",), "concurrency": ("serve",),
+    "nccl": ("weights",), "bucket_mb": ("weights",), "cycles": ("memory", "soak"), "concurrency": ("serve",),
     "scale": ("longtail",), "replicas": ("grpo",),
 }
 
@@ -321,7 +321,7 @@ def _add_bench(sub: Any) -> None:
     g.add_argument("--graphs-only", action="store_true", help="decode: skip the rows without CUDA graphs")
     g.add_argument("--nccl", action="store_true", help="weights: broadcast GPU 0 -> GPU 1 (two processes)")
     g.add_argument("--bucket-mb", type=positive_int, default=512, help="weights --nccl: bucket size in MiB")
-    g.add_argument("--cycles", type=positive_int, default=5, help="memory: release/resume cycles timed")
+    g.add_argument("--cycles", type=positive_int, default=5, help="memory: release/resume cycles timed; soak: lifecycle cycles run")
     g.add_argument("--concurrency", type=positive_int, default=64, help="serve: requests in flight at a time")
     g.add_argument("--scale", type=unit_fraction, default=1.0,
                    help="longtail: in (0, 1]; round(64 * scale) prompts, lengths times sqrt(scale) "

@@ -195,11 +195,12 @@ def _workloads():
     from rollout_engine.bench.longtail import bench_longtail
     from rollout_engine.bench.memory import bench_memory
     from rollout_engine.bench.serve import bench_serve
+    from rollout_engine.bench.soak import bench_soak
     from rollout_engine.bench.weights import bench_weights
 
     return {"grpo": bench_grpo, "offline": bench_offline, "decode": bench_decode, "prefill": bench_prefill,
             "weights": bench_weights, "memory": bench_memory, "serve": bench_serve,
-            "longtail": bench_longtail}
+            "longtail": bench_longtail, "soak": bench_soak}
 
 
 def _config(args) -> dict[str, Any]:
