@@ -128,28 +128,60 @@ def _as_words(block: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def block_sums(block: torch.Tensor, row_words: int, row0: int, word0: int) -> torch.Tensor:
-    """`block_sums_ref`, on the GPU in one Triton launch (a partial per
-    program, added up on the device) where the block is whole words."""
+def _plan(block: torch.Tensor, row_words: int):
+    """(int32 words, rows, words per row, grid) for the kernel, or None."""
     words = _as_words(block) if block.is_cuda and block.numel() else None
     if words is None:
-        return block_sums_ref(block, row_words, row0, word0)
+        return None
     rows, nw = words.shape
     if rows > 1 and words.stride(0) == nw and nw == row_words:  # whole rows, contiguous: one long row
         words, nw, rows = words.reshape(1, -1), rows * nw, 1
-    grid = (rows, cdiv(nw, BLOCK_WORDS * ITERS))
-    partials = torch.empty(grid[0] * grid[1] * 2, dtype=torch.int64, device=block.device)
-    _kernel()[grid](words, partials, nw, words.stride(0), row_words, row0, word0,
-                    BLOCK=BLOCK_WORDS, ITERS=ITERS, num_warps=8)
-    return partials.view(-1, 2).sum(0) & M32
+    return words, nw, (rows, cdiv(nw, BLOCK_WORDS * ITERS))
+
+
+def many_sums(blocks) -> torch.Tensor:
+    """Lane sums [len(blocks), 2] of (block, row_words, row0, word0) tuples:
+    one kernel launch per block into one buffer of partials, added up per
+    block by one device op (no per-tensor reductions or host reads)."""
+    plans = [_plan(b[0], b[1]) for b in blocks]
+    device = blocks[0][0].device if blocks else torch.device("cpu")
+    out = torch.zeros(len(blocks), 2, dtype=torch.int64, device=device)
+    launched = [(i, p) for i, p in enumerate(plans) if p is not None]
+    if launched:
+        sizes = [p[2][0] * p[2][1] for _, p in launched]
+        partials = torch.empty(sum(sizes), 2, dtype=torch.int64, device=device)
+        start = 0
+        for (i, (words, nw, grid)), size in zip(launched, sizes):
+            _, row_words, row0, word0 = blocks[i]
+            _kernel()[grid](words, partials[start:], nw, words.stride(0), row_words, row0, word0,
+                            BLOCK=BLOCK_WORDS, ITERS=ITERS, num_warps=8)
+            start += size
+        owner = torch.repeat_interleave(torch.tensor([i for i, _ in launched], device=device),
+                                        torch.tensor(sizes, device=device))
+        out.index_add_(0, owner, partials)
+    for i, p in enumerate(plans):
+        if p is None:
+            out[i] = block_sums_ref(*blocks[i]).to(device)
+    return out & M32
+
+
+def block_sums(block: torch.Tensor, row_words: int, row0: int, word0: int) -> torch.Tensor:
+    """`block_sums_ref`, on the GPU by the Triton kernel where the block is
+    whole words."""
+    return many_sums([(block, row_words, row0, word0)])[0]
 
 
 def digest(sums: tuple[int, int]) -> str:
     return f"{sums[0] & M32:08x}{sums[1] & M32:08x}"
 
 
-def tensor_sums(tensor: torch.Tensor) -> torch.Tensor:
-    """Lane sums of a whole tensor (already in the dtype being checked)."""
+def whole(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """A whole tensor (in the dtype being checked) as one block."""
     rows = tensor.shape[0] if tensor.dim() >= 2 else 1
     block = tensor.reshape(rows, -1) if tensor.numel() else tensor.reshape(rows, 0)
-    return block_sums(block, words_per_row(block.shape[1], tensor.element_size()), 0, 0)
+    return block, words_per_row(block.shape[1], tensor.element_size()), 0, 0
+
+
+def tensor_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """Lane sums of a whole tensor."""
+    return block_sums(*whole(tensor))

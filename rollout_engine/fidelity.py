@@ -117,7 +117,7 @@ def weights_checksum(named_tensors, dtype: torch.dtype | str) -> dict[str, str]:
     digests mean the engine holds exactly these values. `named_tensors`: a
     dict, or (name, tensor) pairs such as `model.named_parameters()` (names
     as the engine's, e.g. through integrations.fsdp.iter_hf_tensors)."""
-    from rollout_engine.kernels.checksum import digest, tensor_sums
+    from rollout_engine.kernels.checksum import digest, many_sums, whole
 
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype, None)
@@ -125,12 +125,26 @@ def weights_checksum(named_tensors, dtype: torch.dtype | str) -> dict[str, str]:
             raise ValueError(f"dtype {dtype!r} is not a torch dtype")
         dtype = resolved
     items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-    sums = {}
+    sums: dict[str, torch.Tensor] = {}
+    pending: list[tuple[str, tuple]] = []  # GPU tensors hashed in batches of ~1 GiB (one launch each, one sum)
+
+    def flush() -> None:
+        for (name, _), row in zip(pending, many_sums([block for _, block in pending])):
+            sums[name] = row
+        pending.clear()
+
     with torch.no_grad():
         for name, tensor in items:
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"{name}: expected a tensor, got {type(tensor).__name__}")
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # a DTensor shard
-            sums[name] = tensor_sums(full.detach().to(dtype))
-    host = torch.stack(list(sums.values())).cpu().tolist() if sums else []
+            block = whole(full.detach().to(dtype))
+            if not full.is_cuda:
+                sums[name] = many_sums([block])[0]
+                continue
+            pending.append((name, block))
+            if sum(b[0].numel() * b[0].element_size() for _, b in pending) > 1 << 30:
+                flush()
+        flush()
+        host = torch.stack([v.cpu() for v in sums.values()]).tolist() if sums else []
     return {name: digest((a, b)) for name, (a, b) in zip(sums, host)}

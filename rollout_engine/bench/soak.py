@@ -58,7 +58,8 @@ def run_soak(engine, cycles: int, prompts: list[list[int]], max_new_tokens: int 
         "resume_spread_MiB": (max(steady) - min(steady)) / 2**20,
         "memory_flat": max(steady) - min(steady) <= FLAT_BYTES,
         "cycle_s": {"median": round(median, 4), "max": round(max(seconds), 4), "min": round(min(seconds), 4)},
-        "slowest_over_median": round(max(seconds) / median, 3),
+        "slowest_over_median": round(max(seconds) / median, 3), "slowest_cycle": seconds.index(max(seconds)),
+        "cycles_over_1.5x_median": sum(t > 1.5 * median for t in seconds),
         "no_slow_cycle": max(seconds) <= 2 * median,
     }
 

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from rollout_engine.kernels.checksum import block_sums, digest, tensor_sums, words_per_row
+from rollout_engine.kernels.checksum import digest, many_sums, tensor_sums, words_per_row
 from rollout_engine.weights.loader import WeightLoader
 
 Sums = dict[str, tuple[int, int]]
@@ -54,18 +54,18 @@ def rank_sums(loader: WeightLoader, names: Sequence[str], tp_rank: int = 0, tp_s
               ) -> tuple[Sums, list[str]]:
     """This rank's lane sums per name (one host read for all of them), and
     the names whose blocks must be joined on rank 0 instead."""
-    sums, joined = {}, []
+    blocks, joined = {}, []
     with torch.no_grad():
         for name in names:
             block = _block(loader, name, tp_rank, tp_size)
             if block == "join":
                 joined.append(name)
             elif block is not None:
-                sums[name] = block_sums(*block)
-    if not sums:
-        return {}, joined
-    host = torch.stack(list(sums.values())).cpu().tolist()
-    return {name: (a, b) for name, (a, b) in zip(sums, host)}, joined
+                blocks[name] = block
+        if not blocks:
+            return {}, joined
+        host = many_sums(list(blocks.values())).cpu().tolist()
+    return {name: (a, b) for name, (a, b) in zip(blocks, host)}, joined
 
 
 def combine(per_rank: Sequence[Sums], names: Sequence[str], joined: dict[str, torch.Tensor]) -> dict[str, str]:
