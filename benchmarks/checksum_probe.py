@@ -1,0 +1,41 @@
+"""Where weights_checksum's time goes on the GPU: one kernel on a large
+tensor (bandwidth), the same bytes split in many tensors (launch overhead),
+and the CPU time of launching alone."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from rollout_engine.kernels.checksum import many_sums, whole
+
+
+def timed(fn, rounds=5):
+    runs = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        runs.append(time.perf_counter() - t)
+    return sorted(runs)[len(runs) // 2]
+
+
+big = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+many = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(64)]  # 2 GiB in 64
+many_sums([whole(big)]); many_sums([whole(t) for t in many])
+one = timed(lambda: many_sums([whole(big)]))
+split = timed(lambda: many_sums([whole(t) for t in many]))
+torch.cuda.synchronize()
+t = time.perf_counter()
+many_sums([whole(t) for t in many])
+launch_cpu = time.perf_counter() - t
+copy = timed(lambda: big.clone())
+report = {"one_2GiB_ms": round(one * 1e3, 2), "one_GB_per_s": round(2**31 / one / 1e9, 1),
+          "64x32MiB_ms": round(split * 1e3, 2), "64_launches_cpu_ms": round(launch_cpu * 1e3, 2),
+          "clone_2GiB_ms": round(copy * 1e3, 2)}
+print(json.dumps(report))
+if len(sys.argv) > 1:
+    open(sys.argv[1], "w").write(json.dumps(report) + "\n")
