@@ -208,12 +208,11 @@ def test_enough_misuse_cases():
     assert len(CASES) >= 40
 
 
-def test_a_refused_update_blocks_generation_until_a_complete_one(engine, baseline):
+def test_a_refused_update_changes_nothing_and_generation_goes_on(engine, baseline):
+    version = engine.weight_version
     with pytest.raises(ValueError, match="NaN"):
         _nan_update(engine)
-    with pytest.raises(RuntimeError, match="no valid values"):
-        engine.generate(PROMPT, sampling_params=GREEDY)
-    _restore(engine)
+    assert engine.weight_version == version and engine.invalid_weight_count() == 0
     assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
 
 
