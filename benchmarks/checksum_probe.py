@@ -9,18 +9,9 @@ import time
 
 import torch
 
+from lifecycle_costs import timed  # noqa: E402 - a sibling script
+
 from rollout_engine.kernels.checksum import many_sums, whole
-
-
-def timed(fn, rounds=5):
-    runs = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        runs.append(time.perf_counter() - t)
-    return sorted(runs)[len(runs) // 2]
 
 
 big = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
