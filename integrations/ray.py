@@ -316,9 +316,9 @@ class RolloutPool:
     def weights_checksum(self, names: Sequence[str] | None = None) -> dict[int, dict[str, str]]:
         """Replica index -> its `RolloutEngine.weights_checksum(names)`: after
         a sync every ready replica should give the trainer's digests."""
-        if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)):
-            raise ValueError("names must be a list of weight names (strings), or None for all")
-        return self._fanout("weights_checksum", None if names is None else list(names))
+        from rollout_engine.validation import weight_name_list
+
+        return self._fanout("weights_checksum", weight_name_list(names))
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Block until no replica is restarting (for tests and for callers

@@ -6,7 +6,6 @@ controls and request creation live in core/."""
 from __future__ import annotations
 
 import gc
-import warnings
 import weakref
 from typing import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
@@ -22,6 +21,7 @@ from rollout_engine.outputs import RolloutOutput
 from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.tokenizer import chat_token_ids
+from rollout_engine.validation import check_timeout, warn_flush_cache, weight_name_list
 
 Prompts = Sequence[str] | None
 InputIds = Sequence[Sequence[int]] | None
@@ -90,20 +90,10 @@ class RolloutEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                        version: int | None = None, flush_cache: bool = True) -> int:
-        """Copy new weights in place (HF names, any dtype or device); returns
-        the new weight version. A list or dict applies whole or not at all:
-        names, shapes and NaN/inf are checked before the first copy, and a
-        refusal (ValueError) leaves weights, version and cache as they were.
-        A generator is streamed: if it stops part-way, the tensors it wrote
-        are named in the error (IncompleteUpdate) and generation is refused
-        until they are written again. The prefix cache never serves KV of
-        other weights, so `flush_cache=False` no longer keeps it (kept for
-        compatibility; it warns)."""
-        if not flush_cache:
-            warnings.warn("update_weights(flush_cache=False) no longer keeps the prefix cache: KV computed with "
-                          "other weights is never served", DeprecationWarning, stacklevel=2)
-        if isinstance(named_tensors, Mapping):
-            named_tensors = list(named_tensors.items())
+        """Copy new weights in place (HF names); returns the new version. A list or dict: all or nothing;
+        a generator is streamed (README, "New weights from the trainer")."""
+        warn_flush_cache(flush_cache)
+        named_tensors = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors
         return self._call("update_weights", named_tensors, version)
 
     def update_weights_from_disk(self, path: str, version: int | None = None) -> int:
@@ -119,16 +109,9 @@ class RolloutEngine:
                                         version: int | None = None, group_name: str = "weight_sync",
                                         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                                         timeout_s: float | None = DEFAULT_TIMEOUT_S) -> int:
-        """Receive weights broadcast in buckets; a bad name or shape raises
-        ValueError after the broadcasts were drained, with nothing changed. A
-        sender that stops sending fails the call within `timeout_s` (None:
-        wait for ever) and breaks the group; the tensors received before that
-        are named and refused until written again (see update_weights)."""
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                      or not timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
+        """Receive broadcast buckets; a sender that stops fails the call within `timeout_s`."""
         return self._call("update_from_distributed", names, dtypes, shapes, src_rank, version,
-                          group_name, bucket_bytes, timeout_s)
+                          group_name, bucket_bytes, check_timeout(timeout_s))
 
     def destroy_weight_sync_group(self, group_name: str = "weight_sync") -> None:
         return self._call("destroy_weight_sync_group", group_name)
@@ -138,19 +121,8 @@ class RolloutEngine:
         return self._call("get_weight", name)
 
     def weights_checksum(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        """HF name -> a 16-hex-digit checksum of that full tensor in the
-        engine's dtype, computed on the device, the same at any tp_size; a
-        trainer computes the same with rollout_engine.fidelity.weights_checksum
-        to assert a sync. `names`: default every weight (weight_names())."""
-        if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)):
-            raise ValueError("names must be a list of weight names (strings), or None for all")
-        return self._call("weights_checksum", None if names is None else list(names))
-
-    def invalid_weight_count(self) -> int:
-        """Weights holding no valid values (an update that stopped part-way, a
-        release without backup); generation is refused while it is not 0."""
-        self._require_open()
-        return self._updater.validity.count
+        """HF name -> digest of the full tensor in the engine's dtype (= fidelity.weights_checksum)."""
+        return self._call("weights_checksum", weight_name_list(names))
 
     def weight_names(self) -> list[str]:
         """The HF names that together cover every weight of the model."""

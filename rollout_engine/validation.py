@@ -135,3 +135,26 @@ def resolve_request_ids(request_ids: Sequence[str] | None, num: int, taken: set[
             _fail(i, "request_ids", f"{rid!r} is already in use")
         seen.add(rid)
     return list(request_ids)
+
+
+def check_timeout(timeout_s):
+    """`timeout_s` itself, if it is None or a positive number of seconds."""
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
+    return timeout_s
+
+
+def weight_name_list(names) -> list[str] | None:
+    """`names` as a list of strings (None: all weights); ValueError otherwise."""
+    if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)):
+        raise ValueError("names must be a list of weight names (strings), or None for all")
+    return None if names is None else list(names)
+
+
+def warn_flush_cache(flush_cache: bool) -> None:
+    if not flush_cache:
+        import warnings
+
+        warnings.warn("update_weights(flush_cache=False) no longer keeps the prefix cache: KV computed with other "
+                      "weights is never served", DeprecationWarning, stacklevel=3)

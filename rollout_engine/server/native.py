@@ -158,7 +158,7 @@ def _sse(st, call: GenerateCall, started: float):
 async def health(request: Request):
     """200 while the server runs; `invalid_weights` counts weights an update
     left half-written (generation is refused until they are rewritten)."""
-    invalid = state_of(request).engine.invalid_weight_count()
+    invalid = (await asyncio.to_thread(state_of(request).engine.metrics))["invalid_weights"]
     return {"status": "ok" if not invalid else "weights_invalid", "invalid_weights": invalid}
 
 

@@ -33,6 +33,9 @@ class IncompleteUpdate(RuntimeError):
         super().__init__(message)
         self.written = written
 
+    def __reduce__(self):  # crosses processes (tensor-parallel ranks) intact
+        return type(self), (str(self), self.written)
+
 
 class IncompleteUpdateValueError(IncompleteUpdate, ValueError):
     """IncompleteUpdate whose cause was bad input (a name, shape or value)."""
