@@ -33,11 +33,18 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def copy_check_kernel(src_ptr, dst_ptr, n, flag_ptr, BLOCK: tl.constexpr):
+    def copy_check_kernel(src_ptr, dst_ptr, n, flag_ptr, CHECK_DTYPE: tl.constexpr, WRITE: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        # WRITE: store the cast values into dst and check what was stored;
+        # otherwise only check the values cast to CHECK_DTYPE (dst unused).
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        y = tl.load(src_ptr + offs, mask=mask, other=0.0).to(dst_ptr.dtype.element_ty)
-        tl.store(dst_ptr + offs, y, mask=mask)
+        x = tl.load(src_ptr + offs, mask=mask, other=0.0)
+        if WRITE:
+            y = x.to(dst_ptr.dtype.element_ty)
+            tl.store(dst_ptr + offs, y, mask=mask)
+        else:
+            y = x.to(CHECK_DTYPE)
         yf = y.to(tl.float32)
         bad = tl.sum(((yf != yf) | (tl.abs(yf) == float("inf"))).to(tl.int32), axis=0)
         if bad > 0:
@@ -51,38 +58,22 @@ def check_finite_ref(src: torch.Tensor, dtype: torch.dtype, flag: torch.Tensor) 
         flag.add_((~torch.isfinite(chunk.to(dtype))).any().to(flag.device, flag.dtype))
 
 
-@functools.cache
-def _check_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def check_kernel(src_ptr, n, flag_ptr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        y = tl.load(src_ptr + offs, mask=offs < n, other=0.0).to(OUT_DTYPE).to(tl.float32)
-        bad = tl.sum(((y != y) | (tl.abs(y) == float("inf"))).to(tl.int32), axis=0)
-        if bad > 0:
-            tl.atomic_max(flag_ptr, 1)
-
-    return check_kernel
-
-
-_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_TRITON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def check_finite(src: torch.Tensor, dtype: torch.dtype, flag: torch.Tensor) -> None:
     """flag (int32, 1 element) becomes non-zero if any value of `src`, cast
     to `dtype`, is not finite. Reads `src` once; writes nothing else."""
-    fused = (src.is_cuda and flag.device == src.device and src.is_contiguous() and src.is_floating_point()
-             and src.dtype in _TRITON_DTYPES and dtype in _TRITON_DTYPES and src.numel() > 0)
+    fused = (src.is_cuda and flag.device == src.device and src.is_contiguous() and src.dtype in _TRITON_DTYPES
+             and dtype in _TRITON_DTYPES and src.numel() > 0)
     if not fused:
         check_finite_ref(src, dtype, flag)
         return
     import triton.language as tl
 
     n = src.numel()
-    out = getattr(tl, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[_TRITON_DTYPES[dtype]])
-    _check_kernel()[(cdiv(n, BLOCK),)](src, n, flag, OUT_DTYPE=out, BLOCK=BLOCK, num_warps=8)
+    _kernel()[(cdiv(n, BLOCK),)](src, src, n, flag, CHECK_DTYPE=getattr(tl, _TRITON_DTYPES[dtype]), WRITE=False,
+                                 BLOCK=BLOCK, num_warps=8)
 
 
 def copy_and_check(dst: torch.Tensor, src: torch.Tensor, flag: torch.Tensor) -> None:
@@ -94,5 +85,7 @@ def copy_and_check(dst: torch.Tensor, src: torch.Tensor, flag: torch.Tensor) -> 
     if not fused:
         copy_and_check_ref(dst, src, flag)
         return
+    import triton.language as tl
+
     n = dst.numel()
-    _kernel()[(cdiv(n, BLOCK),)](src, dst, n, flag, BLOCK=BLOCK, num_warps=8)
+    _kernel()[(cdiv(n, BLOCK),)](src, dst, n, flag, CHECK_DTYPE=tl.float32, WRITE=True, BLOCK=BLOCK, num_warps=8)

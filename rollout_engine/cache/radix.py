@@ -74,6 +74,21 @@ class RadixCache(PrefixCache):
             self.stats.evicted_tokens += freed
         self._stale_roots = [r for r in self._stale_roots if r.children]
 
+    def _prune_path(self, node: Node) -> None:
+        """After an unlock in a stale tree: only the nodes on the unlocked
+        path can have lost their last lock (a stale tree keeps no unlocked
+        node), so free those that are now unlocked leaves, upwards."""
+        freed = 0
+        while node.parent is not None and not node.children and not node.lock_ref:
+            self.allocator.free_slots(node.value)
+            freed += len(node.key)
+            del node.parent.children[node.key[: self.page_size]]
+            node = node.parent
+        self._total -= freed
+        self.stats.evicted_tokens += freed
+        if node.parent is None and not node.children:
+            self._stale_roots.remove(node)
+
     # ---- lookups ---------------------------------------------------------------
     def _common_pages(self, a: tuple[int, ...], b: tuple[int, ...]) -> int:
         """Length of the common prefix of a and b, rounded down to whole pages."""
@@ -147,6 +162,7 @@ class RadixCache(PrefixCache):
             node = node.parent
 
     def unlock(self, node: Any) -> None:
+        start = node
         while node is not None and node.parent is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unlock without lock"
@@ -154,7 +170,7 @@ class RadixCache(PrefixCache):
                 self._protected -= len(node.key)
             node = node.parent
         if node is not None and node is not self.root:  # the lock was in a stale tree
-            self._prune_stale()
+            self._prune_path(start)
 
     # ---- eviction ----------------------------------------------------------------
     def _nodes(self):
@@ -179,7 +195,6 @@ class RadixCache(PrefixCache):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         self._total -= freed
         self.stats.evicted_tokens += freed
-        self._stale_roots = [r for r in self._stale_roots if r.children]
         return freed
 
     def flush(self) -> None:
