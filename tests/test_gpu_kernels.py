@@ -366,4 +366,12 @@ def test_copy_and_check_matches_reference(src_dtype, dst_dtype):
         assert bool(flag) == bool(ref_flag), (bad, dst_dtype)
         # 1e6 is finite in bf16 but overflows fp16: only the stored value counts.
         assert bool(flag) == (bad is not None and not (bad == 1e6 and dst_dtype == torch.bfloat16))
+        # The read-only check (an all-or-nothing update's pre-pass) agrees, and writes nothing.
+        from rollout_engine.kernels.copy_check import check_finite, check_finite_ref
+
+        before = src.clone()
+        only, only_ref = torch.zeros_like(flag), torch.zeros_like(flag)
+        check_finite(src, dst_dtype, only)
+        check_finite_ref(src, dst_dtype, only_ref)
+        assert bool(only) == bool(only_ref) == bool(flag) and torch.equal(src.nan_to_num(), before.nan_to_num())
         src[2, 99_999] = 0.0
