@@ -21,7 +21,7 @@ from rollout_engine.outputs import RolloutOutput
 from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.tokenizer import chat_token_ids
-from rollout_engine.validation import check_timeout, warn_flush_cache, weight_name_list
+from rollout_engine.validation import check_timeout, update_items, warn_flush_cache, weight_name_list
 
 Prompts = Sequence[str] | None
 InputIds = Sequence[Sequence[int]] | None
@@ -93,7 +93,7 @@ class RolloutEngine:
         """Copy new weights in place (HF names); returns the new version. A list or dict: all or nothing;
         a generator is streamed (README, "New weights from the trainer")."""
         warn_flush_cache(flush_cache)
-        named_tensors = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors
+        named_tensors = update_items(named_tensors)
         return self._call("update_weights", named_tensors, version)
 
     def update_weights_from_disk(self, path: str, version: int | None = None) -> int:

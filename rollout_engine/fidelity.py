@@ -118,13 +118,15 @@ def weights_checksum(named_tensors, dtype: torch.dtype | str) -> dict[str, str]:
     dict, or (name, tensor) pairs such as `model.named_parameters()` (names
     as the engine's, e.g. through integrations.fsdp.iter_hf_tensors)."""
     from rollout_engine.kernels.checksum import digest, many_sums, whole
+    from rollout_engine.weights.loader import pairs
 
-    if isinstance(dtype, str):
-        resolved = getattr(torch, dtype, None)
-        if not isinstance(resolved, torch.dtype):
-            raise ValueError(f"dtype {dtype!r} is not a torch dtype")
-        dtype = resolved
-    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+    from collections.abc import Mapping
+
+    resolved = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. torch.bfloat16 or 'bfloat16')")
+    dtype = resolved
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else pairs(named_tensors)
     sums: dict[str, torch.Tensor] = {}
     pending: list[tuple[str, tuple]] = []  # GPU tensors hashed in batches of ~1 GiB (one launch each, one sum)
 

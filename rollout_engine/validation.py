@@ -147,9 +147,14 @@ def check_timeout(timeout_s):
 
 def weight_name_list(names) -> list[str] | None:
     """`names` as a list of strings (None: all weights); ValueError otherwise."""
-    if names is not None and (isinstance(names, str) or not all(isinstance(n, str) for n in names)):
+    if names is None:
+        return None
+    if isinstance(names, (str, bytes)) or not hasattr(names, "__iter__"):
         raise ValueError("names must be a list of weight names (strings), or None for all")
-    return None if names is None else list(names)
+    names = list(names)  # (a generator is read once, here)
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError("names must be a list of weight names (strings), or None for all")
+    return names
 
 
 def warn_flush_cache(flush_cache: bool) -> None:
@@ -158,3 +163,15 @@ def warn_flush_cache(flush_cache: bool) -> None:
 
         warnings.warn("update_weights(flush_cache=False) no longer keeps the prefix cache: KV computed with other "
                       "weights is never served", DeprecationWarning, stacklevel=3)
+
+
+def update_items(named_tensors):
+    """A dict (any Mapping) as a list of its items; a list, tuple or iterator
+    of (name, tensor) pairs as it is (each item is checked as it is read)."""
+    from collections.abc import Mapping
+
+    if isinstance(named_tensors, Mapping):
+        return list(named_tensors.items())
+    if isinstance(named_tensors, (str, bytes)) or not hasattr(named_tensors, "__iter__"):
+        raise ValueError(f"named_tensors must be a dict or (name, tensor) pairs, got {type(named_tensors).__name__}")
+    return named_tensors

@@ -178,3 +178,50 @@ def test_a_retracted_request_recomputes_its_kv_with_the_new_weights(llama, model
                                                          ignore_eos=True))[0].output_token_ids
     assert got[split:] == rest
     engine.check_integrity()
+
+
+def test_bad_update_items_are_value_errors_naming_them(llama):
+    import numpy as np
+
+    engine = _engine(llama)
+    with pytest.raises(ValueError, match="model.norm.weight: expected a torch.Tensor, got ndarray"):
+        engine.update_weights({"model.norm.weight": np.ones(64, dtype=np.float32)})
+    with pytest.raises(ValueError, match="named_tensors must be a dict or"):
+        engine.update_weights("model.norm.weight")
+    with pytest.raises(ValueError, match="update item 0 must be a \\(name, tensor\\) pair"):
+        engine.update_weights([("model.norm.weight",)])
+    assert engine.weight_version == 0 and engine.metrics()["invalid_weights"] == 0
+    assert len(engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)) == 2
+
+
+def test_an_interrupt_inside_a_stream_stays_an_interrupt_and_marks_what_was_written(llama, model_b):
+    engine = _engine(llama)
+    items = list(model_b[0].state_dict().items())
+
+    def stream():
+        yield items[0]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.update_weights(stream())
+    assert engine.metrics()["invalid_weights"] == 1
+    with pytest.raises(RuntimeError, match=f"1 weight holds no valid values \\({items[0][0]}\\)"):
+        engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+
+
+def test_checksum_arguments(llama):
+    from rollout_engine.distributed.weight_sync import WeightSyncGroup
+    from rollout_engine.fidelity import weights_checksum
+
+    hf, _ = llama
+    engine = _engine(llama)
+    names = ["model.norm.weight", "lm_head.weight"]
+    assert engine.weights_checksum(n for n in names) == engine.weights_checksum(names)  # a generator, read once
+    ours = weights_checksum({n: hf.state_dict()[n] for n in names}, "torch.float32")
+    assert ours == engine.weights_checksum(names)
+    for bad in (None, 5):
+        with pytest.raises(ValueError, match="is not a torch dtype"):
+            weights_checksum(ours, bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="backend='gloo'"):
+            WeightSyncGroup("127.0.0.1", 1, 0, 2, backend="nccl")

@@ -294,7 +294,7 @@ class EngineCore:
             return
         try:
             fut.set_result(fn())
-        except Exception as e:  # noqa: BLE001 - the poster's error
+        except BaseException as e:  # noqa: BLE001 - the poster's, even an interrupt raised in its generator
             fut.set_exception(e)
 
     def _build(self, cfg: EngineConfig) -> EngineParts:

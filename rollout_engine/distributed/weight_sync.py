@@ -77,6 +77,9 @@ class WeightSyncGroup:
                  group_name: str = "weight_sync", backend: str = "nccl", timeout_s: float = 300.0):
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise ValueError("backend 'nccl' needs CUDA GPUs and a torch built with NCCL; on the CPU use "
+                             "backend='gloo'")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         timeout = datetime.timedelta(seconds=timeout_s)

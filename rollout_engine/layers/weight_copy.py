@@ -54,10 +54,12 @@ class FiniteCheck:
                 bad.append(int(hits[0]))
         return self.names[min(bad)] if bad else None
 
-    def raise_if_bad(self) -> None:
+    def raise_if_bad(self, refused: bool = True) -> None:
+        """`refused`: nothing was copied (a check before the copy)."""
         name = self.first_bad()
         if name is not None:
-            raise NonFiniteWeights(f"{name}: holds NaN or infinite values; the update was refused")
+            raise NonFiniteWeights(f"{name}: holds NaN or infinite values" +
+                                   ("; the update was refused" if refused else " (as copied)"))
 
 
 # Set while WeightLoader copies an update: copy_into routes through it.

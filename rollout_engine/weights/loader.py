@@ -22,6 +22,15 @@ from rollout_engine.layers.weight_copy import FINITE_CHECK, VALIDATE_ONLY, Finit
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def pairs(named_tensors) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) items, a ValueError naming the first that is not one."""
+    for i, item in enumerate(named_tensors):
+        if not isinstance(item, (tuple, list)) or len(item) != 2 or not isinstance(item[0], str):
+            raise ValueError(f"update item {i} must be a (name, tensor) pair, got {type(item).__name__}"
+                             f"{'' if not isinstance(item, (tuple, list)) else f' of length {len(item)}'}")
+        yield item[0], item[1]
+
+
 def default_loader(param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
     """For replicated parameters (norms): the full tensor, copied in place."""
     copy_into(param.data, full)
@@ -85,6 +94,8 @@ class WeightLoader:
         return out
 
     def _load_one(self, hf_name: str, tensor: torch.Tensor) -> Target | None:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{hf_name}: expected a torch.Tensor, got {type(tensor).__name__}")
         target = self.resolve(hf_name)
         if target is None:
             return None
@@ -103,7 +114,7 @@ class WeightLoader:
         token = VALIDATE_ONLY.set(True)
         try:
             with torch.no_grad():
-                for hf_name, tensor in named_tensors:
+                for hf_name, tensor in pairs(named_tensors):
                     self._load_one(hf_name, tensor)
         finally:
             VALIDATE_ONLY.reset(token)
@@ -114,7 +125,7 @@ class WeightLoader:
         copying nothing: one read-only pass, one host read per device."""
         check = FiniteCheck()
         with torch.no_grad():
-            for hf_name, tensor in named_tensors:
+            for hf_name, tensor in pairs(named_tensors):
                 target = self.resolve(hf_name)
                 if target is not None and tensor.device.type != "meta":
                     check.check(hf_name, tensor, self.params[target.param_name].dtype)
@@ -132,14 +143,14 @@ class WeightLoader:
         token = FINITE_CHECK.set(check)
         try:
             with torch.no_grad():
-                for hf_name, tensor in named_tensors:
+                for hf_name, tensor in pairs(named_tensors):
                     check.start(hf_name)
                     target = self._load_one(hf_name, tensor)
                     if target is not None:
                         written.add(target)
         finally:
             FINITE_CHECK.reset(token)
-        check.raise_if_bad()
+        check.raise_if_bad(refused=False)
         return written
 
     def shard_layout(self, hf_name: str) -> tuple[int | None, int, int | None]:

@@ -23,7 +23,7 @@ from rollout_engine.distributed.weight_sync import specs_of
 from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.weights.loader import WeightLoader, iter_safetensors, safetensors_shapes
 from rollout_engine.weights.receiver import WeightReceiver
-from rollout_engine.weights.validity import WeightValidity, name_list
+from rollout_engine.weights.validity import WeightValidity, name_list, plural
 
 
 class IncompleteUpdate(RuntimeError):
@@ -71,6 +71,10 @@ class WeightUpdater:
         except BaseException as e:
             if not written:
                 raise
+            if not isinstance(e, Exception):  # Ctrl-C, SystemExit: marked as any stop, and raised as they are
+                self.prefix_cache.advance_epoch()
+                self.validity.mark(written, "an update stopped part-way after writing them")
+                raise
             self._broke_off(written, e)
         self.validity.clear(written)
         return self._finish(version)
@@ -93,7 +97,8 @@ class WeightUpdater:
         self.prefix_cache.advance_epoch()  # the weights did change
         self.validity.mark(written, "an update stopped part-way after writing them")
         names = self.validity.names_of(written)
-        message = (f"{cause}; the update stopped after writing {len(written)} tensors ({name_list(names)}): they "
+        message = (f"{cause or type(cause).__name__}; the update stopped after writing {plural(len(written), 'tensor')} "
+                   f"({name_list(names)}): they "
                    f"hold new values while the rest are old, so generation is refused until they are written again "
                    f"(the weight version stays {self.version})")
         kind = IncompleteUpdateValueError if isinstance(cause, ValueError) else IncompleteUpdate

@@ -13,6 +13,10 @@ from typing import Iterable
 SHOWN = 4  # names spelled out in a message; the rest are counted
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def name_list(names: list[str], shown: int = SHOWN) -> str:
     """'a, b, c, d and 21 more'."""
     head = ", ".join(names[:shown])
@@ -52,6 +56,7 @@ class WeightValidity:
         if not self._invalid:
             return
         reasons = sorted(set(self._invalid.values()))
-        raise RuntimeError(f"cannot generate: {self.count} weights hold no valid values ({name_list(self.names())}): "
+        holds = "weight holds" if self.count == 1 else "weights hold"
+        raise RuntimeError(f"cannot generate: {self.count} {holds} no valid values ({name_list(self.names())}): "
                            f"{'; '.join(reasons)}. Write them again (update_weights with those names) or load a "
                            "complete set of weights")
