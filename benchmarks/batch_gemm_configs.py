@@ -7,7 +7,7 @@ fastest configuration, its time against F.linear's and its largest
 difference from F.linear's result, and the time of the configuration the
 engine picks (`kernels.batch_gemm.pick`, up to 32 rows). On a CUDA GPU:
 
-    python3 benchmarks/batch_gemm_configs.py --model qwen3-0.6b --rows 64 128 256 --out gemm.json
+    python3 benchmarks/batch_gemm_configs.py --model qwen3-0.6b --rows 64 128 256 --out /tmp/gemm.json
     python3 benchmarks/batch_gemm_configs.py --model llama-3.1-8b --rows 2 8 32 --pick-only
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ replayed in a CUDA graph as the engine does, as achieved KV read bandwidth
 (bytes of K and V read / kernel time). Tells which kernel the backend
 should pick for a head layout.
 
-    python3 benchmarks/decode_attention.py --model qwen3-0.6b --out attn.json
+    python3 benchmarks/decode_attention.py --model qwen3-0.6b --out /tmp/attn.json
 
 Needs a CUDA GPU and flashinfer.
 """

@@ -4,7 +4,7 @@ in a CUDA graph), by the ways torch can call cuBLAS. Reports each product's
 share of the measured bf16 peak and of the weight-read floor, so a slow shape
 (too few tiles for the GPU, a poor kernel choice) stands out. On a CUDA GPU:
 
-    python3 benchmarks/gemm_shapes.py --model qwen2.5-7b --rows 128 256 512 --out gemm.json
+    python3 benchmarks/gemm_shapes.py --model qwen2.5-7b --rows 128 256 512 --out /tmp/gemm.json
 
 Variants: `linear` (what the engine runs: F.linear with the bias fused, the
 gemv kernel at one row), `mm_bias`

@@ -5,7 +5,7 @@ kernel can reach on this GPU). Each shape runs over enough copies of its
 weight to spill the L2 cache, as the engine's layers do (a 32 MB weight
 timed alone would be read from L2). On a CUDA GPU:
 
-    python3 benchmarks/gemv_configs.py --model llama-3.1-8b --out gemv.json
+    python3 benchmarks/gemv_configs.py --model llama-3.1-8b --out /tmp/gemv.json
 
 Variants: `engine` (the launch shape `kernels.gemv` picks), the grid (BLOCK_N x
 BLOCK_K x warps; and the engine's shape with one pipeline stage), and

@@ -3,7 +3,7 @@ few launch constants, over the shapes of a 7B model and the row counts of
 decode and prefill. Also checks, for each, that the split and tiled launches
 give the same bits. On a machine with a CUDA GPU:
 
-    python3 benchmarks/invariant_matmul.py --out mm.json
+    python3 benchmarks/invariant_matmul.py --out /tmp/mm.json
     python3 benchmarks/invariant_matmul.py --small --rows 1 8 32 64
 
 `--small`: tiles of 16-32 rows for small decode batches instead of the

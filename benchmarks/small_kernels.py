@@ -6,7 +6,7 @@ two: q in one, k and v in the other). Their memory traffic is small, so the
 time is mostly the latency of one program's chain of loads and stores; the
 variants say which launch shape hides it best. On a CUDA GPU:
 
-    python3 benchmarks/small_kernels.py --rows 1 64 256 --out small.json
+    python3 benchmarks/small_kernels.py --rows 1 64 256 --out /tmp/small.json
 """
 from __future__ import annotations
 

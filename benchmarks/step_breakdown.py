@@ -6,7 +6,7 @@ whole process (every thread's launches land on the device timeline). On a machin
 for --tp 2):
 
     python3 benchmarks/step_breakdown.py --workload grpo --model qwen2.5-7b \\
-        --num-prompts 16 -n 8 --output-len 256 --out breakdown.json [--deterministic] [--trace trace.json]
+        --num-prompts 16 -n 8 --output-len 256 --out /tmp/breakdown.json [--deterministic] [--trace /tmp/trace.json]
     python3 benchmarks/step_breakdown.py --workload decode --batch-size 1 --tp 2 ...
 
 With --tp k the trace is rank 0's (its GPU's kernels); the other ranks run

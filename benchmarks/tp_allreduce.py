@@ -1,7 +1,7 @@
 """All-reduce latency inside a CUDA graph, NCCL vs the engine's one-shot
 path, over the GPUs of one host (one process per GPU).
 
-    python benchmarks/tp_allreduce.py --gpus 2 --out allreduce.json
+    python benchmarks/tp_allreduce.py --gpus 2 --out /tmp/allreduce.json
 
 Each graph holds `--ops` back-to-back all-reduces of one size (what a decode
 step's layers do); the time per all-reduce is the graph's replay time over

@@ -26,6 +26,32 @@ def test_bench_grpo_reports_cache_on_and_off(llama, tmp_path):
     assert report["config"]["num_prompts"] == 3 and report["config"]["output_len"] == 6
 
 
+def _files_under(folder):
+    import pathlib
+
+    return {str(p.relative_to(folder)) for p in pathlib.Path(folder).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
+def test_bench_without_out_prints_the_report_and_writes_no_file(llama, tmp_path, monkeypatch, capsys):
+    """The report goes to stdout; a file only where --out names one. Run from
+    an empty folder (as from the repository root): nothing lands there, nor
+    under benchmarks/ (results are put under benchmarks/results/ by hand)."""
+    import pathlib
+
+    _, folder = llama
+    benchmarks = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    before = _files_under(benchmarks)
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--workload", "weights", "--model", folder, "--load-format", "auto",
+                 "--max-total-tokens", "1024"]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(printed[printed.index("{"):])
+    assert report["config"]["out"] is None and report["results"]["in_process_s"] > 0
+    assert list(tmp_path.iterdir()) == []
+    assert _files_under(benchmarks) == before
+
+
 def test_demo_runs_on_the_default_model(smollm2_dir, capsys, monkeypatch):
     monkeypatch.setenv("ROLLOUT_ENGINE_CACHE", str(__import__("pathlib").Path(smollm2_dir).parents[1]))
     assert main(["demo", "--max-new-tokens", "8", "-n", "2", "--max-total-tokens", "2048"]) == 0
@@ -190,6 +216,7 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
     ("invariant_matmul", ["--rows", "-3"], "--rows"), ("tp_allreduce", ["--gpus", "0"], "--gpus"),
     ("tp_allreduce", ["--ops", "0"], "--ops"), ("decode_attention", ["--out", "/no/such/folder/x.json"], "--out"),
     ("invariant_matmul", ["--out", "/no/such/folder/x.json"], "--out"),
+    ("checksum_probe", ["--out", "/no/such/folder/x.json"], "--out"), ("checksum_probe", ["/no/such/x.json"], "--out"),
 ])
 def test_benchmark_scripts_name_a_bad_flag_before_looking_for_a_gpu(name, argv, flag, capsys, monkeypatch):
     import torch
