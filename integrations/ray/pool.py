@@ -3,9 +3,9 @@
 
 Ray places the replicas (one placement group per replica: `tp_size` GPUs
 packed on one node, or CPUs), owns their processes and restarts one that
-dies. The pool routes prompts (integrations/ray_routing.py), fans the RL
-controls out to every replica and brings a restarted replica back to the
-pool's weights and state before it takes work (integrations/ray_recovery.py).
+dies. The pool routes prompts (routing.py), fans the RL controls out to
+every replica and brings a restarted replica back to the pool's weights and
+state before it takes work (recovery.py).
 Ray is an optional extra (`pip install -e ".[ray]"`), imported on first use.
 """
 from __future__ import annotations
@@ -22,12 +22,12 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from rollout_engine.integrations.ray_batch import Batch, make_batch
-from rollout_engine.integrations.ray_calls import PoolCall, gather, ray_module
-from rollout_engine.integrations.ray_recovery import Recovery, Slot
-from rollout_engine.integrations.ray_routing import Router, Unit
-from rollout_engine.integrations.ray_generate import run_batch
-from rollout_engine.integrations.ray_streams import merge_streams
+from rollout_engine.integrations.ray.batching import Batch, make_batch
+from rollout_engine.integrations.ray.calls import PoolCall, gather, ray_module
+from rollout_engine.integrations.ray.recovery import Recovery, Slot
+from rollout_engine.integrations.ray.routing import Router, Unit
+from rollout_engine.integrations.ray.generate import run_batch
+from rollout_engine.integrations.ray.streams import merge_streams
 from rollout_engine.outputs import RolloutOutput
 from rollout_engine.sampling_params import SamplingParams
 
@@ -83,7 +83,7 @@ class RolloutPool:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rollout_engine.integrations.ray_replica import EngineReplica
+        from rollout_engine.integrations.ray.replica import EngineReplica
 
         device = str(self._engine_kwargs.get("device", "auto"))
         gpus = self.tp_size if device.startswith("cuda") or (

@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Iterator
 
-from rollout_engine.integrations.ray_calls import lift_task_error, ray_module
+from rollout_engine.integrations.ray.calls import lift_task_error, ray_module
 from rollout_engine.outputs import RolloutOutput
 
 

@@ -5,7 +5,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from rollout_engine.integrations.ray_routing import Unit
+from rollout_engine.integrations.ray.routing import Unit
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.validation import resolve_params
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_engine.integrations.ray_calls import ray_module
+from rollout_engine.integrations.ray.calls import ray_module
 
 log = logging.getLogger("rollout_engine")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rollout_engine.integrations.ray_calls import lift_task_error, ray_module
+from rollout_engine.integrations.ray.calls import lift_task_error, ray_module
 from rollout_engine.outputs import RolloutOutput
 
 
