@@ -5,19 +5,24 @@ it into rectangular blocks, on any device.
 The tensor (in the dtype being checked) is seen as 2D, [rows, cols] with
 cols the product of the trailing dimensions (a 1-D tensor is one row), and
 each row as 32-bit little-endian words (2 bf16/fp16 values, 4 fp8 values;
-the last word of a row zero-padded). Word w of row r has the global index
-g = r * words_per_row + w, and contributes
+the last word of a row zero-padded). Word w of row r has the position
+p = (r * words_per_row + w) mod 2**32, and contributes
 
-    x = mix(word ^ (lo(g) * C1 + hi(g) * C2))         (uint32 arithmetic)
-    lane1 += x,  lane2 += x * (2 * lo(g) + 1)          (mod 2**32)
+    x = (word ^ (p * C1)) * C3;  x ^= x >> 16          (uint32 arithmetic)
+    lane1 += x,  lane2 += x * (2 * p + 1)               (mod 2**32)
 
-so a changed, swapped or moved value changes the sums, and sums of blocks
-add up to the sum of the whole. Not cryptographic: it tells a sync that
-went wrong, not an adversary.
+A changed value changes x (each step is a bijection of the word), and a
+swapped or moved one changes lane2 (its weight depends on the position), so
+the sums tell a sync that went wrong; blocks' sums add up to the whole's.
+Not cryptographic: it tells a mistake, not an adversary. The mix is kept
+this short because the pass must run at memory speed (about ten integer
+operations per word).
 
-One wrapper (`block_sums`), one reference (`block_sums_ref`, numpy); both
-return a device tensor [2] of int64 lane sums (mod 2**32), so many tensors
-can be checked with one host read at the end."""
+One entry point (`SumPlan`: every block of a call in one kernel launch,
+found through a table of blocks built once; `many_sums` builds and runs one)
+and one reference (`block_sums_ref`,
+numpy); both give int64 lane sums (mod 2**32) on the blocks' device, so
+many tensors are checked with one host read at the end."""
 from __future__ import annotations
 
 import functools
@@ -28,9 +33,11 @@ import torch
 from rollout_engine.kernels._triton import cdiv
 
 M32 = 0xFFFFFFFF
-C1, C2, C3, C4 = 0x27D4EB2F, 0x165667B1, 0x7FEB352D, 0x1B873593
-BLOCK_WORDS = 2048
-ITERS = 8
+C1, C3 = 0x27D4EB2F, 0x7FEB352D
+BLOCK_WORDS = 1024
+ITERS = 16
+NUM_WARPS = 4  # 1024 x 16 words (64 KiB) per program, 4 warps: the fastest of a sweep on an H200
+MAX_ROW_WORDS = 1 << 30  # longer rows are hashed in pieces (int32 offsets inside the kernel)
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
@@ -65,17 +72,19 @@ def block_sums_ref(block: torch.Tensor, row_words: int, row0: int, word0: int) -
             words = _words(raw[start: start + rows_per_chunk], size)
             r = np.arange(words.shape[0], dtype=np.uint64) + np.uint64(row0 + start)
             w = np.arange(words.shape[1], dtype=np.uint64) + np.uint64(word0)
-            g = r[:, None] * np.uint64(row_words) + w[None, :]
-            lo, hi = g.astype(np.uint32), (g >> np.uint64(32)).astype(np.uint32)
-            x = words ^ (lo * np.uint32(C1) + hi * np.uint32(C2))
-            x ^= x >> np.uint32(16)
-            x *= np.uint32(C3)
-            x ^= x >> np.uint32(15)
-            x *= np.uint32(C4)
+            p = (r[:, None] * np.uint64(row_words) + w[None, :]).astype(np.uint32)
+            x = (words ^ (p * np.uint32(C1))) * np.uint32(C3)
             x ^= x >> np.uint32(16)
             lanes[0] += x.sum(dtype=np.uint32)
-            lanes[1] += (x * (lo * np.uint32(2) + np.uint32(1))).sum(dtype=np.uint32)
+            lanes[1] += (x * (p * np.uint32(2) + np.uint32(1))).sum(dtype=np.uint32)
     return torch.tensor(lanes.astype(np.int64), device=block.device)
+
+
+# One row of the block table: offset of the block's first word from the base
+# tensor (in words), words per row of the block, row stride (in words), rows,
+# programs per row, first program, position of the first word (row0 *
+# row_words + word0), words per row of the full tensor.
+_OFF, _NW, _STRIDE, _ROWS, _PER_ROW, _FIRST, _POS0, _ROW_WORDS = range(8)
 
 
 @functools.cache
@@ -84,31 +93,37 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def checksum_kernel(src_ptr, out_ptr, nw, row_stride, row_words, row0, word0,
-                        BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        row = tl.program_id(0)
-        cb = tl.program_id(1)
+    def checksum_kernel(base_ptr, table_ptr, block_of_ptr, out_ptr,
+                        BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr):
+        pid = tl.program_id(0)
+        entry = table_ptr + tl.load(block_of_ptr + pid).to(tl.int64) * 8
+        off, nw, stride = tl.load(entry + 0), tl.load(entry + 1).to(tl.int32), tl.load(entry + 2)
+        per_row, first = tl.load(entry + 4), tl.load(entry + 5)
+        pos0, row_words = tl.load(entry + 6), tl.load(entry + 7)
+        local = pid - first
+        row, cb = local // per_row, local % per_row
+        start = off + row * stride
+        if ALIGNED:  # every block starts on 16 bytes, with whole 16-byte rows: vector loads
+            start = tl.multiple_of(start, 4)
+            nw = tl.multiple_of(nw, 4)
+        base = base_ptr + start
+        p0 = ((pos0 + row * row_words) & 0xFFFFFFFF).to(tl.uint32)
+        lane = tl.arange(0, BLOCK)
+        lane_key = lane.to(tl.uint32) * 0x27D4EB2F  # p * C1 and 2p + 1 as a per-block scalar plus these
+        lane_weight = lane.to(tl.uint32) * 2
         acc1 = tl.zeros((BLOCK,), dtype=tl.uint32)
         acc2 = tl.zeros((BLOCK,), dtype=tl.uint32)
-        base = src_ptr + row.to(tl.int64) * row_stride
-        g_row = (row0 + row).to(tl.int64) * row_words + word0
         for it in tl.static_range(ITERS):
-            w = (cb * ITERS + it).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            w0 = (cb * ITERS + it).to(tl.int32) * BLOCK
+            w = w0 + lane
             valid = w < nw
             word = tl.load(base + w, mask=valid, other=0).to(tl.uint32, bitcast=True)
-            g = g_row + w
-            lo = (g & 0xFFFFFFFF).to(tl.uint32)
-            hi = (g >> 32).to(tl.uint32)
-            x = word ^ (lo * 0x27D4EB2F + hi * 0x165667B1)
-            x = x ^ (x >> 16)
-            x = x * 0x7FEB352D
-            x = x ^ (x >> 15)
-            x = x * 0x1B873593
+            p = p0 + w0.to(tl.uint32)
+            x = (word ^ (p * 0x27D4EB2F + lane_key)) * 0x7FEB352D
             x = x ^ (x >> 16)
             x = tl.where(valid, x, 0)
             acc1 += x
-            acc2 += x * (2 * lo + 1)
-        pid = row * tl.num_programs(1) + cb
+            acc2 += x * (2 * p + 1 + lane_weight)
         tl.store(out_ptr + 2 * pid, tl.sum(acc1.to(tl.int64), axis=0) & 0xFFFFFFFF)
         tl.store(out_ptr + 2 * pid + 1, tl.sum(acc2.to(tl.int64), axis=0) & 0xFFFFFFFF)
 
@@ -128,41 +143,78 @@ def _as_words(block: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _plan(block: torch.Tensor, row_words: int):
-    """(int32 words, rows, words per row, grid) for the kernel, or None."""
+def _pieces(block, row_words: int, row0: int, word0: int):
+    """The kernel's (words, rows, words per row, row stride, position of the
+    first word, full words per row) for `block`, in pieces whose rows are
+    shorter than MAX_ROW_WORDS; None if it cannot be read as words in place."""
     words = _as_words(block) if block.is_cuda and block.numel() else None
     if words is None:
         return None
     rows, nw = words.shape
-    if rows > 1 and words.stride(0) == nw and nw == row_words:  # whole rows, contiguous: one long row
-        words, nw, rows = words.reshape(1, -1), rows * nw, 1
-    return words, nw, (rows, cdiv(nw, BLOCK_WORDS * ITERS))
+    stride = words.stride(0) if rows > 1 else nw
+    if rows > 1 and stride == nw == row_words:  # whole rows, contiguous: one long row
+        rows, nw, stride = 1, rows * nw, rows * nw
+    return [(words, rows, min(MAX_ROW_WORDS, nw - s), s, stride, row0 * row_words + word0 + s, row_words)
+            for s in range(0, nw, MAX_ROW_WORDS)]
+
+
+class SumPlan:
+    """The device-side tables for hashing a list of (block, row_words, row0,
+    word0) tuples, built once (the host work: a few microseconds per block)
+    and run any number of times while the blocks stay where they are: the
+    GPU blocks in one kernel launch per alignment class (16-byte aligned or
+    not); blocks not whole words, or on the CPU, by the reference."""
+
+    def __init__(self, blocks) -> None:
+        self.device = blocks[0][0].device if blocks else torch.device("cpu")
+        self.count = len(blocks)
+        self.by_reference: list[tuple[int, tuple]] = []
+        groups = {True: [], False: []}
+        for i, (block, row_words, row0, word0) in enumerate(blocks):
+            pieces = _pieces(block, row_words, row0, word0)
+            if pieces is None:
+                self.by_reference.append((i, (block, row_words, row0, word0)))
+                continue
+            for words, rows, nw, skip, stride, pos0, rw in pieces:
+                fits = (words.data_ptr() + 4 * skip) % 16 == 0 and nw % 4 == 0 and (rows == 1 or stride % 4 == 0)
+                groups[fits].append((i, words, rows, nw, skip, stride, pos0, rw))
+        self.launches = [self._table(group, aligned) for aligned, group in groups.items() if group]
+
+    def _table(self, group, aligned: bool):
+        """(base tensor, block table, block of each program, owner of each
+        program, programs, aligned) for one launch over `group`, [(owner,
+        words, rows, nw, skip, stride, pos0, row_words)]."""
+        base, table, owners, first = group[0][1], [], [], 0
+        for owner, words, rows, nw, skip, stride, pos0, row_words in group:
+            per_row = cdiv(nw, BLOCK_WORDS * ITERS)
+            off = (words.data_ptr() - base.data_ptr()) // 4 + skip
+            table.append((off, nw, stride, rows, per_row, first, pos0, row_words))
+            owners.append(owner)
+            first += rows * per_row
+        table_d = torch.tensor(table, dtype=torch.int64).to(self.device)
+        counts = torch.tensor([t[_ROWS] * t[_PER_ROW] for t in table]).to(self.device)
+        block_of = torch.repeat_interleave(torch.arange(len(table), device=self.device, dtype=torch.int32),
+                                           counts, output_size=first)
+        owner_of = torch.tensor(owners).to(self.device)[block_of.long()]
+        return base, table_d, block_of, owner_of, first, aligned
+
+    def run(self) -> torch.Tensor:
+        """Lane sums [blocks, 2] (int64, mod 2**32) on the blocks' device."""
+        out = torch.zeros(self.count, 2, dtype=torch.int64, device=self.device)
+        for i, block in self.by_reference:
+            out[i] = block_sums_ref(*block).to(self.device)
+        for base, table, block_of, owner_of, programs, aligned in self.launches:
+            partials = torch.empty(programs, 2, dtype=torch.int64, device=self.device)
+            _kernel()[(programs,)](base, table, block_of, partials, BLOCK=BLOCK_WORDS, ITERS=ITERS,
+                                   ALIGNED=aligned, num_warps=NUM_WARPS)
+            out.index_add_(0, owner_of, partials)
+        return out & M32
 
 
 def many_sums(blocks) -> torch.Tensor:
-    """Lane sums [len(blocks), 2] of (block, row_words, row0, word0) tuples:
-    one kernel launch per block into one buffer of partials, added up per
-    block by one device op (no per-tensor reductions or host reads)."""
-    plans = [_plan(b[0], b[1]) for b in blocks]
-    device = blocks[0][0].device if blocks else torch.device("cpu")
-    out = torch.zeros(len(blocks), 2, dtype=torch.int64, device=device)
-    launched = [(i, p) for i, p in enumerate(plans) if p is not None]
-    if launched:
-        sizes = [p[2][0] * p[2][1] for _, p in launched]
-        partials = torch.empty(sum(sizes), 2, dtype=torch.int64, device=device)
-        start = 0
-        for (i, (words, nw, grid)), size in zip(launched, sizes):
-            _, row_words, row0, word0 = blocks[i]
-            _kernel()[grid](words, partials[start:], nw, words.stride(0), row_words, row0, word0,
-                            BLOCK=BLOCK_WORDS, ITERS=ITERS, num_warps=8)
-            start += size
-        owner = torch.repeat_interleave(torch.tensor([i for i, _ in launched], device=device),
-                                        torch.tensor(sizes, device=device))
-        out.index_add_(0, owner, partials)
-    for i, p in enumerate(plans):
-        if p is None:
-            out[i] = block_sums_ref(*blocks[i]).to(device)
-    return out & M32
+    """Lane sums [len(blocks), 2] of (block, row_words, row0, word0) tuples
+    (`SumPlan`, built and run once)."""
+    return SumPlan(blocks).run()
 
 
 def block_sums(block: torch.Tensor, row_words: int, row0: int, word0: int) -> torch.Tensor:

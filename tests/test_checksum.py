@@ -88,3 +88,24 @@ def test_gpu_kernel_equals_the_reference(dtype):
     block = full[17:200, 8 * per_word: 8 * per_word + 2048]  # a strided block, as a row-parallel shard
     assert torch.equal(block_sums(block, w, 17, 8), block_sums_ref(block.cpu(), w, 17, 8).cuda())
     assert torch.equal(tensor_sums(full[:, :1]), block_sums_ref(full[:, :1].cpu(), 1, 0, 0).cuda())
+
+
+@pytest.mark.gpu
+def test_gpu_one_launch_over_many_blocks_equals_the_reference(monkeypatch):
+    """Blocks of one call in one table: aligned and unaligned starts, odd
+    row lengths, strided shards, an empty tensor, a CPU tensor, and rows
+    split into pieces (MAX_ROW_WORDS made small)."""
+    from rollout_engine.kernels import checksum
+
+    monkeypatch.setattr(checksum, "MAX_ROW_WORDS", 5000)
+    torch.manual_seed(4)
+    full = torch.randn(64, 1030, device="cuda").to(torch.bfloat16)
+    flat = torch.randn(3 * 5000 + 17, device="cuda").to(torch.bfloat16)  # pieces of a long row
+    even = torch.randn(16, 1032, device="cuda").to(torch.bfloat16)  # rows of whole 16-byte words
+    blocks = [checksum.whole(full), checksum.whole(flat), (full[3:40, 2:514], 515, 3, 1),  # unaligned start
+              (full[:, 8:1030], 515, 0, 4), checksum.whole(torch.empty(0, 4, device="cuda")),
+              checksum.whole(torch.randn(7, 3)), checksum.whole(full[5]), (full[9:10, :6], 515, 9, 0),
+              (even[2:14, 8:520], 516, 2, 4)]  # a strided block with vector loads
+    got = checksum.many_sums(blocks).cpu()
+    want = torch.stack([block_sums_ref(b, w, r, c).cpu() for b, w, r, c in blocks])
+    assert torch.equal(got, want)

@@ -14,6 +14,7 @@ class RankOps:
         self.parts = parts
         self.tp_rank = tp_rank
         self.link = link  # ranks 1..k-1: the way to rank 0
+        self._checksums = None  # weights/checksum.py's RankChecksums, made on first use
 
     def update_weights(self, named_tensors, version) -> int:
         return self.parts.updater.update(named_tensors, version)
@@ -51,10 +52,12 @@ class RankOps:
 
     def checksum_sums(self, names):
         """This rank's checksum sums of `names` (weights/checksum.py)."""
-        from rollout_engine.weights.checksum import rank_sums
+        if self._checksums is None:
+            from rollout_engine.weights.checksum import RankChecksums
 
-        comm = self.parts.comm
-        return rank_sums(self.parts.updater.loader, names, comm.tp_rank, comm.tp_size)
+            comm = self.parts.comm
+            self._checksums = RankChecksums(self.parts.updater.loader, comm.tp_rank, comm.tp_size)
+        return self._checksums.sums(names)
 
     def read_weight(self, name: str):
         """This rank's part of weight `name`, on the host."""

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from rollout_engine.kernels.checksum import digest, many_sums, tensor_sums, words_per_row
+from rollout_engine.kernels.checksum import SumPlan, digest, tensor_sums, words_per_row
 from rollout_engine.weights.loader import WeightLoader
 
 Sums = dict[str, tuple[int, int]]
@@ -50,22 +50,49 @@ def _block(loader: WeightLoader, name: str, tp_rank: int, tp_size: int):
     return block, words_per_row(cols, block.element_size()), row0, col0 // per_word
 
 
-def rank_sums(loader: WeightLoader, names: Sequence[str], tp_rank: int = 0, tp_size: int = 1
-              ) -> tuple[Sums, list[str]]:
-    """This rank's lane sums per name (one host read for all of them), and
-    the names whose blocks must be joined on rank 0 instead."""
-    blocks, joined = {}, []
-    with torch.no_grad():
+class RankChecksums:
+    """This rank's lane sums of the engine's weights. The plan for a list of
+    names (which block of which parameter, as a device table: kernels/
+    checksum.py's `SumPlan`) is built once and kept, since the weights are
+    updated in place and never move; it is rebuilt if any parameter's
+    address changed. A few recent name lists are kept."""
+
+    KEEP = 4
+
+    def __init__(self, loader: WeightLoader, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.loader, self.tp_rank, self.tp_size = loader, tp_rank, tp_size
+        self._plans: dict[tuple[str, ...], tuple] = {}
+
+    def _addresses(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in self.loader.params.values())
+
+    def _plan(self, names: tuple[str, ...]):
+        blocks, joined = {}, []
         for name in names:
-            block = _block(loader, name, tp_rank, tp_size)
+            block = _block(self.loader, name, self.tp_rank, self.tp_size)
             if block == "join":
                 joined.append(name)
             elif block is not None:
                 blocks[name] = block
-        if not blocks:
+        return list(blocks), (SumPlan(list(blocks.values())) if blocks else None), joined
+
+    def sums(self, names: Sequence[str]) -> tuple[Sums, list[str]]:
+        """Lane sums per name (one host read for all of them), and the names
+        whose blocks must be joined on rank 0 instead."""
+        key, addresses = tuple(names), self._addresses()
+        kept = self._plans.pop(key, None)
+        if kept is None or kept[0] != addresses:
+            with torch.no_grad():
+                kept = (addresses, *self._plan(key))
+        self._plans[key] = kept
+        while len(self._plans) > self.KEEP:
+            self._plans.pop(next(iter(self._plans)))
+        _, named, plan, joined = kept
+        if plan is None:
             return {}, joined
-        host = many_sums(list(blocks.values())).cpu().tolist()
-    return {name: (a, b) for name, (a, b) in zip(blocks, host)}, joined
+        with torch.no_grad():
+            host = plan.run().cpu().tolist()
+        return {name: (a, b) for name, (a, b) in zip(named, host)}, joined
 
 
 def combine(per_rank: Sequence[Sums], names: Sequence[str], joined: dict[str, torch.Tensor]) -> dict[str, str]:
