@@ -1,11 +1,12 @@
 """RolloutPool: many engines behind one API, each in a Ray actor (README,
 "Scale-out on Ray").
 
-Ray places the replicas (one placement group per replica: `tp_size` GPUs
-packed on one node, or CPUs), owns their processes and restarts one that
-dies. The pool routes prompts (routing.py), fans the RL controls out to
-every replica and brings a restarted replica back to the pool's weights and
-state before it takes work (recovery.py).
+Ray places the replicas (placement.py: one placement group per replica,
+`tp_size` GPUs packed on one node, or CPUs), owns their processes and
+restarts one that dies. The pool routes prompts (routing.py), fans the RL
+controls out to every replica and brings a restarted replica back to the
+pool's weights and state before it takes work (recovery.py, which reaches
+the slots only through `slot()` and the four `*_replica` methods below).
 Ray is an optional extra (`pip install -e ".[ray]"`), imported on first use.
 """
 from __future__ import annotations
@@ -18,15 +19,16 @@ import random
 import threading
 import time
 import uuid
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from rollout_engine.integrations.ray.batching import Batch, make_batch
 from rollout_engine.integrations.ray.calls import PoolCall, gather, ray_module
-from rollout_engine.integrations.ray.recovery import Recovery, Slot
-from rollout_engine.integrations.ray.routing import Router, Unit
 from rollout_engine.integrations.ray.generate import run_batch
+from rollout_engine.integrations.ray.placement import Slot, place_replicas, release_replicas, replica_bundle
+from rollout_engine.integrations.ray.recovery import Recovery
+from rollout_engine.integrations.ray.routing import Router, Unit
 from rollout_engine.integrations.ray.streams import merge_streams
 from rollout_engine.outputs import RolloutOutput
 from rollout_engine.sampling_params import SamplingParams
@@ -68,7 +70,7 @@ class RolloutPool:
         self._lock = threading.RLock()  # the slots' states and the pool's weights/version/pause/release state
         self._router = Router()
         self._closed = False
-        self.recovery = Recovery(self, restart_timeout_s)
+        self.recovery = Recovery(self, restart_timeout_s=restart_timeout_s, call_timeout_s=call_timeout_s)
         self._slots: list[Slot] = []
         self.sync_world_size: int | None = None
         try:
@@ -80,40 +82,12 @@ class RolloutPool:
 
     # ---- placement -----------------------------------------------------------------
     def _start(self, ray, num_replicas: int, max_restarts: int) -> None:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from rollout_engine.integrations.ray.replica import EngineReplica
-
-        device = str(self._engine_kwargs.get("device", "auto"))
-        gpus = self.tp_size if device.startswith("cuda") or (
-            device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
-        bundle = {"GPU": gpus, "CPU": 1} if gpus else {"CPU": self.tp_size}
-        have = ray.cluster_resources()
-        short = {k: v for k, v in bundle.items() if have.get(k, 0) < v}
-        if short:  # Ray would wait for it forever: no node can ever hold one replica
-            raise ValueError(f"one replica needs {bundle} on one node; the Ray cluster has {have.get('GPU', 0):g} "
-                             f"GPUs and {have.get('CPU', 0):g} CPUs in all (tp_size={self.tp_size}, "
-                             f"device={device!r})")
-        actor_cls = ray.remote(EngineReplica)
-        slots = self._slots
-        for i in range(num_replicas):
-            group = placement_group([bundle], strategy="STRICT_PACK")
-            try:
-                ray.get(group.ready(), timeout=self.call_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                ray.util.remove_placement_group(group)
-                raise RuntimeError(f"replica {i}: Ray cannot place {bundle} on one node within "
-                                   f"{self.call_timeout_s} s (free now: {ray.available_resources()})") from None
-            actor = actor_cls.options(
-                num_cpus=bundle["CPU"], num_gpus=gpus, max_restarts=max_restarts, max_task_retries=0,
-                max_concurrency=32,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-            ).remote(self.model, self._engine_kwargs)
-            slots.append(Slot(index=i, actor=actor, group=group))
-        infos = gather({s.index: s.actor.info.remote() for s in slots}, "start", self.call_timeout_s)
-        self.model_config = ray.get(slots[0].actor.model_config.remote(), timeout=self.call_timeout_s)
-        for slot in slots:
+        bundle = replica_bundle(ray, self.tp_size, str(self._engine_kwargs.get("device", "auto")))
+        place_replicas(ray, self._slots, bundle, num_replicas, max_restarts, self.model, self._engine_kwargs,
+                       self.call_timeout_s)
+        infos = gather({s.index: s.actor.info.remote() for s in self._slots}, "start", self.call_timeout_s)
+        self.model_config = ray.get(self._slots[0].actor.model_config.remote(), timeout=self.call_timeout_s)
+        for slot in self._slots:
             slot.incarnation = infos[slot.index]["incarnation"]
             self._router.add(slot.index)
 
@@ -296,6 +270,45 @@ class RolloutPool:
     def flush_cache(self) -> None:
         self._fanout("flush_cache")
 
+    # ---- the recovery's view of the replicas (recovery.RecoveryHost) -------------------
+    def withdraw_replica(self, slot: Slot, incarnation: str | None) -> bool:
+        """Takes a replica whose actor died while running `incarnation` out
+        of service: it gets no new work, its sessions go elsewhere next time,
+        and it has left its weight-sync group. False when that was already
+        done for this death (the slot is not ready, or runs a newer incarnation)."""
+        with self._lock:
+            if slot.state != "ready" or slot.incarnation != incarnation:
+                return False
+            slot.state, slot.sync_group = "recovering", None
+            self._router.forget(slot.index)
+            return True
+
+    def readmit_replica(self, slot: Slot, incarnation: str, restore: Callable[[Slot], None]) -> bool:
+        """Puts a restarted replica back in service as `incarnation` once
+        `restore(slot)` has brought it to the pool's weights and state.
+        `restore` runs under the pool's lock, so no control reaches the
+        replicas meanwhile and the replica misses none; if it raises, the
+        replica stays out of service and the exception propagates. False,
+        without calling `restore`, once the pool is shut down."""
+        with self._lock:
+            if self._closed:
+                return False
+            restore(slot)
+            slot.incarnation, slot.state = incarnation, "ready"
+            self._router.add(slot.index)
+            return True
+
+    def drop_replica(self, slot: Slot) -> None:
+        """Gives up on a replica for good: it never takes work again (the
+        pool goes on with the others)."""
+        with self._lock:
+            slot.state = "dropped"
+
+    def live_replica(self) -> Slot | None:
+        """A replica in service (the first one), or None."""
+        with self._lock:
+            return next((s for s in self._slots if s.state == "ready"), None)
+
     # ---- observation -----------------------------------------------------------------
     def replicas(self) -> list[dict[str, Any]]:
         """Per replica: index, state ("ready", "recovering", "dropped"), and,
@@ -347,9 +360,7 @@ class RolloutPool:
         self._release(ray)
 
     def _release(self, ray) -> None:
-        for s in self._slots:
-            ray.kill(s.actor, no_restart=True)
-            ray.util.remove_placement_group(s.group)
+        release_replicas(ray, self._slots)
         if self._owns_ray:
             ray.shutdown()
 
