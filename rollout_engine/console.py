@@ -1,18 +1,73 @@
-"""The `rollout-engine` command's entry point. The command's modules import
-torch, which takes a second or more: Ctrl-C in that time ends the command as
-Ctrl-C later does (one line, exit status 130), not with a traceback."""
+"""The `rollout-engine` command's entry point.
+
+The commands that run a model import torch and the engine first, which
+takes a second or more. A KeyboardInterrupt raised in the middle of an
+import can leave modules half-initialised and end in a traceback from deep
+inside a library, so while those imports run, Ctrl-C only sets a flag; the
+imports finish (or stop at the next one), then the command ends with one
+line and exit status 130, as Ctrl-C later does. After the command, a Ctrl-C
+while the interpreter shuts down exits at once with 130 and prints nothing.
+A Ctrl-C before Python has started running this module (its own startup, a
+few tens of milliseconds) is the interpreter's."""
 from __future__ import annotations
 
+import os
+import signal
 import sys
+
+INTERRUPTED = "rollout-engine: error: interrupted"
+# Commands that load a model, and what they import before they can start.
+HEAVY_IMPORTS = {command: ("torch", "rollout_engine.engine")
+                 for command in ("generate", "demo", "run", "bench", "serve")}
+
+
+class DeferredInterrupt:
+    """A SIGINT handler that only notes the signal."""
+
+    def __init__(self) -> None:
+        self.hit = False
+
+    def __call__(self, signum, frame) -> None:
+        self.hit = True
+
+
+def _quiet_exit(signum, frame) -> None:
+    os._exit(130)
+
+
+def import_deferring_interrupts(argv: list[str]):
+    """Import the command line and the modules `argv`'s command needs with
+    Ctrl-C deferred; the cli's `main`, or None if Ctrl-C came meanwhile."""
+    deferred = DeferredInterrupt()
+    previous = signal.signal(signal.SIGINT, deferred)
+    try:
+        from rollout_engine.cli import main as cli_main
+
+        command = next((a for a in argv if not a.startswith("-")), None)
+        for module in HEAVY_IMPORTS.get(command, ()):
+            if deferred.hit:
+                break
+            try:
+                __import__(module)
+            except ImportError:  # the command says what is missing, with its own message
+                break
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return None if deferred.hit else cli_main
 
 
 def main() -> int:
     try:
-        from rollout_engine.cli import main as cli_main
-    except KeyboardInterrupt:
-        print("rollout-engine: error: interrupted", file=sys.stderr)
-        return 130
-    return cli_main()
+        cli_main = import_deferring_interrupts(sys.argv[1:])
+    except KeyboardInterrupt:  # a handler other than ours was in place (e.g. an embedding program's)
+        cli_main = None
+    try:
+        if cli_main is None:
+            print(INTERRUPTED, file=sys.stderr)
+            return 130
+        return cli_main()
+    finally:
+        signal.signal(signal.SIGINT, _quiet_exit)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import subprocess
 import sys
 
@@ -222,12 +223,50 @@ def test_ctrl_c_while_the_command_imports_is_one_line(monkeypatch, capsys):
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", interrupted)
-    assert console.main() == 130
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        assert console.main() == 130
+    finally:
+        signal.signal(signal.SIGINT, handler)
     assert capsys.readouterr().err.strip() == "rollout-engine: error: interrupted"
     monkeypatch.undo()
     code = "import sys, rollout_engine; print('torch' in sys.modules); rollout_engine.SamplingParams"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
+
+
+def test_ctrl_c_during_the_heavy_imports_lets_them_finish(monkeypatch, capsys):
+    """Ctrl-C while a command's heavy imports run only sets a flag: the
+    import under way completes (no half-initialised module), the next is not
+    started, and the command ends with one line and 130 before it runs."""
+    import builtins
+
+    from rollout_engine import console
+
+    real, seen = builtins.__import__, []
+
+    def import_with_a_ctrl_c(name, *args, **kwargs):
+        if name == "torch" and not seen:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C in the middle of `import torch`
+            seen.append(name)
+            module = real(name, *args, **kwargs)
+            seen.append("torch imported whole")
+            return module
+        if name == "rollout_engine.engine":
+            seen.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", import_with_a_ctrl_c)
+    monkeypatch.setattr(sys, "argv", ["rollout-engine", "generate", "--prompt", "hi"])
+    monkeypatch.setattr("rollout_engine.cli.main", lambda *a: pytest.fail("the command ran after Ctrl-C"))
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        assert console.main() == 130
+        assert signal.getsignal(signal.SIGINT) is console._quiet_exit  # a Ctrl-C at shutdown exits quietly
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert seen == ["torch", "torch imported whole"]  # finished, and the engine's import not started
+    assert capsys.readouterr().err.strip() == console.INTERRUPTED
 
 
 @pytest.mark.parametrize("error, status", [(ValueError("bad\ninput"), 2), (FileNotFoundError("x"), 2),
