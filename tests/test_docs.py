@@ -12,7 +12,9 @@ A block that cannot run here says so on the line right before its fence
     <!-- slow: about a minute -->      run only with ROLLOUT_ENGINE_DOCS_SLOW=1
 
 Later blocks of a page must not need what a skipped block defines. At the
-end of a page, every engine or pool its namespace still holds is shut down.
+end of a page, every engine, pool or server process its namespace still
+holds is shut down.
+
 Relative links of the pages must point at files that exist (and headings
 that exist, for `#anchors`)."""
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import subprocess
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -97,9 +100,12 @@ RUNS: dict[str, PageRun] = {}
 
 
 def _shutdown(run: PageRun) -> None:
-    """Engines and pools the page left running are shut down (workers, Ray)."""
+    """Engines, pools and servers the page left running are shut down."""
     for value in list(run.namespace.values()):
-        if type(value).__module__.startswith("rollout_engine") and callable(getattr(value, "shutdown", None)):
+        if isinstance(value, subprocess.Popen) and value.poll() is None:
+            value.kill()
+            value.wait()
+        elif type(value).__module__.startswith("rollout_engine") and callable(getattr(value, "shutdown", None)):
             try:
                 value.shutdown()
             except Exception:  # noqa: BLE001 - the page's own result is what the test reports
