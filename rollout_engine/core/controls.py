@@ -114,9 +114,11 @@ class Controls:
         parts = self.parts
         if not parts.memory.resident("weights"):
             raise RuntimeError("cannot checksum weights while they are released; resume_memory(['weights']) first")
-        names = parts.updater.loader.full_names() if names is None else names
-        for name in names:
-            parts.updater.loader.shard_layout(name)  # ValueError naming an unknown one, before any rank is asked
+        if names is None:
+            names = parts.updater.loader.full_names()
+        else:
+            for name in names:
+                parts.updater.loader.shard_layout(name)  # ValueError naming an unknown one, before any rank is asked
         channel = parts.channel
         if channel is None:
             results = [self.ops.checksum_sums(names)]
