@@ -3,8 +3,14 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
-import torch
+# Many tests start several processes (TP ranks, servers, Ray replicas) on a
+# machine with few cores: OpenMP threads that spin while they wait would take
+# the cores from the processes doing work. Set before torch loads OpenMP, and
+# inherited by every process the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 

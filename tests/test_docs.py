@@ -5,15 +5,17 @@ one shared namespace (as a script would, `__name__ == "__main__"`), so a
 page builds an engine once and its later blocks use it; each block is its
 own test, named `page:line`. Blocks in other languages are not run.
 
-A block that cannot run here says so on the line right before its fence
-(docs/index.md, "About the examples"):
+A block that cannot run everywhere says so on the line right before its
+fence (docs/index.md, "About the examples"):
 
-    <!-- skip: needs a GPU -->         never run; reported as skipped with the reason
-    <!-- slow: about a minute -->      run only with ROLLOUT_ENGINE_DOCS_SLOW=1
+    <!-- gpu: needs CUDA -->           a `gpu` test: skipped without CUDA; runs alone,
+                                       in a namespace of its own (self-contained)
+    <!-- slow: about a minute -->      a `slow` test: run after the fast ones (.ci/run)
+    <!-- skip: serves until stopped --> never run; reported as skipped with the reason
 
-Later blocks of a page must not need what a skipped block defines. At the
-end of a page, every engine, pool or server process its namespace still
-holds is shut down.
+Later blocks of a page must not need what a gpu, slow or skipped block
+defines. At the end of a page, every engine, pool or server process its
+namespace still holds is shut down.
 
 Relative links of the pages must point at files that exist (and headings
 that exist, for `#anchors`)."""
@@ -30,8 +32,7 @@ from dataclasses import dataclass, field
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SLOW_ENV = "ROLLOUT_ENGINE_DOCS_SLOW"
-MARK = re.compile(r"^<!--\s*(skip|slow):\s*(.+?)\s*-->$")
+MARK = re.compile(r"^<!--\s*(skip|slow|gpu):\s*(.+?)\s*-->$")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 
 
@@ -44,7 +45,7 @@ class Block:
     page: str  # relative to the repository root
     line: int  # 1-based line of the block's first code line
     code: str
-    mark: tuple[str, str] | None  # ("skip" | "slow", reason)
+    mark: tuple[str, str] | None  # ("skip" | "slow" | "gpu", reason)
 
     @property
     def id(self) -> str:
@@ -82,10 +83,13 @@ def blocks_of(path: pathlib.Path) -> list[Block]:
 ALL_BLOCKS = [b for p in pages() for b in blocks_of(p)]
 
 
-def _runs(block: Block) -> bool:
-    if block.mark is None:
-        return True
-    return block.mark[0] == "slow" and os.environ.get(SLOW_ENV) == "1"
+def _kind(block: Block) -> str | None:
+    return block.mark[0] if block.mark else None
+
+
+def _param(block: Block):
+    marks = {"slow": [pytest.mark.slow], "gpu": [pytest.mark.gpu]}.get(_kind(block), [])
+    return pytest.param(block, marks=marks, id=block.id)
 
 
 @dataclass
@@ -136,24 +140,31 @@ def _execute(block: Block, run: PageRun, workdir: pathlib.Path) -> None:
         os.chdir(cwd)
 
 
-@pytest.mark.parametrize("block", ALL_BLOCKS, ids=[b.id for b in ALL_BLOCKS])
+@pytest.mark.parametrize("block", [_param(b) for b in ALL_BLOCKS])
 def test_example(block: Block, tmp_path_factory):
+    workdir = tmp_path_factory.getbasetemp() / ("docs-" + re.sub(r"\W", "-", block.page))
+    workdir.mkdir(exist_ok=True)
+    if _kind(block) == "skip":
+        pytest.skip(block.mark[1])
+    if _kind(block) == "gpu":  # self-contained, in a namespace of its own
+        alone = PageRun()
+        try:
+            _execute(block, alone, workdir)
+        finally:
+            _shutdown(alone)
+        return
     run = RUNS.setdefault(block.page, PageRun())
     page_blocks = [b for b in ALL_BLOCKS if b.page == block.page]
     index = page_blocks.index(block)
-    workdir = tmp_path_factory.getbasetemp() / ("docs-" + re.sub(r"\W", "-", block.page))
-    workdir.mkdir(exist_ok=True)
     try:
-        # Selected alone (-k): the page's earlier blocks run first.
+        # Selected alone (-k): the page's earlier blocks run first (slow ones
+        # only for a slow block).
         for earlier in page_blocks[run.done:index]:
-            if run.failed is None and _runs(earlier):
+            if run.failed is None and (_kind(earlier) is None or _kind(earlier) == _kind(block) == "slow"):
                 _execute(earlier, run, workdir)
         run.done = max(run.done, index)
         if run.failed is not None:
             pytest.skip(f"an earlier block of {block.page} failed ({run.failed})")
-        if block.mark is not None and not _runs(block):
-            kind, reason = block.mark
-            pytest.skip(reason if kind == "skip" else f"slow: {reason} (set {SLOW_ENV}=1 to run it)")
         _execute(block, run, workdir)
     finally:
         run.done = max(run.done, index + 1)
