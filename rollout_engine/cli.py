@@ -199,7 +199,7 @@ def _warn_if_long_on_cpu(args: argparse.Namespace) -> None:
         size = f"--scale {args.scale} and {args.n} samples per prompt"
     if tokens > CPU_QUICK_TOKENS:
         quick = ("--num-prompts 2 -n 2 --output-len 32 --prompt-min 32 --prompt-max 64" if args.workload == "grpo"
-                 else "--scale 0.001 -n 2")  # as the README says
+                 else "--scale 0.001 -n 2")  # as docs/benchmarks.md says
         print(f"{PROG} bench: note: on the CPU, {args.workload} with {size} generates ~{tokens:,.0f} tokens "
               f"and can take hours; for a quick look: {quick}", file=sys.stderr)
 

@@ -2,7 +2,7 @@
 arrive, become text increments that are safe to stream and to search for
 stop strings.
 
-Rule (README, "Use"): `output_token_ids` / `output_logprobs` keep every sampled
+Rule (docs/python-api.md, "Outputs"): `output_token_ids` / `output_logprobs` keep every sampled
 token, the tokens that formed a stop string included (a trainer trains on
 what was sampled); the text ends right before the first stop string. The
 concatenation of all increments of a request is its text, so a stream's

@@ -1,4 +1,4 @@
-"""RolloutEngine: the public, in-process entry point (API: README.md, "Use").
+"""RolloutEngine: the public, in-process entry point (API: docs/python-api.md).
 
 A facade: it validates arguments, submits to the engine's step loop
 (core/engine_core.py) and waits. Building the parts, the loop, the RL
@@ -91,7 +91,7 @@ class RolloutEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                        version: int | None = None, flush_cache: bool = True) -> int:
         """Copy new weights in place (HF names); returns the new version. A list or dict: all or nothing;
-        a generator is streamed (README, "New weights from the trainer")."""
+        a generator is streamed (docs/rl-loop.md, "New weights from the trainer")."""
         warn_flush_cache(flush_cache)
         named_tensors = update_items(named_tensors)
         return self._call("update_weights", named_tensors, version)
@@ -160,7 +160,7 @@ class RolloutEngine:
         return self._call("cache_stats")
 
     def metrics(self) -> dict:
-        """Counters and timings since the engine started (README, "Use")."""
+        """Counters and timings since the engine started (docs/python-api.md, "Observing an engine")."""
         return self._call("metrics")
 
     def check_integrity(self) -> None:

@@ -1,5 +1,5 @@
-"""RolloutPool: many engines behind one API, each in a Ray actor (README,
-"Scale-out on Ray").
+"""RolloutPool: many engines behind one API, each in a Ray actor
+(docs/ray.md).
 
 Ray places the replicas (placement.py: one placement group per replica,
 `tp_size` GPUs packed on one node, or CPUs), owns their processes and
