@@ -15,7 +15,7 @@ def _prompts(n, seed=0):
     return [[rng.randrange(512) for _ in range(rng.randrange(3, 60))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("page_size", [pytest.param(1, marks=pytest.mark.slow), 4])  # page 1: many more steps
 def test_alone_equals_in_batch_with_tight_memory(llama, page_size):
     _, folder = llama
     prompts = _prompts(16)

@@ -61,6 +61,7 @@ def test_engine_and_trainer_agree_and_follow_updates(llama):
     assert len(engine.weights_checksum([name])) == 1  # still usable
 
 
+@pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
 def test_tensor_parallel_ranks_give_the_tp1_digests(tmp_path):
     """bf16, a vocabulary that does not divide by the ranks (padding rows),
     biases split over ranks, and at tp=4 K/V heads replicated on two ranks."""

@@ -146,6 +146,7 @@ def test_fidelity_score_under_sampling_params_equals_processed_logprobs_bitwise(
     assert mixed[0].prompt_logprobs[cut[0]:] == scores[0] and mixed[1].prompt_logprobs[cut[1]:] == raw[1]
 
 
+@pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
 def test_tensor_parallel_two_ranks_stays_batch_invariant(tmp_path):
     folder = save_model(make_hf_model("llama", seed=1, num_hidden_layers=2), tmp_path / "m")
     target, others, params = _prompts()

@@ -10,6 +10,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.slow  # trains for many steps; run by .ci/run after the fast tests
+
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
 

@@ -13,6 +13,8 @@ import pytest
 from models import make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams
 
+pytestmark = pytest.mark.slow  # starts a Ray cluster and a pool per test; run by .ci/run after the fast tests
+
 ray = pytest.importorskip("ray")
 
 ENGINE = dict(device="cpu", max_total_tokens=4096)

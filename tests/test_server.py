@@ -268,6 +268,7 @@ ABUSE = [
 ]
 
 
+@pytest.mark.slow  # many requests; run by .ci/run after the fast tests
 def test_abuse_gets_4xx_never_500_and_the_server_stays_up(server):
     good = {"text": PROMPTS[0], "sampling_params": GREEDY}
     for path, raw in ABUSE:
@@ -437,6 +438,7 @@ async def _load(url: str, tag: str, requests: int = LOAD_REQUESTS, clients: int 
     return answers, rejected
 
 
+@pytest.mark.slow  # a load test; run by .ci/run after the fast tests
 def test_load_from_64_clients_loses_nothing_and_memory_settles(smollm2_dir):
     import asyncio
 
@@ -516,6 +518,7 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+@pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
 def test_a_tp2_server_answers_and_leaves_no_worker_behind(tmp_path):
     from models import make_hf_model, save_model
 

@@ -60,6 +60,7 @@ def test_tp2_equals_tp1(tmp_path_factory, kind, overrides):
     assert stats["matched_tokens"] > 0  # the shared system prompt came from the prefix cache
 
 
+@pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
 def test_tp4_equals_tp1_with_retraction_under_a_tight_pool(tmp_path_factory):
     folder = _folder(tmp_path_factory, "llama", num_key_value_heads=2, vocab_size=510)
     one, _ = _run(folder, 1, 60, max_total_tokens=200, max_prefill_tokens=64)
@@ -138,7 +139,8 @@ def _embedded(world: int, tp: int, folder: str, second_folder: str) -> list:
     return sorted(_gather(procs, out, world), key=lambda r: r[0])
 
 
-@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (4, 4)])
+@pytest.mark.parametrize("world,tp", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow),
+                                      pytest.param(4, 4, marks=pytest.mark.slow)])
 def test_embedded_ranks_form_engines_and_agree(tmp_path_factory, world, tp):
     """Every rank of a gloo job constructs RolloutEngine(tp_size=tp); each
     consecutive block of tp ranks is one engine, and every rank returns the
@@ -158,6 +160,7 @@ def test_embedded_ranks_form_engines_and_agree(tmp_path_factory, world, tp):
         assert version == 1 and after == want_second, rank
 
 
+@pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
 def test_embedded_world_not_a_multiple_of_tp_size_is_refused_on_every_rank(tmp_path_factory):
     folder = _folder(tmp_path_factory, "llama")
     results = _embedded(3, 2, folder, folder)
@@ -218,7 +221,7 @@ def test_get_weight_joins_every_rank_part(tmp_path_factory):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
+@pytest.mark.parametrize("on_gpu", [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
 def test_fsdp_over_two_ranks_syncs_into_one_tp2_engine(tmp_path_factory, on_gpu):
     """FSDP2 over two ranks (gloo on the CPU; NCCL, one GPU each), and one
     TP=2 engine over the same two processes: `sync_to_engine` on both ranks,
@@ -263,6 +266,7 @@ def test_a_group_name_used_before_on_any_rank_skips_the_one_shot_setup():
     assert sorted(_gather(procs, out, 2)) == [(0, False, True, False), (1, False, True, False)]
 
 
+@pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
 def test_a_script_without_a_main_guard_gets_an_error_not_a_hang(tmp_path_factory, tmp_path):
     """Workers start with multiprocessing's spawn, which imports the main
     script again; without `if __name__ == "__main__":` the worker fails on

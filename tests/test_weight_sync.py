@@ -77,7 +77,7 @@ def test_trainer_process_broadcasts_to_engine_process(llama, tmp_path):
 import pytest  # noqa: E402
 
 
-@pytest.mark.parametrize("kind", [2, pytest.param(1, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
+@pytest.mark.parametrize("kind", [pytest.param(2, marks=pytest.mark.slow), pytest.param(1, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
 def test_fsdp_ranks_update_their_colocated_engines(llama, tmp_path, kind):
     """FSDP2 runs on CPU ranks; FSDP1 needs an accelerator (one GPU per rank)."""
     import torch
