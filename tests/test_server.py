@@ -330,6 +330,7 @@ def test_a_disconnected_stream_frees_its_kv(server):
     assert 'rollout_engine_finished_requests_total{reason="abort"}' in metrics
 
 
+@pytest.mark.slow  # a server subprocess of its own; run by .ci/run after the fast tests
 def test_api_key_and_sigterm_during_requests(smollm2_dir):
     srv = Server(smollm2_dir, "--api-key", "s3cret")
     try:
@@ -380,6 +381,7 @@ def test_the_readme_examples_run(server):
     assert out.returncode == 0 and out.stdout.strip(), out.stdout + out.stderr
 
 
+@pytest.mark.slow  # a server subprocess of its own; run by .ci/run after the fast tests
 def test_serve_refuses_a_busy_port_and_bad_flags_before_loading(smollm2_dir):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

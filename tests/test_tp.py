@@ -45,9 +45,9 @@ def _same(a: list, b: list) -> None:
 
 MATRIX = [
     ("llama", {}),
-    ("qwen2", {}),  # qkv biases
+    pytest.param("qwen2", {}, marks=pytest.mark.slow),  # qkv biases
     ("qwen3", {"vocab_size": 509}),  # q/k norms; a vocabulary not divisible by the ranks
-    ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: replicated
+    pytest.param("llama", {"num_key_value_heads": 1}, marks=pytest.mark.slow),  # fewer KV heads than ranks: replicated
 ]
 
 
@@ -168,6 +168,7 @@ def test_embedded_world_not_a_multiple_of_tp_size_is_refused_on_every_rank(tmp_p
     assert all("must divide the world size 3" in r[2] for r in results)
 
 
+@pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
 def test_workers_exit_when_the_engine_process_is_killed(tmp_path_factory):
     import signal
     import subprocess
@@ -205,6 +206,7 @@ def _running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
 def test_get_weight_joins_every_rank_part(tmp_path_factory):
     """Column, row, fused q/k/v (with KV heads replicated over ranks), gate/up,
     the padded vocabulary and replicated norms: the whole HF tensor back."""
