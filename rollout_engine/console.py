@@ -8,7 +8,8 @@ imports finish (or stop at the next one), then the command ends with one
 line and exit status 130, as Ctrl-C later does. After the command, a Ctrl-C
 while the interpreter shuts down exits at once with 130 and prints nothing.
 A Ctrl-C before Python has started running this module (its own startup, a
-few tens of milliseconds) is the interpreter's."""
+few tens of milliseconds) is the interpreter's. A command started with
+Ctrl-C ignored (a script's background job) keeps ignoring it throughout."""
 from __future__ import annotations
 
 import os
@@ -39,7 +40,9 @@ def import_deferring_interrupts(argv: list[str]):
     """Import the command line and the modules `argv`'s command needs with
     Ctrl-C deferred; the cli's `main`, or None if Ctrl-C came meanwhile."""
     deferred = DeferredInterrupt()
-    previous = signal.signal(signal.SIGINT, deferred)
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.SIG_IGN:  # started with Ctrl-C ignored (a script's background job): keep so
+        signal.signal(signal.SIGINT, deferred)
     try:
         from rollout_engine.cli import main as cli_main
 
@@ -61,13 +64,17 @@ def main() -> int:
         cli_main = import_deferring_interrupts(sys.argv[1:])
     except KeyboardInterrupt:  # a handler other than ours was in place (e.g. an embedding program's)
         cli_main = None
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     try:
         if cli_main is None:
             print(INTERRUPTED, file=sys.stderr)
             return 130
         return cli_main()
+    except KeyboardInterrupt:  # a second Ctrl-C while the command was cleaning up after the first
+        return 130
     finally:
-        signal.signal(signal.SIGINT, _quiet_exit)
+        if not ignored:
+            signal.signal(signal.SIGINT, _quiet_exit)
 
 
 if __name__ == "__main__":

@@ -269,6 +269,21 @@ def test_ctrl_c_during_the_heavy_imports_lets_them_finish(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == console.INTERRUPTED
 
 
+def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it(monkeypatch):
+    """A script's background job starts with SIGINT ignored: the command
+    neither catches it during startup nor installs a handler afterwards."""
+    from rollout_engine import console
+
+    monkeypatch.setattr(sys, "argv", ["rollout-engine", "--version"])
+    monkeypatch.setattr("rollout_engine.cli.main", lambda *a: 0)
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert console.main() == 0
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
 @pytest.mark.parametrize("error, status", [(ValueError("bad\ninput"), 2), (FileNotFoundError("x"), 2),
                                            (RuntimeError("boom"), 1), (KeyboardInterrupt(), 130)])
 def test_errors_escaping_a_command_are_one_line(llama, error, status, capsys, monkeypatch):
