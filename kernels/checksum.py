@@ -84,7 +84,6 @@ def block_sums_ref(block: torch.Tensor, row_words: int, row0: int, word0: int) -
 # tensor (in words), words per row of the block, row stride (in words), rows,
 # programs per row, first program, position of the first word (row0 *
 # row_words + word0), words per row of the full tensor.
-_OFF, _NW, _STRIDE, _ROWS, _PER_ROW, _FIRST, _POS0, _ROW_WORDS = range(8)
 
 
 @functools.cache
@@ -184,15 +183,16 @@ class SumPlan:
         """(base tensor, block table, block of each program, owner of each
         program, programs, aligned) for one launch over `group`, [(owner,
         words, rows, nw, skip, stride, pos0, row_words)]."""
-        base, table, owners, first = group[0][1], [], [], 0
+        base, table, owners, counts, first = group[0][1], [], [], [], 0
         for owner, words, rows, nw, skip, stride, pos0, row_words in group:
             per_row = cdiv(nw, BLOCK_WORDS * ITERS)
             off = (words.data_ptr() - base.data_ptr()) // 4 + skip
             table.append((off, nw, stride, rows, per_row, first, pos0, row_words))
             owners.append(owner)
+            counts.append(rows * per_row)
             first += rows * per_row
         table_d = torch.tensor(table, dtype=torch.int64).to(self.device)
-        counts = torch.tensor([t[_ROWS] * t[_PER_ROW] for t in table]).to(self.device)
+        counts = torch.tensor(counts).to(self.device)
         block_of = torch.repeat_interleave(torch.arange(len(table), device=self.device, dtype=torch.int32),
                                            counts, output_size=first)
         owner_of = torch.tensor(owners).to(self.device)[block_of.long()]

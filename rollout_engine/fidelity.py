@@ -117,10 +117,10 @@ def weights_checksum(named_tensors, dtype: torch.dtype | str) -> dict[str, str]:
     digests mean the engine holds exactly these values. `named_tensors`: a
     dict, or (name, tensor) pairs such as `model.named_parameters()` (names
     as the engine's, e.g. through integrations.fsdp.iter_hf_tensors)."""
+    from collections.abc import Mapping
+
     from rollout_engine.kernels.checksum import digest, many_sums, whole
     from rollout_engine.weights.loader import pairs
-
-    from collections.abc import Mapping
 
     resolved = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
     if not isinstance(resolved, torch.dtype):

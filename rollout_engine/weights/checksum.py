@@ -5,7 +5,7 @@ adds the ranks' sums. A tensor held in a layout that is no such block is
 joined on rank 0 first (slow, but none of the current layers needs it)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -13,6 +13,13 @@ from rollout_engine.kernels.checksum import SumPlan, digest, tensor_sums, words_
 from rollout_engine.weights.loader import WeightLoader
 
 Sums = dict[str, tuple[int, int]]
+
+
+class _Kept(NamedTuple):
+    addresses: tuple[int, ...]  # of every parameter when the plan was built
+    names: list[str]  # the names the plan hashes, in its order
+    plan: SumPlan | None
+    joined: list[str]  # names to join on rank 0 instead
 
 
 def _block(loader: WeightLoader, name: str, tp_rank: int, tp_size: int):
@@ -61,12 +68,12 @@ class RankChecksums:
 
     def __init__(self, loader: WeightLoader, tp_rank: int = 0, tp_size: int = 1) -> None:
         self.loader, self.tp_rank, self.tp_size = loader, tp_rank, tp_size
-        self._plans: dict[tuple[str, ...], tuple] = {}
+        self._plans: dict[tuple[str, ...], _Kept] = {}
 
     def _addresses(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self.loader.params.values())
 
-    def _plan(self, names: tuple[str, ...]):
+    def _plan(self, names: tuple[str, ...], addresses: tuple[int, ...]) -> _Kept:
         blocks, joined = {}, []
         for name in names:
             block = _block(self.loader, name, self.tp_rank, self.tp_size)
@@ -74,25 +81,24 @@ class RankChecksums:
                 joined.append(name)
             elif block is not None:
                 blocks[name] = block
-        return list(blocks), (SumPlan(list(blocks.values())) if blocks else None), joined
+        return _Kept(addresses, list(blocks), SumPlan(list(blocks.values())) if blocks else None, joined)
 
     def sums(self, names: Sequence[str]) -> tuple[Sums, list[str]]:
         """Lane sums per name (one host read for all of them), and the names
         whose blocks must be joined on rank 0 instead."""
         key, addresses = tuple(names), self._addresses()
         kept = self._plans.pop(key, None)
-        if kept is None or kept[0] != addresses:
+        if kept is None or kept.addresses != addresses:
             with torch.no_grad():
-                kept = (addresses, *self._plan(key))
+                kept = self._plan(key, addresses)
         self._plans[key] = kept
         while len(self._plans) > self.KEEP:
             self._plans.pop(next(iter(self._plans)))
-        _, named, plan, joined = kept
-        if plan is None:
-            return {}, joined
+        if kept.plan is None:
+            return {}, kept.joined
         with torch.no_grad():
-            host = plan.run().cpu().tolist()
-        return {name: (a, b) for name, (a, b) in zip(named, host)}, joined
+            host = kept.plan.run().cpu().tolist()
+        return {name: (a, b) for name, (a, b) in zip(kept.names, host)}, kept.joined
 
 
 def combine(per_rank: Sequence[Sums], names: Sequence[str], joined: dict[str, torch.Tensor]) -> dict[str, str]:
