@@ -17,6 +17,8 @@ def kv_bytes_per_token(mc: ModelConfig, num_kv_heads: int, dtype: torch.dtype) -
 def activation_reserve(cfg: EngineConfig, mc: ModelConfig, dtype_bytes: int) -> int:
     """Room kept free for one step's activations, logits and sampling."""
     per_token = 4 * mc.hidden_size + 2 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size
+    if mc.moe is not None:  # each token's top-k expert rows: gate/up, activation, fp32 outputs
+        per_token += mc.moe.top_k * (3 * mc.moe.intermediate_size + 2 * mc.hidden_size) + mc.moe.num_experts
     acts = cfg.max_prefill_tokens * per_token * dtype_bytes * 2
     sampling = cfg.max_running_requests * mc.vocab_size * 4 * 8
     return (1 << 30) + acts + sampling

@@ -8,6 +8,20 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             initializer_range=0.15, eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
+# Tiny MoE configs: a dense layer among the sparse ones where the
+# architecture has them (Qwen's mlp_only_layers), a shared expert (Qwen2-MoE),
+# renormalized top-k or not, and experts narrower than the dense MLP.
+MOE = {
+    "qwen3_moe": ("Qwen3Moe", dict(head_dim=32, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                                   moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2Moe", dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
+                                   moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                   norm_topk_prob=False, decoder_sparse_step=2)),
+    "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    "olmoe": ("Olmoe", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+}
+
+
 def make_hf_model(kind: str, tie: bool = False, seed: int = 0, **overrides):
     import transformers
 
@@ -28,9 +42,13 @@ def make_hf_model(kind: str, tie: bool = False, seed: int = 0, **overrides):
         kw.setdefault("head_dim", 32)
         config = transformers.Qwen3Config(**kw)
         model = transformers.Qwen3ForCausalLM(config)
+    elif kind in MOE:
+        name, extra = MOE[kind]
+        config = getattr(transformers, f"{name}Config")(**{**kw, **extra, **overrides})
+        model = getattr(transformers, f"{name}ForCausalLM")(config)
     else:
         raise ValueError(kind)
-    if kind == "qwen2":  # random biases, so that the qkv bias path is exercised
+    if kind in ("qwen2", "qwen2_moe"):  # random biases, so that the qkv bias path is exercised
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("bias"):

@@ -43,25 +43,51 @@ def measure_device() -> DeviceLimits:
 
 @dataclass(frozen=True)
 class ModelCosts:
-    weight_bytes_per_step: float  # W = 2 * (non-embedding params + vocab * hidden)
+    weight_bytes_per_step: float  # dense: W = 2 * (non-embedding params + vocab * hidden); MoE: without experts
     kv_bytes_per_token: float
-    flops_per_token: float  # 2 * non-embedding params
+    flops_per_token: float  # 2 * non-embedding params (MoE: the active ones)
+    # MoE: the bytes of one expert in every sparse layer; a step reads the
+    # experts that at least one token of its batch selects
+    expert_bytes: float = 0.0
+    num_experts: int = 0
+    top_k: int = 0
 
     @staticmethod
     def of(mc: ModelConfig, dtype_bytes: int = 2) -> "ModelCosts":
         h, i = mc.hidden_size, mc.intermediate_size
-        per_layer = h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h + 3 * h * i + 2 * h
-        non_emb = mc.num_layers * per_layer + h
+        attention = h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h + 2 * h
+        moe, sparse = mc.moe, 0 if mc.moe is None else len(mc.moe.sparse_layers)
+        dense = (mc.num_layers - sparse) * (attention + 3 * h * i) + sparse * attention + h
+        expert = active = 0
+        if moe is not None:
+            dense += sparse * (moe.num_experts * h + 3 * h * moe.shared_expert_intermediate_size
+                               + h * bool(moe.shared_expert_intermediate_size))
+            expert = sparse * 3 * h * moe.intermediate_size
+            active = moe.top_k * expert
         return ModelCosts(
-            weight_bytes_per_step=dtype_bytes * (non_emb + mc.vocab_size * h),
+            weight_bytes_per_step=dtype_bytes * (dense + mc.vocab_size * h),
             kv_bytes_per_token=2 * mc.num_layers * mc.kv_size * dtype_bytes,
-            flops_per_token=2 * non_emb,
+            flops_per_token=2 * (dense + active),
+            expert_bytes=dtype_bytes * expert,
+            num_experts=0 if moe is None else moe.num_experts,
+            top_k=0 if moe is None else moe.top_k,
         )
+
+    def expected_experts(self, batch: int) -> float:
+        """Distinct experts a layer's batch of `batch` tokens selects, for
+        uniform routing: E * (1 - (1 - k/E)^B)."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
+
+    def step_weight_bytes(self, batch: int) -> float:
+        """Weight bytes a decode step of `batch` tokens reads."""
+        return self.weight_bytes_per_step + self.expected_experts(batch) * self.expert_bytes
 
 
 def decode_step_floor(costs: ModelCosts, limits: DeviceLimits, batch: int, mean_context: float) -> float:
-    """Seconds: every weight and every cached K/V read once."""
-    return (costs.weight_bytes_per_step + batch * mean_context * costs.kv_bytes_per_token) / limits.bandwidth
+    """Seconds: every weight the step needs and every cached K/V read once."""
+    return (costs.step_weight_bytes(batch) + batch * mean_context * costs.kv_bytes_per_token) / limits.bandwidth
 
 
 def prefill_ceiling(costs: ModelCosts, limits: DeviceLimits) -> float:
@@ -83,6 +109,7 @@ def workload_roofline(costs: ModelCosts, limits: DeviceLimits, input_lens: list[
         batch, pending = pending[:max_batch], pending[max_batch:]
         steps = max(o for _, o in batch)
         for t in range(steps):
-            ctx = sum(i + t for i, o in batch if o > t)
-            decode_s += (costs.weight_bytes_per_step + ctx * costs.kv_bytes_per_token) / limits.bandwidth
+            running = [i + t for i, o in batch if o > t]
+            decode_s += (costs.step_weight_bytes(len(running)) + sum(running) * costs.kv_bytes_per_token
+                         ) / limits.bandwidth
     return tokens / (prefill_s + decode_s)

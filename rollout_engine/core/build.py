@@ -82,6 +82,11 @@ def _tp_problem(mc: ModelConfig, k: int) -> str | None:
         return f"and the model's KV heads ({mc.num_kv_heads}) must divide one another"
     if mc.intermediate_size % k:
         return f"must divide the model's intermediate size ({mc.intermediate_size})"
+    if mc.moe is not None:
+        for what, size in (("experts' intermediate size", mc.moe.intermediate_size),
+                           ("shared expert's intermediate size", mc.moe.shared_expert_intermediate_size)):
+            if size % k:
+                return f"must divide the {what} ({size})"
     return None
 
 

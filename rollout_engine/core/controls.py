@@ -100,13 +100,15 @@ class Controls:
         loader, channel = self.parts.updater.loader, self.parts.channel
         if channel is None:
             return loader.read(name)
-        dim, replicas, trim = loader.shard_layout(name)  # checks the name before any rank is asked
+        layout = loader.shard_layout(name)  # checks the name before any rank is asked
         args = None if channel.embedded else (name,)
         parts = channel.call_all("read_weight", args, lambda: self.ops.read_weight(name))
+        dim = layout.dim
         if dim is None:
             return parts[0]
-        full = torch.cat(parts[::replicas], dim=dim)
-        return full if trim is None else full.narrow(dim, 0, trim)
+        pieces = [p.chunk(layout.pieces, dim) for p in parts[::layout.replicas]]
+        full = torch.cat([piece[i] for i in range(layout.pieces) for piece in pieces], dim=dim)
+        return full if layout.trim is None else full.narrow(dim, 0, layout.trim)
 
     def weights_checksum(self, names: list[str] | None) -> dict[str, str]:
         from rollout_engine.weights.checksum import combine

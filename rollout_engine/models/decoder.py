@@ -1,5 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k
-RMSNorm) built from TP-aware layers. No distributed code here: layers take a
+RMSNorm) and its MoE variants (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE with
+q/k RMSNorm over the whole projections: a sparse MLP in the layers the
+config names) built from TP-aware layers. No distributed code here: layers take a
 TPComm and do their own collectives."""
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from rollout_engine.kernels.gemv import NORM_MAX_K, RopeStore, norm_gemv, one_ro
 from rollout_engine.layers.attention import PagedAttention
 from rollout_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from rollout_engine.layers.norm import RMSNorm
+from rollout_engine.layers.moe import SparseMoeBlock
+from rollout_engine.layers.norm import RMSNorm, ShardedRMSNorm
 from rollout_engine.layers.rotary import RotaryEmbedding
 from rollout_engine.models.config import ModelConfig
 
@@ -42,10 +45,17 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
         p = self.qkv_proj
+        self.norms_whole = cfg.qk_norm_whole
+        if cfg.qk_norm_whole:  # over the whole q and k projections (this rank's slices of them)
+            rank = comm.tp_rank
+            self.q_norm = ShardedRMSNorm(p.q_size, rank, cfg.rms_norm_eps, comm)
+            self.k_norm = ShardedRMSNorm(p.kv_size, rank // p.kv_replicas, cfg.rms_norm_eps, comm,
+                                         p.kv_replicas)
         self.attn = PagedAttention(layer_id, p.num_heads, p.num_kv_heads, cfg.head_dim)
         # At one row the qkv product also rotates q and k and stores K/V (`one_row_q`); not after q/k norms,
         # which need whole heads.
-        self.rope_in_product = not cfg.qk_norm and pairs_fit(*p.weight.shape, cfg.head_dim)
+        self.rope_in_product = (not cfg.qk_norm and not cfg.qk_norm_whole
+                                and pairs_fit(*p.weight.shape, cfg.head_dim))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
         return self.attend(self._rotate_and_store(positions, self.qkv_proj(x), fb), fb)
@@ -58,11 +68,13 @@ class DecoderAttention(nn.Module):
     def _rotate_and_store(self, positions: torch.Tensor, qkv: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
         p = self.qkv_proj
         q, k, v = qkv.split([p.q_size, p.kv_size, p.kv_size], dim=-1)
+        if self.norms_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, p.num_heads, p.head_dim)
         k = k.view(-1, p.num_kv_heads, p.head_dim)
         v = v.view(-1, p.num_kv_heads, p.head_dim)
         qk_norm = None
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norms_whole:
             if use_kernel(q):  # normalised inside the rotary kernel
                 qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             else:
@@ -118,7 +130,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, comm: TPComm):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, layer_id, rotary, comm)
-        self.mlp = DecoderMLP(cfg, comm)
+        sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_id)
+        self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe, comm) if sparse else DecoderMLP(cfg, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -163,12 +176,17 @@ class DecoderLayer(nn.Module):
         norm = self.input_layernorm
         for residual in (None, x):  # the first layer's qkv has no residual to add
             norm_gemv(x, residual, norm.weight, norm.eps, w, p.bias, rope=rope)
-        mlp.one_row_act(x, x, self.post_attention_layernorm)
+        if isinstance(mlp, DecoderMLP):
+            mlp.one_row_act(x, x, self.post_attention_layernorm)
 
     def _forward_one_row(self, positions, x, residual, fb):
         attn, mlp = self.self_attn, self.mlp
         q, residual = attn.one_row_q(positions, x, residual, self.input_layernorm, fb)
-        act, residual = mlp.one_row_act(attn.attend(q, fb).contiguous(), residual, self.post_attention_layernorm)
+        h = attn.attend(q, fb).contiguous()
+        if not isinstance(mlp, DecoderMLP):  # the sparse MLP: its router and experts take the normed rows
+            h, residual = self.post_attention_layernorm(h, residual)
+            return mlp(h), residual
+        act, residual = mlp.one_row_act(h, residual, self.post_attention_layernorm)
         return mlp.down_proj(act), residual
 
 

@@ -31,6 +31,30 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=8192),
     ),
+    # MoE
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
+        rope_theta=1000000.0, tie_word_embeddings=False, eos_token_id=151645,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    "qwen1.5-moe-a2.7b": dict(
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", vocab_size=151936,
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=16, rms_norm_eps=1e-6, max_position_embeddings=8192,
+        rope_theta=1000000.0, tie_word_embeddings=False, eos_token_id=151643,
+        num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    "olmoe-1b-7b": dict(
+        architectures=["OlmoeForCausalLM"], model_type="olmoe", vocab_size=50304,
+        hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, rms_norm_eps=1e-5, max_position_embeddings=4096,
+        rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=50279,
+        num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+    ),
 }
 
 

@@ -27,7 +27,9 @@ def _block(loader: WeightLoader, name: str, tp_rank: int, tp_size: int):
     None when this rank adds nothing (a replica), or "join" when the block is
     not rectangular in whole words."""
     local = loader.view(name)
-    dim, replicas, trim = loader.shard_layout(name) if tp_size > 1 else (None, 1, None)
+    dim, replicas, trim, pieces = loader.shard_layout(name) if tp_size > 1 else (None, 1, None, 1)
+    if pieces > 1:
+        return "join"
     if dim is None:
         if tp_rank:
             return None
@@ -46,8 +48,9 @@ def _block(loader: WeightLoader, name: str, tp_rank: int, tp_size: int):
             full_rows = rows * parts if trim is None else trim
             block = local[: max(0, min(rows, full_rows - row0))].reshape(-1, local[0].numel())
             cols, col0 = None, 0
-        elif dim == 1 and local.dim() == 2:
-            block, cols, row0, col0 = local, local.shape[1] * parts, 0, part * local.shape[1]
+        elif dim == local.dim() - 1:  # split along the last dimension: a column block of a 2-D view
+            block = local.reshape(-1, local.shape[-1])
+            cols, row0, col0 = local.shape[-1] * parts, 0, part * local.shape[-1]
         else:
             return "join"
     cols = block.shape[1] if cols is None else cols

@@ -9,17 +9,32 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
 
 from rollout_engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)
+from rollout_engine.layers.moe import DOWN, GATE, UP, MoeExperts
 from rollout_engine.layers.weight_copy import FINITE_CHECK, VALIDATE_ONLY, FiniteCheck, copy_into
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A checkpoint's per-expert tensor: Qwen/OLMoE names and Mixtral's w1 (gate), w3 (up), w2 (down).
+PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj|w1|w3|w2)"
+                        r"\.weight$")
+EXPERT_PARTS = {"gate_proj": GATE, "w1": GATE, "up_proj": UP, "w3": UP, "down_proj": DOWN, "w2": DOWN}
+RENAMED = ((".block_sparse_moe.", ".mlp."),)  # Mixtral checkpoints' MoE block -> transformers 5's in-memory name
+
+
+class ShardLayout(NamedTuple):
+    """How tensor-parallel ranks hold one Hugging Face tensor."""
+    dim: int | None  # the dimension it is split along; None when every rank holds all of it
+    replicas: int = 1  # consecutive ranks holding the same slice
+    trim: int | None = None  # the full size to trim the joined dimension to
+    pieces: int = 1  # each rank's slice is this many equal pieces along `dim`, joined piece by piece
 
 
 def pairs(named_tensors) -> Iterator[tuple[str, torch.Tensor]]:
@@ -56,6 +71,18 @@ class WeightLoader:
             return None
         if self.tied and hf_name == "lm_head.weight":
             return None  # the embedding is the head
+        for old, new in RENAMED:
+            hf_name = hf_name.replace(old, new)
+        expert = PER_EXPERT.match(hf_name)
+        if expert:
+            part = EXPERT_PARTS[expert["part"]]
+            name = f"{expert['experts']}.{'down_proj' if part == DOWN else 'gate_up_proj'}"
+            if name not in self.params:
+                raise ValueError(f"unknown weight name {hf_name!r}")
+            index, count = int(expert["expert"]), self.model.get_submodule(expert["experts"]).num_experts
+            if index >= count:
+                raise ValueError(f"{hf_name}: expert index {index} is out of range (num_experts={count})")
+            return Target(name, (index, part))
         for hf_part, our_part, shard_id in self.stacked:
             token = f".{hf_part}."
             if token in hf_name:
@@ -66,8 +93,18 @@ class WeightLoader:
             return Target(hf_name, None)
         raise ValueError(f"unknown weight name {hf_name!r}")
 
+    def units(self, target: Target) -> list[Target]:
+        """The (parameter, shard) units `target` writes: an expert tensor in
+        the fused layout writes every expert's part; anything else itself."""
+        owner = self.model.get_submodule(target.param_name.rsplit(".", 1)[0])
+        if not isinstance(owner, MoeExperts) or target.shard_id is not None:
+            return [target]
+        parts = (DOWN,) if target.param_name.endswith(".down_proj") else (GATE, UP)
+        return [Target(target.param_name, (e, p)) for e in range(owner.num_experts) for p in parts]
+
     def full_names(self) -> list[str]:
-        """The HF names that together cover every parameter."""
+        """The HF names that together cover every parameter (experts under
+        their fused names, as transformers 5 keeps them in memory)."""
         names = []
         reverse = {our: [] for _, our, _ in self.stacked}
         for hf_part, our_part, _ in self.stacked:
@@ -90,7 +127,8 @@ class WeightLoader:
         for name in self.full_names():
             target = self.resolve(name)
             if target is not None:
-                out.setdefault(target, name)
+                for unit in self.units(target):
+                    out.setdefault(unit, name)
         return out
 
     def _load_one(self, hf_name: str, tensor: torch.Tensor) -> Target | None:
@@ -147,17 +185,14 @@ class WeightLoader:
                     check.start(hf_name)
                     target = self._load_one(hf_name, tensor)
                     if target is not None:
-                        written.add(target)
+                        written.update(self.units(target))
         finally:
             FINITE_CHECK.reset(token)
         check.raise_if_bad(refused=False)
         return written
 
-    def shard_layout(self, hf_name: str) -> tuple[int | None, int, int | None]:
-        """How tensor-parallel ranks hold `hf_name`: (the dimension it is split
-        along, or None when every rank holds all of it; the number of
-        consecutive ranks holding the same slice; the full size to trim the
-        joined dimension to, or None)."""
+    def shard_layout(self, hf_name: str) -> ShardLayout:
+        """How tensor-parallel ranks hold `hf_name` (ShardLayout)."""
         if self.tied and hf_name == "lm_head.weight":
             hf_name = "model.embed_tokens.weight"
         target = self.resolve(hf_name)
@@ -166,14 +201,21 @@ class WeightLoader:
         owner = self.model.get_submodule(target.param_name.rsplit(".", 1)[0])
         leaf = target.param_name.rsplit(".", 1)[1]
         if isinstance(owner, QKVParallelLinear):
-            return 0, (owner.kv_replicas if target.shard_id in ("k", "v") else 1), None
+            return ShardLayout(0, owner.kv_replicas if target.shard_id in ("k", "v") else 1)
         if isinstance(owner, ColumnParallelLinear):
-            return 0, 1, None
+            return ShardLayout(0)
         if isinstance(owner, RowParallelLinear):
-            return (1, 1, None) if leaf == "weight" else (None, 1, None)
+            return ShardLayout(1 if leaf == "weight" else None)
+        if isinstance(owner, MoeExperts):  # the intermediate dimension is split
+            down = leaf == "down_proj"
+            if target.shard_id is not None:  # one expert's [I, H] gate or up, or its [H, I] down
+                return ShardLayout(1 if down else 0)
+            return ShardLayout(2) if down else ShardLayout(1, pieces=2)  # [E, 2I, H]: gate rows, then up rows
+        if hasattr(owner, "replicas"):  # a norm over a split vector
+            return ShardLayout(0, owner.replicas)
         if hasattr(owner, "vocab_size"):
-            return 0, 1, owner.vocab_size
-        return None, 1, None
+            return ShardLayout(0, 1, owner.vocab_size)
+        return ShardLayout(None)
 
     def read(self, hf_name: str) -> torch.Tensor:
         """A copy of the tensor `hf_name` as this rank holds it (the full
@@ -189,6 +231,11 @@ class WeightLoader:
             raise ValueError(f"{hf_name!r} is not a weight the engine keeps")
         param = self.params[target.param_name].detach()
         owner = self.model.get_submodule(target.param_name.rsplit(".", 1)[0])
+        if isinstance(owner, MoeExperts):
+            if target.shard_id is None:
+                return param
+            expert, part = target.shard_id
+            return param[expert] if part == DOWN else param[expert].narrow(0, part * owner.width, owner.width)
         if isinstance(owner, QKVParallelLinear):
             offset = {"q": 0, "k": owner.q_size, "v": owner.q_size + owner.kv_size}[target.shard_id]
             size = owner.q_size if target.shard_id == "q" else owner.kv_size

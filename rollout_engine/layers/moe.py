@@ -1,0 +1,127 @@
+"""The sparse MLP of an MoE model: a router (top-k of a softmax over the
+experts) and the experts, all of them on every rank, each rank holding a
+slice of every expert's intermediate dimension (so a layer ends in one
+all-reduce, like the dense MLP). Qwen2-MoE's shared expert, scaled by
+sigmoid(its gate), is added before that reduction.
+
+Expert weights are stored fused, as transformers 5 keeps them in memory:
+`experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
+`experts.down_proj` [E, H, I]. A checkpoint's per-expert tensors
+(`experts.3.gate_proj.weight`, Mixtral's `w1`/`w3`/`w2`) are copied into
+their expert's rows (weights/loader.py maps the names)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rollout_engine.distributed.comm import TPComm
+from rollout_engine.kernels._triton import use_kernel
+from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
+from rollout_engine.kernels.gemv import linear
+from rollout_engine.kernels.moe import fused_moe, route
+from rollout_engine.layers.invariant import invariant_linear
+from rollout_engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _param, divide
+from rollout_engine.layers.weight_copy import copy_into
+from rollout_engine.models.config import MoeConfig
+
+GATE, UP, DOWN = 0, 1, 2  # the part of a per-expert tensor (shard id (expert, part))
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with the whole W on every rank (the router, the shared expert's gate)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    batch_invariant = False  # layers/invariant.py
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, self.weight) if self.batch_invariant else linear(x, self.weight)
+
+
+class MoeExperts(nn.Module):
+    """Every expert's gate/up and down projections, this rank's slice of
+    their intermediate dimension."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, comm: TPComm):
+        super().__init__()
+        self.comm = comm
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.width = divide(intermediate, comm.tp_size)
+        self.gate_up_proj = _param((num_experts, 2 * self.width, hidden), self._load_gate_up)
+        self.down_proj = _param((num_experts, hidden, self.width), self._load_down)
+
+    def _check_shape(self, full: torch.Tensor, shape: tuple[int, ...], layout: str) -> None:
+        if tuple(full.shape) != shape:
+            raise ValueError(f"shape mismatch: expected {layout} = {list(shape)}, got {list(full.shape)}")
+
+    def _load_gate_up(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
+        w, rank, i = self.width, self.comm.tp_rank, self.intermediate
+        if shard_id is not None:  # one expert's gate_proj or up_proj [I, H]
+            expert, part = shard_id  # the loader checked the index
+            self._check_shape(full, (i, self.hidden), "[intermediate, hidden]")
+            copy_into(param.data[expert].narrow(0, part * w, w), full.narrow(0, rank * w, w))
+            return
+        self._check_shape(full, (self.num_experts, 2 * i, self.hidden), "[experts, 2 * intermediate, hidden]")
+        if self.comm.tp_size == 1:
+            copy_into(param.data, full)
+            return
+        copy_into(param.data[:, :w], full[:, rank * w: (rank + 1) * w])
+        copy_into(param.data[:, w:], full[:, i + rank * w: i + (rank + 1) * w])
+
+    def _load_down(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
+        w, rank = self.width, self.comm.tp_rank
+        if shard_id is not None:  # one expert's down_proj [H, I]
+            expert = shard_id[0]
+            self._check_shape(full, (self.hidden, self.intermediate), "[hidden, intermediate]")
+            copy_into(param.data[expert], full.narrow(1, rank * w, w))
+            return
+        self._check_shape(full, (self.num_experts, self.hidden, self.intermediate), "[experts, hidden, intermediate]")
+        copy_into(param.data, full.narrow(2, rank * w, w))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden: int, moe: MoeConfig, comm: TPComm):
+        super().__init__()
+        self.comm = comm
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.gate = ReplicatedLinear(hidden, moe.num_experts)
+        self.gate.weight.weight_loader = self._load_router  # type: ignore[attr-defined]
+        self.experts = MoeExperts(moe.num_experts, hidden, moe.intermediate_size, comm)
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(hidden, moe.shared_expert_intermediate_size, comm)
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1)
+
+    def _load_router(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
+        if tuple(full.shape) != tuple(param.shape):
+            raise ValueError(f"the router has one row per expert: expected [num_experts={param.shape[0]}, "
+                             f"hidden={param.shape[1]}], got {list(full.shape)}")
+        copy_into(param.data, full)
+
+    batch_invariant = False  # layers/invariant.py: a token's expert outputs do not depend on the others
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        e = self.experts
+        out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, invariant=self.batch_invariant)
+        if self.shared_expert is not None:  # partial sums too: one reduction for both
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.comm.all_reduce(out)
+
+
+class SharedExpert(nn.Module):
+    """A dense SiLU-gated MLP whose down projection is not reduced (the
+    block reduces it with the experts' output)."""
+
+    def __init__(self, hidden: int, intermediate: int, comm: TPComm):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, comm)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        act = silu_and_mul(gate_up) if use_kernel(gate_up) else silu_and_mul_ref(gate_up)
+        down = self.down_proj
+        return invariant_linear(act, down.weight) if down.batch_invariant else linear(act, down.weight)
