@@ -48,10 +48,15 @@ MATRIX = [
     pytest.param("qwen2", {}, marks=pytest.mark.slow),  # qkv biases
     ("qwen3", {"vocab_size": 509}),  # q/k norms; a vocabulary not divisible by the ranks
     pytest.param("llama", {"num_key_value_heads": 1}, marks=pytest.mark.slow),  # fewer KV heads than ranks: replicated
+    ("qwen3_moe", {}),  # experts: each rank a slice of every expert's intermediate dimension; a dense layer
+    ("olmoe", {"num_key_value_heads": 1}),  # q/k norms over projections split between ranks (k replicated)
+    pytest.param("qwen2_moe", {}, marks=pytest.mark.slow),  # the shared expert, reduced with the experts
+    pytest.param("mixtral", {}, marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("kind,overrides", MATRIX, ids=["llama", "qwen2", "qwen3-odd-vocab", "llama-1kv"])
+@pytest.mark.parametrize("kind,overrides", MATRIX, ids=["llama", "qwen2", "qwen3-odd-vocab", "llama-1kv", "qwen3-moe",
+                                                        "olmoe-1kv", "qwen2-moe", "mixtral"])
 def test_tp2_equals_tp1(tmp_path_factory, kind, overrides):
     folder = _folder(tmp_path_factory, kind, **overrides)
     one, _ = _run(folder, 1, max_prefill_tokens=40)

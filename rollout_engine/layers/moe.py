@@ -19,7 +19,7 @@ from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rollout_engine.kernels.gemv import linear
 from rollout_engine.kernels.moe import fused_moe, route
-from rollout_engine.layers.invariant import invariant_linear
+from rollout_engine.layers.invariant import invariant_linear, per_row
 from rollout_engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _param, divide
 from rollout_engine.layers.weight_copy import copy_into
 from rollout_engine.models.config import MoeConfig
@@ -107,7 +107,11 @@ class SparseMoeBlock(nn.Module):
         e = self.experts
         out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, invariant=self.batch_invariant)
         if self.shared_expert is not None:  # partial sums too: one reduction for both
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            gate = self.shared_expert_gate(x)
+            # On the CPU an element-wise function rounds a value differently in a vector lane and in the
+            # scalar tail, and a [T, 1] column puts a token in either depending on T: one row at a time.
+            gate = per_row(torch.sigmoid, gate) if self.batch_invariant and not gate.is_cuda else torch.sigmoid(gate)
+            out = out + gate * self.shared_expert(x)
         return self.comm.all_reduce(out)
 
 
