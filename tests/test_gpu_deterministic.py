@@ -18,11 +18,19 @@ pytestmark = pytest.mark.gpu
 
 TARGET = SamplingParams(max_new_tokens=48, temperature=1.0, top_p=0.9, seed=123, ignore_eos=True, logprobs=True,
                         top_logprobs=3)
-# Three GQA groupings (8 query heads over 1, 2 and 8 KV heads: groups of 8, 4 and 1) and a bias (qwen2).
+# Three GQA groupings (8 query heads over 1, 2 and 8 KV heads: groups of 8, 4 and 1), a bias (qwen2), and
+# two MoE models.
 SHAPES = {"llama": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1376),
           "qwen2": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=1, intermediate_size=1376),
           "qwen3": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, head_dim=64,
-                        intermediate_size=1376)}
+                        intermediate_size=1376),
+          # MoE: experts shared by many tokens of a batch, a dense layer, a shared expert (qwen2_moe)
+          "qwen3_moe": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                            intermediate_size=1376, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
+                            mlp_only_layers=[1]),
+          "qwen2_moe": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1376,
+                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
+                            shared_expert_intermediate_size=384, decoder_sparse_step=1)}
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
