@@ -14,6 +14,7 @@ from differential import Reference, WorkloadGenerator, stress
 from models import MOE, make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.fidelity import weights_checksum
+from rollout_engine.integrations.fsdp import sync_to_engine
 from rollout_engine.weights.loader import iter_safetensors
 from test_parity_hf import hf_greedy, hf_logprobs
 
@@ -109,6 +110,9 @@ def test_update_weights_under_both_namings_equals_a_fresh_engine(moe_models, tmp
     engine.update_weights((pair for pair in mixed))  # streamed
     assert _outputs(engine) == want
     engine.update_weights_from_disk(new_folder)  # Mixtral: block_sparse_moe.experts.E.w1 ... on disk
+    assert _outputs(engine) == want
+    engine.update_weights_from_disk(folder)
+    sync_to_engine(new, engine)  # the FSDP hook (on an unwrapped model: the same names, streamed)
     assert _outputs(engine) == want
     engine.check_integrity()
 
