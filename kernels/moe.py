@@ -1,0 +1,494 @@
+"""Mixture-of-experts layer: routing (softmax, top-k) and the experts' SwiGLU
+MLPs of every (token, slot) pair in a few launches, on the device alone.
+
+`route`: one program per few tokens: softmax over the experts in fp32 and the
+top k by repeated argmax (ties: lower expert first).
+
+`fused_moe`, for ids [T, k] (pair p = t * k + j is slot j of token t):
+1. align: the T*k pairs sorted by expert (stable), each expert's run padded
+   to a multiple of BLOCK_M with the sentinel T*k, the expert of every
+   block of BLOCK_M and the padded total on the device. Buffers are sized
+   by the bound T*k + min(E, T*k) * (BLOCK_M - 1), so nothing waits for
+   the host and a CUDA graph of the call replays with other ids of the
+   same T (programs past the total return at once).
+2. up: per block and tile of the intermediate size I, the gate and up rows
+   of w13[e] in one program; writes silu(gate) * up, rounded as
+   `silu_and_mul` rounds it, to act [T*k, I].
+3. down: act @ w2[e]^T per block, times the pair's routing weight, to
+   y [T, k, H] in x's dtype.
+4. sum: y over the slots in order (0, 1, ...) in fp32, into [T, H].
+
+Every pair's row is reduced over K by one program whatever its neighbours,
+so with one launch shape (`invariant=True`: INVARIANT) a token's output has
+the same bits in any batch. Otherwise the shape follows the rows per expert
+(`pick`). I need not be a power of two nor a multiple of the tiles (a
+tensor-parallel slice of the intermediate size)."""
+from __future__ import annotations
+
+import importlib.util
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from rollout_engine.kernels._triton import cdiv, next_pow2, use_kernel
+
+
+class Tiles(NamedTuple):
+    """One product's launch constants (BLOCK_M is the config's)."""
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    group: int = 8  # blocks that take each column tile in turn (a weight tile read once for them all)
+
+
+class MoeLaunch(NamedTuple):
+    """A fused_moe call's launch shape."""
+    block_m: int  # pairs per block, all of one expert
+    up: Tiles  # gate/up product: N over I, K over H
+    down: Tiles  # down product: N over H, K over I
+
+
+# Measured on an H100 (benchmarks/moe_kernel.py --sweep, results in
+# benchmarks/results/moe/) at the shapes of Qwen3-30B-A3B, OLMoE and Mixtral:
+# by the mean pairs per expert, 16-pair blocks up to 12 (reading the weights
+# is all the cost), 32 up to 24, 64 up to 96, then 128 (fewer blocks share a
+# weight tile, at the price of more padding: 129 pairs take 256 rows).
+# INVARIANT, one shape for every T, is LARGE: 1-6% slower than `pick`'s
+# shape from 8 to 256 tokens, 1.15x (Qwen3) to 1.5x its time at 2,048.
+DECODE = MoeLaunch(16, Tiles(64, 256, 4, 3), Tiles(64, 256, 4, 3))
+MID = MoeLaunch(32, Tiles(64, 128, 4, 4), Tiles(64, 256, 4, 3))
+LARGE = MoeLaunch(64, Tiles(64, 128, 4, 4), Tiles(128, 64, 8, 3))
+PREFILL = MoeLaunch(128, Tiles(128, 64, 8, 4), Tiles(128, 64, 8, 3))
+INVARIANT = LARGE
+ROWS = ((12, DECODE), (24, MID), (96, LARGE))  # (mean pairs per expert up to, launch); PREFILL above
+
+
+def pick(tokens: int, top_k: int, experts: int, invariant: bool = False) -> MoeLaunch:
+    """Launch shape by the mean pairs per expert (tokens * top_k / experts):
+    16-pair blocks while most experts hold a few pairs (reading the weights
+    is the cost), larger ones as the products grow. INVARIANT for
+    `invariant`: one shape whatever the batch."""
+    if invariant:
+        return INVARIANT
+    rows = tokens * top_k / experts
+    return next((launch for most, launch in ROWS if rows <= most), PREFILL)
+
+
+# ---------------------------------------------------------------- references
+
+def route_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, k], ids int32 [T, k]): the k largest of softmax(logits)
+    in fp32, descending, ties to the lower expert; divided by their sum when
+    `renormalize`."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    vals, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = vals[:, :top_k], order[:, :top_k].to(torch.int32)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.contiguous(), ids.contiguous()
+
+
+def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  invariant: bool = False) -> torch.Tensor:
+    """sum_j weights[t, j] * w2[e] (silu(w13[e, :I] x[t]) * w13[e, I:] x[t]),
+    e = ids[t, j], in x's dtype: the pairs grouped by expert, three products
+    per expert, the weighted results added in fp32. With `invariant` every
+    pair is computed alone (one-row products) and a token's slots added in
+    order, so a token's result never depends on the other tokens."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1).long()
+    w = weights.reshape(-1).float()
+    if invariant:
+        y = torch.stack([_expert_mlp(x[p // top_k: p // top_k + 1], w13[e], w2[e])[0]
+                         for p, e in enumerate(flat.tolist())]) if tokens else x.new_empty((0, hidden))
+        y = (y.float() * w[:, None]).view(tokens, top_k, hidden)
+        out = torch.zeros((tokens, hidden), dtype=torch.float32, device=x.device)
+        for j in range(top_k):
+            out += y[:, j]
+        return out.to(x.dtype)
+    out = torch.zeros((tokens, hidden), dtype=torch.float32, device=x.device)
+    token_of = torch.arange(tokens, device=x.device).repeat_interleave(top_k)
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    for e, pairs in zip(experts.tolist(), order.split(counts.tolist())):
+        t = token_of[pairs]
+        out.index_add_(0, t, _expert_mlp(x[t], w13[e], w2[e]).float() * w[pairs, None])
+    return out.to(x.dtype)
+
+
+def align_ref(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The align step in torch ops that stay on the device (no host sync):
+    (sorted pair ids [NB * block_m] int32, padding = T*k, and past the total
+    unset; block_expert [NB] int32; the padded total [1] int32)."""
+    flat = ids.reshape(-1).long()
+    pairs = flat.numel()
+    blocks = _max_blocks(pairs, experts, block_m)
+    dev = flat.device
+    sorted_e, order = torch.sort(flat, stable=True)
+    bounds = torch.searchsorted(sorted_e, torch.arange(experts + 1, device=dev))
+    counts = bounds[1:] - bounds[:-1]
+    padded = (counts + block_m - 1) // block_m * block_m
+    end = torch.cumsum(padded, 0)
+    start = end - padded
+    dest = start[sorted_e] + torch.arange(pairs, device=dev) - bounds[:-1][sorted_e]
+    sorted_ids = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_expert = torch.searchsorted(end, torch.arange(blocks, device=dev) * block_m, right=True).to(torch.int32)
+    return sorted_ids, block_expert, end[-1:].to(torch.int32)
+
+
+def _max_blocks(pairs: int, experts: int, block_m: int) -> int:
+    """Blocks of the padded pairs at most: every used expert's run rounds up."""
+    return max(1, cdiv(pairs + min(experts, pairs) * (block_m - 1), block_m))
+
+
+# ---------------------------------------------------------------- kernels
+
+if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the kernels
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["T"])
+    def moe_route_kernel(x_ptr, w_ptr, id_ptr, T, E, stride_x, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+                         TOPK: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+        """ROWS tokens: softmax over E in fp32, then TOPK rounds of argmax
+        (leftmost on ties) with the chosen expert masked out."""
+        t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        e = tl.arange(0, BLOCK_E)
+        e_ok = e < E
+        row = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last one, never stored
+        x = tl.load(x_ptr + row[:, None] * stride_x + e[None, :], mask=e_ok[None, :], other=float("-inf"))
+        x = x.to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=1)[:, None])
+        prob = tl.where(e_ok[None, :], p / tl.sum(p, axis=1)[:, None], -1.0)
+        j = tl.arange(0, BLOCK_K)
+        vals = tl.zeros([ROWS, BLOCK_K], tl.float32)
+        idx = tl.zeros([ROWS, BLOCK_K], tl.int32)
+        for i in tl.static_range(TOPK):
+            v = tl.max(prob, axis=1)
+            a = tl.argmax(prob, axis=1, tie_break_left=True)
+            vals = tl.where(j[None, :] == i, v[:, None], vals)
+            idx = tl.where(j[None, :] == i, a[:, None], idx)
+            prob = tl.where(e[None, :] == a[:, None], -2.0, prob)
+        if RENORM:
+            vals = vals / tl.sum(vals, axis=1)[:, None]
+        out = t[:, None].to(tl.int64) * TOPK + j[None, :]
+        ok = (t < T)[:, None] & (j < TOPK)[None, :]
+        tl.store(w_ptr + out, vals, mask=ok)
+        tl.store(id_ptr + out, idx, mask=ok)
+
+    @triton.jit
+    def _chunk_counts(ids_ptr, P, first, e, CHUNK: tl.constexpr, SUB: tl.constexpr):
+        """Pairs per expert (lanes e) among pairs [first, first + CHUNK)."""
+        counts = tl.zeros(e.shape, tl.int32)
+        for s in range(0, CHUNK, SUB):
+            p = first + s + tl.arange(0, SUB)
+            ex = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+            counts += tl.sum((ex[:, None] == e[None, :]).to(tl.int32), axis=0)
+        return counts
+
+    @triton.jit(do_not_specialize=["P"])
+    def moe_count_kernel(ids_ptr, part_ptr, P, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
+        """Chunk c's pairs per expert, to part[c]."""
+        c = tl.program_id(0)
+        e = tl.arange(0, BLOCK_E)
+        tl.store(part_ptr + c * BLOCK_E + e, _chunk_counts(ids_ptr, P, c * CHUNK, e, CHUNK=CHUNK, SUB=SUB))
+
+    @triton.jit(do_not_specialize=["P", "NB", "NC", "BPP"])
+    def moe_align_kernel(ids_ptr, part_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, NC, BPP,
+                         BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr,
+                         ONE_CHUNK: tl.constexpr, PART_ROWS: tl.constexpr, BLOCK_B: tl.constexpr,
+                         PAD: tl.constexpr):
+        """Chunk c's pairs to their sorted places: expert e's run starts at
+        the padded sizes of experts < e, then come the earlier chunks' pairs
+        of e, then this chunk's in pair order. The padding sentinels and
+        block_expert are shared out between the programs (blocks [c * BPP,
+        (c + 1) * BPP) to program c). ONE_CHUNK: one program that counts the
+        pairs itself (no count launch)."""
+        c = tl.program_id(0)
+        e = tl.arange(0, BLOCK_E)
+        if ONE_CHUNK:
+            counts = _chunk_counts(ids_ptr, P, 0, e, CHUNK=CHUNK, SUB=SUB)
+            before = tl.zeros([BLOCK_E], tl.int32)
+        else:
+            counts = tl.zeros([BLOCK_E], tl.int32)
+            before = tl.zeros([BLOCK_E], tl.int32)
+            for r0 in range(0, NC, PART_ROWS):
+                r = r0 + tl.arange(0, PART_ROWS)
+                part = tl.load(part_ptr + r[:, None] * BLOCK_E + e[None, :], mask=(r < NC)[:, None], other=0)
+                counts += tl.sum(part, axis=0)
+                before += tl.sum(tl.where((r < c)[:, None], part, 0), axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        end = tl.cumsum(padded, axis=0)
+        start = end - padded
+        if c == 0:
+            tl.store(total_ptr, tl.sum(padded, axis=0))
+        for j0 in range(c * PAD, BLOCK_M, NC * PAD):  # padding columns j0.. of every expert
+            pos = (start + counts)[:, None] + j0 + tl.arange(0, PAD)[None, :]
+            tl.store(sorted_ptr + pos, P, mask=pos < end[:, None])
+        b_end = tl.minimum((c + 1) * BPP, NB)
+        for b0 in range(c * BPP, b_end, BLOCK_B):
+            b = b0 + tl.arange(0, BLOCK_B)
+            ex = tl.sum((end[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + b, ex, mask=b < b_end)
+        run = start + before
+        i = tl.arange(0, SUB)
+        for s in range(0, CHUNK, SUB):
+            p = c * CHUNK + s + i
+            ex = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+            hot = ex[:, None] == e[None, :]
+            earlier = tl.sum(((ex[:, None] == ex[None, :]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+            tl.store(sorted_ptr + tl.sum(tl.where(hot, run[None, :], 0), axis=1) + earlier, p, mask=p < P)
+            run += tl.sum(hot.to(tl.int32), axis=0)
+
+    @triton.jit
+    def _tile(pid, NB, tiles, GROUP: tl.constexpr):
+        """Program pid's (block, column tile): GROUP blocks in a row take
+        column tile 0, then tile 1, ... (a weight tile read for them together)."""
+        width = GROUP * tiles
+        first = (pid // width) * GROUP
+        size = tl.minimum(NB - first, GROUP)
+        return first + (pid % width) % size, (pid % width) // size
+
+    @triton.jit
+    def _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M: tl.constexpr):
+        """A block's pair ids, which are real pairs, and its expert (int64)."""
+        pair = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        return pair, pair < P, tl.load(block_expert_ptr + block).to(tl.int64)
+
+    @triton.jit
+    def _mma(a, b, acc, IEEE: tl.constexpr):
+        """acc += a b^T."""
+        if IEEE:
+            return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        return tl.dot(a, tl.trans(b), acc)
+
+    @triton.jit(do_not_specialize=["P", "NB"])
+    def moe_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H, I,
+                      stride_x, stride_we, stride_wn, TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                      IEEE: tl.constexpr):
+        """One block of sorted pairs and one column tile of I: gate and up
+        tiles over K = H, act = silu(gate) * up."""
+        block, nt = _tile(tl.program_id(0), NB, tl.cdiv(I, BLOCK_N), GROUP)
+        if block * BLOCK_M >= tl.load(total_ptr):
+            return
+        pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M)
+        rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < I
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x + rk[None, :]
+        g_ptrs = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        u_ptrs = g_ptrs + I * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for i in range(0, tl.cdiv(H, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+                if EVEN_N:
+                    g = tl.load(g_ptrs)
+                    u = tl.load(u_ptrs)
+                else:
+                    g = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
+                    u = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = (i * BLOCK_K + rk < H)[None, :]
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+                g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
+                u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
+            acc_g = _mma(a, g, acc_g, IEEE=IEEE)
+            acc_u = _mma(a, u, acc_u, IEEE=IEEE)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        dt = act_ptr.dtype.element_ty
+        gate = acc_g.to(dt).to(tl.float32)  # rounded as the unfused gate_up product is
+        up = acc_u.to(dt).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up  # rounded like F.silu, then the product
+        tl.store(act_ptr + pair.to(tl.int64)[:, None] * I + rn[None, :], act.to(dt),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit(do_not_specialize=["P", "NB"])
+    def moe_down_kernel(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H, I,
+                        stride_we, stride_wn, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+        """One block of sorted pairs and one column tile of H: act @ w2[e]^T
+        over K = I, times the routing weight, to y[pair]."""
+        block, nt = _tile(tl.program_id(0), NB, tl.cdiv(H, BLOCK_N), GROUP)
+        if block * BLOCK_M >= tl.load(total_ptr):
+            return
+        pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M)
+        rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < H
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = act_ptr + pair.to(tl.int64)[:, None] * I + rk[None, :]
+        w_ptrs = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for i in range(0, tl.cdiv(I, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+                if EVEN_N:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = (i * BLOCK_K + rk < I)[None, :]
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
+            acc = _mma(a, w, acc, IEEE=IEEE)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0)
+        tl.store(y_ptr + pair.to(tl.int64)[:, None] * H + rn[None, :], (acc * rw[:, None]).to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def moe_sum_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+        """out[t] = y[t, 0] + y[t, 1] + ... in fp32, in slot order."""
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = h < H
+        acc = tl.zeros([BLOCK_H], tl.float32)
+        for j in tl.static_range(TOPK):
+            acc += tl.load(y_ptr + (t * TOPK + j) * H + h, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------- wrappers
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_ref's (weights fp32 [T, k], ids int32 [T, k]) in one launch on
+    the GPU; the reference elsewhere."""
+    if not use_kernel(logits):
+        return route_ref(logits, top_k, renormalize)
+    return _route_triton(logits, top_k, renormalize)
+
+
+def _route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, rows: int = 4,
+                  warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, experts = logits.shape
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=logits.device)
+    if tokens == 0:
+        return weights, ids
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    moe_route_kernel[(cdiv(tokens, rows),)](logits, weights, ids, tokens, experts, logits.stride(0), ROWS=rows,
+                                            BLOCK_E=next_pow2(experts), TOPK=top_k, BLOCK_K=next_pow2(top_k),
+                                            RENORM=renormalize, num_warps=warps)
+    return weights, ids
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              invariant: bool = False) -> torch.Tensor:
+    """fused_moe_ref's result: on the GPU in five launches or fewer (align,
+    up, down, slot sum) that never wait for the host, so the call can be
+    captured in a CUDA graph and replayed with new ids and weights of the
+    same T; the reference elsewhere. `invariant`: one launch shape whatever
+    T, so that a token's output has the same bits in any batch."""
+    if not use_kernel(x):
+        return fused_moe_ref(x, w13, w2, weights, ids, invariant)
+    return _fused_moe_triton(x, w13, w2, weights, ids, pick(x.shape[0], ids.shape[1], w13.shape[0], invariant))
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _fit(t: Tiles, dtype: torch.dtype) -> Tiles:
+    """fp32 operands: half the K slice, so the pipeline's stages still fit
+    in shared memory."""
+    return t._replace(block_k=max(16, t.block_k // 2)) if dtype == torch.float32 else t
+
+
+def _align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """align_ref's result in one launch (pairs that fit one program's chunk)
+    or two (counts per chunk, then each chunk to its places)."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    blocks = _max_blocks(pairs, experts, block_m)
+    dev = flat.device
+    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    block_e = next_pow2(experts)
+    sub = max(16, min(64, 8192 // block_e))  # pairs per step: a [sub, experts] one-hot, a [sub, sub] compare
+    chunk = max(sub, next_pow2(cdiv(pairs, 64)))  # at most 64 chunks
+    chunks = cdiv(pairs, chunk)
+    one = chunks == 1
+    part = total
+    if not one:
+        part = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
+        moe_count_kernel[(chunks,)](flat, part, pairs, CHUNK=chunk, SUB=sub, BLOCK_E=block_e, num_warps=4)
+    per = cdiv(blocks, chunks)
+    moe_align_kernel[(chunks,)](flat, part, sorted_ids, block_expert, total, pairs, blocks, chunks, per,
+                                BLOCK_M=block_m, CHUNK=chunk, SUB=sub, BLOCK_E=block_e, ONE_CHUNK=one,
+                                PART_ROWS=max(1, min(64, 8192 // block_e)),
+                                BLOCK_B=max(1, min(next_pow2(per), 64, 8192 // block_e)), PAD=min(16, block_m),
+                                num_warps=4)
+    return sorted_ids, block_expert, total
+
+
+def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, block_m: int, t: Tiles) -> torch.Tensor:
+    sorted_ids, block_expert, total = aligned
+    hidden = x.shape[1]
+    inter = w13.shape[1] // 2
+    t = _fit(t, x.dtype)
+    act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    blocks = block_expert.numel()
+    moe_up_kernel[(blocks * cdiv(inter, t.block_n),)](
+        x, w13, act, sorted_ids, block_expert, total, pairs, blocks, hidden, inter, x.stride(0), w13.stride(0),
+        w13.stride(1), TOPK=top_k, GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        EVEN_K=hidden % t.block_k == 0, EVEN_N=inter % t.block_n == 0, IEEE=x.dtype == torch.float32,
+        num_warps=t.warps, num_stages=t.stages)
+    return act
+
+
+def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_m: int, t: Tiles) -> torch.Tensor:
+    sorted_ids, block_expert, total = aligned
+    pairs, inter = act.shape
+    hidden = w2.shape[1]
+    t = _fit(t, act.dtype)
+    y = torch.empty((pairs, hidden), dtype=act.dtype, device=act.device)
+    blocks = block_expert.numel()
+    moe_down_kernel[(blocks * cdiv(hidden, t.block_n),)](
+        act, w2, y, rw, sorted_ids, block_expert, total, pairs, blocks, hidden, inter, w2.stride(0), w2.stride(1),
+        GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
+        EVEN_N=hidden % t.block_n == 0, IEEE=act.dtype == torch.float32, num_warps=t.warps,
+        num_stages=t.stages)
+    return y
+
+
+def _sum_slots(y: torch.Tensor, tokens: int, top_k: int, block_h: int = 1024) -> torch.Tensor:
+    hidden = y.shape[1]
+    out = torch.empty((tokens, hidden), dtype=y.dtype, device=y.device)
+    block_h = min(block_h, next_pow2(hidden))
+    moe_sum_kernel[(tokens, cdiv(hidden, block_h))](y, out, hidden, TOPK=top_k, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor, config: MoeLaunch) -> torch.Tensor:
+    """The Triton path with the launch shape `config` (benchmarks, and tests
+    under Triton's interpreter)."""
+    tokens, hidden = x.shape
+    if tokens == 0:
+        return x.new_empty((0, hidden))
+    top_k = ids.shape[1]
+    pairs = tokens * top_k
+    x, w13, w2 = _unit_last(x), _unit_last(w13), _unit_last(w2)
+    rw = weights.reshape(-1)
+    if rw.dtype != torch.float32:
+        rw = rw.float()
+    aligned = _align(ids, w13.shape[0], config.block_m)
+    act = _up(x, w13, aligned, pairs, top_k, config.block_m, config.up)
+    y = _down(act, w2, rw, aligned, config.block_m, config.down)
+    return _sum_slots(y, tokens, top_k)

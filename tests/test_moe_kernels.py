@@ -1,0 +1,291 @@
+"""MoE routing and experts (kernels/moe.py): the torch references on the CPU;
+the Triton kernels against them on the GPU and, at tiny sizes, under Triton's
+interpreter on the CPU (run with TRITON_INTERPRET=1 where Triton is
+installed; skipped otherwise; bf16 products are left to the GPU: the
+interpreter gets them wrong)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollout_engine.kernels import moe
+from rollout_engine.kernels.moe import MoeLaunch, Tiles
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _naive(x, w13, w2, weights, ids):
+    """Every (token, slot) on its own, in fp64."""
+    inter = w2.shape[2]
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13[e] @ x[t]
+            out[t] += float(weights[t, j]) * (w2[e] @ (F.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+def _problem(tokens, experts, top_k, hidden, inter, dtype, device="cpu", load="uniform", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    gd = torch.Generator(device=device).manual_seed(seed)  # the weights made where they live (fast on a GPU)
+    x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gd, device=device) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gd, device=device) / inter ** 0.5).to(dtype)
+    logits = torch.randn(tokens, experts, generator=g)
+    if load == "sparse":  # most experts get nothing
+        logits[:, 3:] -= 100
+        logits[:, :3] += torch.randn(tokens, 3, generator=g)
+    weights, ids = moe.route_ref(logits, top_k, True)
+    if load == "hot":  # every pair on expert 3
+        ids = torch.full_like(ids, 3)
+    return x, w13, w2, weights.to(device), ids.to(device)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------- references (CPU)
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_ref_is_softmax_topk(renormalize):
+    logits = torch.randn(9, 60)
+    weights, ids = moe.route_ref(logits.bfloat16(), 4, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (9, 4)
+    probs = torch.softmax(logits.bfloat16().float(), -1)
+    top = probs.topk(4, -1)
+    torch.testing.assert_close(torch.gather(probs, 1, ids.long()), top.values)
+    assert (weights[:, :-1] >= weights[:, 1:]).all()
+    expect = top.values / top.values.sum(-1, keepdim=True) if renormalize else top.values
+    torch.testing.assert_close(weights, expect)
+
+
+def test_route_ref_breaks_ties_to_the_lower_expert_and_takes_no_tokens():
+    logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    _, ids = moe.route_ref(logits, 3, False)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2]]
+    weights, ids = moe.route_ref(torch.empty(0, 8), 2, True)
+    assert weights.shape == ids.shape == (0, 2)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_fused_moe_ref_matches_the_naive_sum(invariant):
+    x, w13, w2, weights, ids = _problem(6, 5, 3, 32, 24, torch.float32)
+    ids[0] = torch.tensor([2, 2, 2])  # one expert in every slot of a token
+    out = moe.fused_moe_ref(x, w13, w2, weights, ids, invariant=invariant)
+    torch.testing.assert_close(out.double(), _naive(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+    assert moe.fused_moe_ref(x[:0], w13, w2, weights[:0], ids[:0], invariant=invariant).shape == (0, 32)
+
+
+def test_fused_moe_ref_invariant_rows_do_not_depend_on_the_batch():
+    x, w13, w2, weights, ids = _problem(12, 4, 2, 32, 16, torch.bfloat16)
+    batch = moe.fused_moe_ref(x, w13, w2, weights, ids, invariant=True)
+    for t in (0, 5, 11):
+        alone = moe.fused_moe_ref(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], invariant=True)
+        assert torch.equal(alone[0], batch[t])
+
+
+def test_without_a_gpu_the_wrappers_are_the_references():
+    x, w13, w2, weights, ids = _problem(5, 6, 2, 32, 16, torch.float32)
+    assert torch.equal(moe.fused_moe(x, w13, w2, weights, ids), moe.fused_moe_ref(x, w13, w2, weights, ids))
+    logits = torch.randn(5, 6)
+    for a, b in zip(moe.route(logits, 2, True), moe.route_ref(logits, 2, True)):
+        assert torch.equal(a, b)
+
+
+def _check_align(ids, experts, block_m, aligned):
+    """An align result: each expert's pairs in order, padded with the
+    sentinel to a multiple of block_m, the blocks' experts and the total."""
+    sorted_ids, block_expert, total = (t.cpu() for t in aligned)
+    flat = ids.reshape(-1).long().cpu()
+    pairs = flat.numel()
+    total = int(total)
+    assert total % block_m == 0 and sorted_ids.numel() >= total
+    pos = 0
+    for e in range(experts):
+        mine = (flat == e).nonzero().flatten()
+        if mine.numel() == 0:
+            continue
+        span = -(-mine.numel() // block_m) * block_m
+        assert sorted_ids[pos: pos + mine.numel()].tolist() == mine.tolist()
+        assert (sorted_ids[pos + mine.numel(): pos + span] == pairs).all()
+        assert (block_expert[pos // block_m: (pos + span) // block_m] == e).all()
+        pos += span
+    assert pos == total
+
+
+@pytest.mark.parametrize("pairs,experts,block_m", [(1, 4, 16), (64, 128, 16), (300, 8, 32), (2000, 60, 64)])
+def test_align_ref(pairs, experts, block_m):
+    ids = torch.randint(0, experts, (pairs,))
+    _check_align(ids, experts, block_m, moe.align_ref(ids, experts, block_m))
+
+
+def test_pick_keeps_one_shape_when_invariant():
+    assert moe.pick(8, 8, 128).block_m == 16
+    assert moe.pick(4096, 8, 128).block_m > 16
+    assert {moe.pick(t, 8, 128, invariant=True) for t in (1, 8, 300, 10_000)} == {moe.INVARIANT}
+
+
+# ---------------------------------------------------------------- Triton's interpreter (CPU)
+
+TINY = [MoeLaunch(16, Tiles(16, 16, 4, 2, group=1), Tiles(16, 16, 4, 2, group=1)),
+        MoeLaunch(16, Tiles(16, 32, 4, 2, group=2), Tiles(32, 16, 4, 2, group=3)),
+        MoeLaunch(32, Tiles(32, 16, 4, 2), Tiles(16, 32, 4, 2))]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interpreted_route(dtype):
+    logits = torch.randn(11, 12).to(dtype)
+    logits[0, 5] = logits[0, 7] = logits[0].max() + 1  # a tie at the top
+    for renormalize in (True, False):
+        w, i = moe._route_triton(logits, 3, renormalize)
+        wr, ir = moe.route_ref(logits, 3, renormalize)
+        assert torch.equal(i, ir)
+        torch.testing.assert_close(w, wr, atol=1e-6, rtol=0)
+    assert moe._route_triton(logits[:0], 3, True)[0].shape == (0, 3)
+
+
+@interpreted
+@pytest.mark.parametrize("pairs,experts,block_m", [(6, 4, 16), (100, 128, 16), (300, 8, 32), (700, 16, 64)])
+def test_interpreted_align(pairs, experts, block_m):
+    ids = torch.randint(0, experts, (pairs,), dtype=torch.int32)
+    aligned = moe._align(ids, experts, block_m)
+    _check_align(ids, experts, block_m, aligned)
+    ref = moe.align_ref(ids, experts, block_m)
+    assert aligned[0].shape == ref[0].shape and aligned[1].shape == ref[1].shape
+
+
+@interpreted
+@pytest.mark.parametrize("config", TINY, ids=["m16", "m16g2", "m32"])
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter",
+                         [(3, 4, 2, 32, 24), (7, 8, 2, 40, 16), (20, 4, 3, 48, 40)])
+def test_interpreted_fused_moe(config, tokens, experts, top_k, hidden, inter):
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        x, w13, w2, weights, ids = _problem(tokens, experts, top_k, hidden, inter, dtype)
+        ref32 = moe.fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
+        out = moe._fused_moe_triton(x, w13, w2, weights, ids.long(), config)
+        assert out.dtype == dtype and _rel(out, ref32) < tol
+
+
+@interpreted
+def test_interpreted_invariant_rows():
+    x, w13, w2, weights, ids = _problem(9, 4, 2, 32, 24, torch.float16)
+    batch = moe._fused_moe_triton(x, w13, w2, weights, ids, TINY[0])
+    for t in (0, 4, 8):
+        alone = moe._fused_moe_triton(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], TINY[0])
+        assert torch.equal(alone[0], batch[t])
+
+
+# ---------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("experts", [8, 60, 64, 128])
+def test_route_matches_reference(experts, dtype):
+    for top_k in (1, 2, 4, 8):
+        for renormalize in (True, False):
+            for tokens in (1, 37, 300):
+                logits = torch.randn(tokens, experts, device="cuda").to(dtype)
+                w, i = moe.route(logits, top_k, renormalize)
+                wr, ir = moe.route_ref(logits, top_k, renormalize)
+                assert torch.equal(i, ir), (top_k, renormalize, tokens)
+                torch.testing.assert_close(w, wr, atol=1e-6, rtol=0)
+    w, i = moe.route(torch.empty(0, experts, device="cuda", dtype=dtype), 2, True)
+    assert w.shape == i.shape == (0, 2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("experts,block_m", [(8, 16), (60, 16), (128, 16), (128, 32), (64, 64), (512, 16)])
+def test_align_kernel(experts, block_m):
+    for pairs in (1, 64, 65, 1000, 16384):
+        ids = torch.randint(0, experts, (pairs,), device="cuda", dtype=torch.int32)
+        aligned = moe._align(ids, experts, block_m)
+        _check_align(ids, experts, block_m, aligned)
+        ref = moe.align_ref(ids, experts, block_m)
+        total = int(ref[2])
+        assert torch.equal(aligned[2], ref[2])
+        assert torch.equal(aligned[0][:total], ref[0][:total])
+        assert torch.equal(aligned[1][: total // block_m], ref[1][: total // block_m])
+
+
+SHAPES = [(16, 64), (96, 2048), (768, 2048), (24, 64)]  # (I, H)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("load", ["uniform", "sparse", "hot"])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 7, 16, 64, 255, 512])
+def test_fused_moe_matches_reference(tokens, load):
+    for inter, hidden in SHAPES:
+        x, w13, w2, weights, ids = _problem(tokens, 64, 8, hidden, inter, torch.bfloat16, "cuda", load, seed=tokens)
+        ref32 = moe.fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
+        ref = moe.fused_moe_ref(x, w13, w2, weights, ids)
+        out = moe.fused_moe(x, w13, w2, weights, ids.long() if tokens % 2 else ids)
+        assert out.dtype == torch.bfloat16 and out.shape == x.shape
+        err, ref_err = _rel(out, ref32), _rel(ref, ref32)
+        assert err < 1e-2 and err < 2 * ref_err + 1e-3, (inter, hidden, err, ref_err)
+        inv = moe.fused_moe(x, w13, w2, weights, ids, invariant=True)
+        assert _rel(inv, ref32) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fused_moe_in_fp32_and_without_tokens():
+    x, w13, w2, weights, ids = _problem(33, 16, 4, 256, 96, torch.float32, "cuda")
+    ref = moe.fused_moe_ref(x, w13, w2, weights, ids)
+    assert _rel(moe.fused_moe(x, w13, w2, weights, ids), ref) < 1e-5
+    empty = moe.fused_moe(x[:0], w13, w2, weights[:0], ids[:0])
+    assert empty.shape == (0, 256)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [8, 300])
+def test_fused_moe_replays_in_a_cuda_graph_with_new_ids(tokens):
+    x, w13, w2, weights, ids = _problem(tokens, 128, 8, 512, 96, torch.bfloat16, "cuda")
+    moe.fused_moe(x, w13, w2, weights, ids)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.fused_moe(x, w13, w2, weights, ids)
+    for seed in (1, 2):
+        _, _, _, new_w, new_ids = _problem(tokens, 128, 8, 512, 96, torch.bfloat16, "cuda", seed=seed)
+        if seed == 2:
+            new_ids[: tokens // 2] = torch.arange(8, device="cuda", dtype=torch.int32)  # a crowded expert 0..7
+        weights.copy_(new_w)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe.fused_moe(x, w13, w2, weights, ids))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("inter,hidden", [(96, 512), (768, 2048)])
+def test_invariant_rows_do_not_depend_on_the_batch(inter, hidden):
+    experts, top_k = 64, 8
+    x, w13, w2, weights, ids = _problem(1, experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    alone = moe.fused_moe(x, w13, w2, weights, ids, invariant=True)
+    g = torch.Generator(device="cpu").manual_seed(7)
+    for others in (1, 2, 5, 31, 64, 200, 512):
+        ox = torch.randn(others, hidden, generator=g).to("cuda", torch.bfloat16)
+        logits = torch.randn(others, experts, generator=g)
+        logits[:, ids[0].long().cpu()] += 2  # the others crowd the token's experts
+        ow, oi = moe.route_ref(logits, top_k, True)
+        at = int(torch.randint(0, others + 1, (1,), generator=g))
+        bx = torch.cat([ox[:at], x, ox[at:]])
+        bw = torch.cat([ow[:at].cuda(), weights, ow[at:].cuda()])
+        bi = torch.cat([oi[:at].cuda(), ids, oi[at:].cuda()])
+        batch = moe.fused_moe(bx, w13, w2, bw, bi, invariant=True)
+        assert torch.equal(batch[at], alone[0]), others
