@@ -197,3 +197,28 @@ def test_a_sliding_window_caps_the_context(tmp_path):
         engine.generate(input_ids=[[1] * 60], sampling_params=SamplingParams(max_new_tokens=10))
     assert len(engine.generate(input_ids=[[1] * 50], sampling_params=SamplingParams(
         max_new_tokens=10, ignore_eos=True))[0].output_token_ids) == 10
+
+
+def test_a_stream_stopped_after_some_experts_marks_their_tensor_until_written_whole(moe_models):
+    hf, folder = moe_models["qwen3_moe"]
+    engine = RolloutEngine(folder, device="cpu", max_total_tokens=1024)
+    want = _outputs(engine)
+    fused = "model.layers.2.mlp.experts.gate_up_proj"
+
+    def stream():
+        yield "model.layers.2.mlp.experts.3.up_proj.weight", torch.zeros(32, 64)
+        yield "model.layers.2.mlp.experts.5.gate_proj.weight", torch.zeros(32, 64)
+        raise ConnectionError("trainer went away")
+
+    with pytest.raises(RuntimeError, match=rf"after writing 1 tensor \({fused}\)"):
+        engine.update_weights(stream())
+    with pytest.raises(RuntimeError, match=f"1 weight holds no valid values \\({fused}\\)"):
+        engine.generate(input_ids=[[1, 2]])
+    engine.update_weights([("model.layers.2.mlp.experts.3.up_proj.weight", torch.zeros(32, 64))])
+    with pytest.raises(RuntimeError, match="no valid values"):  # expert 5's gate rows are still a mix
+        engine.generate(input_ids=[[1, 2]])
+    engine.update_weights([(f"model.layers.2.mlp.experts.{e}.gate_proj.weight", torch.zeros(32, 64))
+                           for e in range(4, 8)])
+    engine.generate(input_ids=[[1, 2]])  # every written unit written again: valid (if changed) weights
+    engine.update_weights([(fused, dict(hf.named_parameters())[fused])])  # the whole tensor, as it was
+    assert _outputs(engine) == want

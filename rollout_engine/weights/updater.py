@@ -97,7 +97,7 @@ class WeightUpdater:
         self.prefix_cache.advance_epoch()  # the weights did change
         self.validity.mark(written, "an update stopped part-way after writing them")
         names = self.validity.names_of(written)
-        message = (f"{cause or type(cause).__name__}; the update stopped after writing {plural(len(written), 'tensor')} "
+        message = (f"{cause or type(cause).__name__}; the update stopped after writing {plural(len(names), 'tensor')} "
                    f"({name_list(names)}): they "
                    f"hold new values while the rest are old, so generation is refused until they are written again "
                    f"(the weight version stays {self.version})")

@@ -31,14 +31,16 @@ class WeightValidity:
 
     @property
     def count(self) -> int:
-        return len(self._invalid)
+        """Invalid tensors, by Hugging Face name (a fused expert tensor is
+        written in per-expert units, counted once)."""
+        return len(self.names())
 
     def names(self) -> list[str]:
         """The invalid weights' Hugging Face names, sorted."""
         return self.names_of(self._invalid)
 
     def names_of(self, targets: Iterable) -> list[str]:
-        return sorted(self._hf_names.get(t, str(t)) for t in targets)
+        return sorted({self._hf_names.get(t, str(t)) for t in targets})
 
     def mark(self, targets: Iterable, why: str) -> None:
         for t in targets:
