@@ -13,7 +13,6 @@ import torch
 from differential import Reference, WorkloadGenerator, stress
 from models import make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams
-from test_gpu_differential import LOGPROB_TOL, MARGIN, MEAN_TOL
 from test_moe import _per_expert
 
 pytestmark = pytest.mark.gpu
@@ -51,6 +50,12 @@ def models(tmp_path_factory):
     return out
 
 
+# bf16 against fp32: a router near-tie that rounds the other way sends a
+# token to another expert, which moves later tokens by up to a few nats (4.4
+# seen over 15k tokens; request means up to 0.3), while another request's KV
+# puts whole requests 10+ nats off. The exact check is the fp32 run below.
+MOE_MARGIN, MOE_LOGPROB_TOL, MOE_MEAN_TOL = 6.0, 6.0, 1.0
+
 CASES = [("qwen3_moe", "flashinfer", 1), ("qwen3_moe", "flashinfer", 16), ("qwen3_moe", "triton", 1),
          ("qwen3_moe", "triton", 16), ("qwen2_moe", "flashinfer", 16), ("mixtral", "triton", 16),
          ("olmoe", "flashinfer", 1)]
@@ -65,10 +70,27 @@ def test_differential_stress(models, kind, backend, page_size):
                            cuda_graph_max_batch_size=32, max_running_requests=96)
     gen = WorkloadGenerator(seed=page_size, token_range=(0, 4096), max_prompt_len=96, max_new_tokens=48,
                             max_batch=40)
-    report = stress(engine, reference, gen, calls, MARGIN, LOGPROB_TOL, MEAN_TOL)
+    report = stress(engine, reference, gen, calls, MOE_MARGIN, MOE_LOGPROB_TOL, MOE_MEAN_TOL)
+    _check(engine, report, f"{kind} {backend} page_size={page_size}")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_differential_stress_in_fp32_is_exact(models, backend):
+    """In fp32 routing matches the reference's (no rounding near-ties), so
+    the fused MoE kernels, CUDA graphs, the overlap schedule and the cache
+    are held to what the CPU run is held to."""
+    folder, reference = models["qwen3_moe"]
+    engine = RolloutEngine(folder, device="cuda", dtype="float32", attention_backend=backend, page_size=16,
+                           max_total_tokens=1280, max_prefill_tokens=256, cuda_graph_max_batch_size=32,
+                           max_running_requests=96)
+    gen = WorkloadGenerator(seed=3, token_range=(0, 4096), max_prompt_len=96, max_new_tokens=48, max_batch=40)
+    report = stress(engine, reference, gen, 40, margin=1e-2, logprob_tol=1e-2)
+    _check(engine, report, f"fp32 {backend}")
+
+
+def _check(engine, report, what: str) -> None:
     stats = engine.cache_stats()
-    print(f"{kind} {backend} page_size={page_size}: {report.summary()}; retractions {stats['retractions']}, "
-          f"hit rate {stats['hit_rate']:.2f}")
+    print(f"{what}: {report.summary()}; retractions {stats['retractions']}, hit rate {stats['hit_rate']:.2f}")
     assert not report.violations, report.violations[:5]
     assert stats["hit_rate"] > 0.1 and report.aborted > 0 and stats["retractions"] > 0
     engine.shutdown()
