@@ -71,28 +71,31 @@ def test_differential_stress(models, kind, backend, page_size):
     gen = WorkloadGenerator(seed=page_size, token_range=(0, 4096), max_prompt_len=96, max_new_tokens=48,
                             max_batch=40)
     report = stress(engine, reference, gen, calls, MOE_MARGIN, MOE_LOGPROB_TOL, MOE_MEAN_TOL)
-    _check(engine, report, f"{kind} {backend} page_size={page_size}")
+    # the long runs (qwen3_moe) fill the pool enough to retract; the short ones need not
+    _check(engine, report, f"{kind} {backend} page_size={page_size}", retractions=kind == "qwen3_moe")
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_differential_stress_in_fp32_is_exact(models, backend):
+@pytest.mark.parametrize("kind", sorted(SHAPES))
+def test_differential_stress_in_fp32_is_exact(models, kind):
     """In fp32 routing matches the reference's (no rounding near-ties), so
-    the fused MoE kernels, CUDA graphs, the overlap schedule and the cache
-    are held to what the CPU run is held to."""
-    folder, reference = models["qwen3_moe"]
-    engine = RolloutEngine(folder, device="cuda", dtype="float32", attention_backend=backend, page_size=16,
+    the fused MoE kernels (fp32 products), CUDA graphs, the overlap schedule
+    and the cache are held to what the CPU run is held to. (The fast
+    attention backends take bf16 and fp16 only: torch attention here.)"""
+    folder, reference = models[kind]
+    engine = RolloutEngine(folder, device="cuda", dtype="float32", attention_backend="torch", page_size=16,
                            max_total_tokens=1280, max_prefill_tokens=256, cuda_graph_max_batch_size=32,
                            max_running_requests=96)
     gen = WorkloadGenerator(seed=3, token_range=(0, 4096), max_prompt_len=96, max_new_tokens=48, max_batch=40)
-    report = stress(engine, reference, gen, 40, margin=1e-2, logprob_tol=1e-2)
-    _check(engine, report, f"fp32 {backend}")
+    report = stress(engine, reference, gen, 25, margin=1e-2, logprob_tol=1e-2)
+    _check(engine, report, f"fp32 {kind}", retractions=False)
 
 
-def _check(engine, report, what: str) -> None:
+def _check(engine, report, what: str, retractions: bool = True) -> None:
     stats = engine.cache_stats()
     print(f"{what}: {report.summary()}; retractions {stats['retractions']}, hit rate {stats['hit_rate']:.2f}")
     assert not report.violations, report.violations[:5]
-    assert stats["hit_rate"] > 0.1 and report.aborted > 0 and stats["retractions"] > 0
+    assert stats["hit_rate"] > 0.1 and report.aborted > 0
+    assert stats["retractions"] > 0 or not retractions
     engine.shutdown()
 
 
