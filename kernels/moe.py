@@ -157,10 +157,12 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["T"])
-    def moe_route_kernel(x_ptr, w_ptr, id_ptr, T, E, stride_x, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-                         TOPK: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+    def moe_route_kernel(x_ptr, w_ptr, id_ptr, loc_ptr, rec_ptr, T, E, stride_x, stride_rec, ROWS: tl.constexpr,
+                         BLOCK_E: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
+                         RECORD: tl.constexpr):
         """ROWS tokens: softmax over E in fp32, then TOPK rounds of argmax
-        (leftmost on ties) with the chosen expert masked out."""
+        (leftmost on ties) with the chosen expert masked out. RECORD: the ids
+        also go to rec[loc[t]] (a token's KV slot: routing capture)."""
         t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         e = tl.arange(0, BLOCK_E)
         e_ok = e < E
@@ -184,6 +186,9 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         ok = (t < T)[:, None] & (j < TOPK)[None, :]
         tl.store(w_ptr + out, vals, mask=ok)
         tl.store(id_ptr + out, idx, mask=ok)
+        if RECORD:
+            slot = tl.load(loc_ptr + row).to(tl.int64)
+            tl.store(rec_ptr + slot[:, None] * stride_rec + j[None, :], idx.to(rec_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _chunk_counts(ids_ptr, P, first, e, CHUNK: tl.constexpr, SUB: tl.constexpr):
@@ -364,16 +369,25 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 
 # ---------------------------------------------------------------- wrappers
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+Record = tuple[torch.Tensor, torch.Tensor]  # (dest [slots, k] with unit last stride, KV slot per token [T])
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          record: Record | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """route_ref's (weights fp32 [T, k], ids int32 [T, k]) in one launch on
-    the GPU; the reference elsewhere."""
+    the GPU; the reference elsewhere. `record` (dest, loc): also dest[loc[t]]
+    = the ids of token t, in dest's dtype (routing capture, in the same launch)."""
     if not use_kernel(logits):
-        return route_ref(logits, top_k, renormalize)
-    return _route_triton(logits, top_k, renormalize)
+        weights, ids = route_ref(logits, top_k, renormalize)
+        if record is not None and len(ids):
+            dest, loc = record
+            dest[loc] = ids.to(dest.dtype)
+        return weights, ids
+    return _route_triton(logits, top_k, renormalize, record)
 
 
-def _route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, rows: int = 4,
-                  warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def _route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, record: Record | None = None,
+                  rows: int = 4, warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, experts = logits.shape
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int32, device=logits.device)
@@ -381,9 +395,13 @@ def _route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, rows: int
         return weights, ids
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    moe_route_kernel[(cdiv(tokens, rows),)](logits, weights, ids, tokens, experts, logits.stride(0), ROWS=rows,
-                                            BLOCK_E=next_pow2(experts), TOPK=top_k, BLOCK_K=next_pow2(top_k),
-                                            RENORM=renormalize, num_warps=warps)
+    dest, loc = record if record is not None else (ids, ids)
+    if record is not None:
+        assert dest.stride(1) == 1 and dest.shape[1] == top_k, "the record's rows hold a token's k ids"
+    moe_route_kernel[(cdiv(tokens, rows),)](logits, weights, ids, loc, dest, tokens, experts, logits.stride(0),
+                                            dest.stride(0), ROWS=rows, BLOCK_E=next_pow2(experts), TOPK=top_k,
+                                            BLOCK_K=next_pow2(top_k), RENORM=renormalize,
+                                            RECORD=record is not None, num_warps=warps)
     return weights, ids
 
 

@@ -33,6 +33,7 @@ class EngineConfig:
     seed: int = 0
     overlap_schedule: bool = True  # schedule step N+1 while step N runs
     deterministic: bool = False  # batch-invariant: a request's tokens and logprobs do not depend on its batch
+    enable_return_routed_experts: bool = False  # MoE: record each token's experts per layer (routing replay)
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -63,8 +64,9 @@ class EngineConfig:
             bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         if not isinstance(self.seed, int) or self.seed < 0:
             bad("seed", "must be a non-negative integer")
-        if not isinstance(self.deterministic, bool):
-            bad("deterministic", "must be True or False")
+        for flag in ("deterministic", "enable_return_routed_experts"):
+            if not isinstance(getattr(self, flag), bool):
+                bad(flag, "must be True or False")
         if self.deterministic and self.attention_backend != "auto":
             bad("attention_backend", "must stay 'auto' with deterministic=True (which uses its own "
                                      "batch-invariant attention)")

@@ -3,15 +3,24 @@ from __future__ import annotations
 
 import torch
 
-from rollout_engine.cache.kv_pool import KVPool
+from rollout_engine.cache.kv_pool import KVPool, RoutesLayout
 from rollout_engine.config import EngineConfig
 from rollout_engine.models.config import ModelConfig
 
 CPU_KV_BYTES = 1 << 30  # default KV budget on the CPU
 
 
-def kv_bytes_per_token(mc: ModelConfig, num_kv_heads: int, dtype: torch.dtype) -> int:
-    return KVPool.bytes_per_token(mc.num_layers, num_kv_heads, mc.head_dim, dtype)
+def routes_layout(cfg: EngineConfig, mc: ModelConfig) -> RoutesLayout | None:
+    """The routing-capture buffer's layout: with enable_return_routed_experts
+    on an MoE model, else None."""
+    if not cfg.enable_return_routed_experts or mc.moe is None:
+        return None
+    return RoutesLayout.of(mc.moe.num_experts, len(mc.moe.sparse_layers), mc.moe.top_k)
+
+
+def kv_bytes_per_token(mc: ModelConfig, num_kv_heads: int, dtype: torch.dtype,
+                       routes: RoutesLayout | None = None) -> int:
+    return KVPool.bytes_per_token(mc.num_layers, num_kv_heads, mc.head_dim, dtype, routes)
 
 
 def activation_reserve(cfg: EngineConfig, mc: ModelConfig, dtype_bytes: int) -> int:

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from rollout_engine.request import Request
     from rollout_engine.scheduler.stop import StopChecker
 
@@ -24,6 +26,16 @@ class RolloutOutput:
     # Per output token, the weight version that produced it (differs from
     # weight_version only across an update made while the request ran).
     output_weight_versions: list[int] = field(default_factory=list)
+    # return_routed_experts: [prompt_len + output_len - 1, moe_layers, top_k] expert ids (uint8 up to 256
+    # experts, else int16), the routing of every token that went through the model, read from the KV slot
+    # it lives in (cache hits and retractions included); an aborted request's covers the tokens computed
+    # by then. Streams: on the last delta only. Otherwise None.
+    routed_experts: "np.ndarray | None" = None
+
+
+def routes_ready(r: "Request") -> bool:
+    """A finished request's routing (if asked for) is on the host."""
+    return r.routes is None or r.routes.ready()
 
 
 def build_output(r: "Request", stop: "StopChecker", since: int = 0) -> RolloutOutput:
@@ -49,7 +61,8 @@ def build_output(r: "Request", stop: "StopChecker", since: int = 0) -> RolloutOu
         top_logprobs=r.top_logprobs[since:end] if p.top_logprobs else None,
         prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
         finish_reason=r.finish_reason, text=text, num_cached_tokens=r.num_cached_tokens,
-        weight_version=r.weight_version, output_weight_versions=r.output_weight_versions[since:end])
+        weight_version=r.weight_version, output_weight_versions=r.output_weight_versions[since:end],
+        routed_experts=r.routes.result() if r.routes is not None and r.finished else None)
 
 
 def merge_deltas(deltas: list[RolloutOutput]) -> RolloutOutput:
@@ -67,4 +80,4 @@ def merge_deltas(deltas: list[RolloutOutput]) -> RolloutOutput:
         top_logprobs=joined("top_logprobs"), prompt_logprobs=last.prompt_logprobs,
         finish_reason=last.finish_reason, text=None if texts[0] is None else "".join(texts),
         num_cached_tokens=last.num_cached_tokens, weight_version=last.weight_version,
-        output_weight_versions=joined("output_weight_versions"))
+        output_weight_versions=joined("output_weight_versions"), routed_experts=last.routed_experts)

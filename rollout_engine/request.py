@@ -41,6 +41,8 @@ class Request:
     pending_tokens: int = 0
     # Set by an abort; the scheduler finishes the request before its next step.
     abort_requested: bool = False
+    # return_routed_experts: the routing of its tokens, copied out when it finished (runner/routes.py)
+    routes: Any = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property

@@ -24,6 +24,10 @@ class SamplingParams:
     and filters, as a sampled token would be reported: -inf for a token that
     top-k, top-p or min-p exclude (rollout_engine.fidelity uses it to score
     sequences under sampling parameters).
+    `return_routed_experts` (MoE, an engine built with
+    enable_return_routed_experts=True): `RolloutOutput.routed_experts` holds
+    the experts every MoE layer chose for each token that went through the
+    model (routing replay in the trainer).
     """
 
     max_new_tokens: int = 128
@@ -41,6 +45,7 @@ class SamplingParams:
     logprob_mode: str = "processed"
     prompt_logprobs: bool = False
     prompt_logprob_mode: str = "raw"
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -79,7 +84,7 @@ class SamplingParams:
         for mode in ("logprob_mode", "prompt_logprob_mode"):
             if getattr(self, mode) not in LOGPROB_MODES:
                 bad(mode, f"must be one of {LOGPROB_MODES}")
-        for flag in ("ignore_eos", "logprobs", "prompt_logprobs"):
+        for flag in ("ignore_eos", "logprobs", "prompt_logprobs", "return_routed_experts"):
             if not isinstance(getattr(self, flag), bool):
                 bad(flag, "must be a bool")
 

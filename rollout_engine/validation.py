@@ -13,6 +13,10 @@ class Limits:
     vocab_size: int
     max_context: int  # the model's context length
     kv_capacity: int  # tokens the KV cache holds: one request must fit alone
+    routing_off: str | None = None  # why return_routed_experts cannot be served (None: it can)
+
+
+ROUTING_OFF = "needs an engine built with enable_return_routed_experts=True (MoE models only)"
 
 
 def _fail(index: int, field: str, why: str) -> None:
@@ -118,6 +122,8 @@ def check_request(i: int, prompt: list[int], params: SamplingParams, limits: Lim
     for t in params.stop_token_ids or ():
         if t >= limits.vocab_size:
             _fail(i, "sampling_params.stop_token_ids", f"contains {t}, outside the vocabulary")
+    if params.return_routed_experts and limits.routing_off is not None:
+        _fail(i, "sampling_params.return_routed_experts", limits.routing_off)
     if params.top_logprobs > limits.vocab_size:
         _fail(i, "sampling_params.top_logprobs", f"({params.top_logprobs}) exceeds the vocabulary size")
 

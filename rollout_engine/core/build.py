@@ -22,7 +22,7 @@ from rollout_engine.distributed.tp_group import TPChannel, TPStepRunner
 from rollout_engine.kernels._triton import triton_available
 from rollout_engine.layers.invariant import compile_prompt_kernels, make_batch_invariant
 from rollout_engine.layers.one_row import compile_one_row_kernels
-from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens
+from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens, routes_layout
 from rollout_engine.memory.controller import MemoryController
 from rollout_engine.memory.manager import MemoryManager
 from rollout_engine.memory.saver import create_saver
@@ -36,7 +36,7 @@ from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from rollout_engine.scheduler.stop import StopChecker
 from rollout_engine.tokenizer import load_tokenizer, tokenizer_eos_ids
-from rollout_engine.validation import Limits
+from rollout_engine.validation import ROUTING_OFF, Limits
 from rollout_engine.weights.loader import WeightLoader
 from rollout_engine.weights.receiver import WeightReceiver
 from rollout_engine.weights.updater import WeightUpdater
@@ -114,6 +114,9 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     model = load_model(path, cfg.load_format, comm, device, dtype, cfg.seed,
                        weights_region=memory.region("weights", cfg.weights_cpu_backup))
     memory.register("weights", model.parameters())
+    if cfg.enable_return_routed_experts and model.config.moe is None:
+        raise ValueError(f"enable_return_routed_experts=True needs a mixture-of-experts model; "
+                         f"{model.config.architecture} has no experts")
     if cfg.deterministic:
         make_batch_invariant(model)
     tokenizer = load_tokenizer(path, cfg.tokenizer)
@@ -144,14 +147,17 @@ def _kv_memory(cfg: EngineConfig, model: DecoderForCausalLM, memory: MemoryManag
     mc = model.config
     attn = model.model.layers[0].self_attn.attn
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    capacity = comm.agree_min(kv_capacity_tokens(cfg, mc, kv_bytes_per_token(mc, attn.num_kv_heads, dtype), device,
-                                                 free_before, weight_bytes, dtype.itemsize), device)
+    routes = routes_layout(cfg, mc)
+    per_token = kv_bytes_per_token(mc, attn.num_kv_heads, dtype, routes)
+    capacity = comm.agree_min(kv_capacity_tokens(cfg, mc, per_token, device, free_before, weight_bytes,
+                                                 dtype.itemsize), device)
     num_pages = -(-capacity // cfg.page_size)
     allocator = PageAllocator(num_pages, cfg.page_size)
     with memory.region("kv_cache"):
-        kv_pool = KVPool(mc.num_layers, allocator.num_slots, attn.num_kv_heads, mc.head_dim, dtype, device)
-    memory.register("kv_cache", kv_pool.k + kv_pool.v)
-    limits = Limits(mc.vocab_size, mc.max_position, num_pages * cfg.page_size)
+        kv_pool = KVPool(mc.num_layers, allocator.num_slots, attn.num_kv_heads, mc.head_dim, dtype, device, routes)
+    memory.register("kv_cache", kv_pool.tensors)
+    routing_off = None if routes is not None else ROUTING_OFF
+    limits = Limits(mc.vocab_size, mc.max_position, num_pages * cfg.page_size, routing_off)
     table = ReqToTokenTable(cfg.max_running_requests, min(mc.max_position, limits.kv_capacity) + 1)
     return kv_pool, allocator, table, limits
 

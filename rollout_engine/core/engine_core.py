@@ -28,7 +28,7 @@ from rollout_engine.model_zoo import resolve_model_path
 from rollout_engine.core.build import EngineParts, build_parts, check_tp_size, engine_cuda_index
 from rollout_engine.core.controls import Controls
 from rollout_engine.core.worker import drop_graphs, worker_main
-from rollout_engine.outputs import merge_deltas
+from rollout_engine.outputs import merge_deltas, routes_ready
 from rollout_engine.distributed import tp_group
 from rollout_engine.core.request_factory import RequestFactory
 from rollout_engine.core.subscription import Subscription
@@ -349,13 +349,20 @@ class EngineCore:
     def dispatch(self) -> None:
         """Hand finished requests and stream deltas to their calls."""
         stop = self.scheduler.stop
+        # A finished request's routing (return_routed_experts) is copied to the host behind the steps in
+        # flight: while more steps run, it is handed out at a later dispatch, once there; with no step
+        # to run next (idle, paused, stepped by hand), now (waiting for it holds up no step).
+        wait = self.paused or self.manual or not self.scheduler.has_work()
         finished, self._finished[:] = list(self._finished), []
         for r in finished:
+            if not (wait or routes_ready(r)):
+                self._finished.append(r)
+                continue
             sub = self._subs.pop(id(r), None)
             if sub is not None:
                 sub.on_finish(r, stop)
         if self._streams:
             for sub in self._streams:
                 if not sub.done:
-                    sub.poll(stop)
+                    sub.poll(stop, wait)
             self._streams = [s for s in self._streams if not s.done]

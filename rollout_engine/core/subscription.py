@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from rollout_engine.outputs import RolloutOutput, build_output
+from rollout_engine.outputs import RolloutOutput, build_output, routes_ready
 from rollout_engine.request import Request
 from rollout_engine.scheduler.stop import StopChecker
 
@@ -57,12 +57,16 @@ class Subscription:
         if self._remaining == 0:
             self._end(self._outputs)
 
-    def poll(self, stop: StopChecker) -> None:
+    def poll(self, stop: StopChecker, wait: bool = False) -> None:
         """Streams: deliver a delta for every request with new tokens (or that
-        finished) since the last poll."""
+        finished) since the last poll. A finished request whose routing is
+        still being copied to the host waits for a later poll (`wait`: not)."""
         still_open = []
         for i in self._open:
             r = self.reqs[i]
+            if r.finished and not (wait or routes_ready(r)):
+                still_open.append(i)
+                continue
             if r.num_output_tokens > self._sent[i] or r.finished:
                 self.deliver(("delta", build_output(r, stop, since=self._sent[i])))
                 self._sent[i] = r.num_output_tokens

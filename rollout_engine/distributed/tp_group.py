@@ -206,6 +206,9 @@ class TPStepRunner:
     def collect(self, handle):
         return self.local.collect(handle)
 
+    def routes_of(self, slots):
+        return self.local.routes_of(slots)  # every rank routes alike: this rank's record is the engine's
+
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"

@@ -11,6 +11,8 @@ Expert weights are stored fused, as transformers 5 keeps them in memory:
 their expert's rows (weights/loader.py maps the names)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -23,6 +25,9 @@ from rollout_engine.layers.invariant import invariant_linear, per_row
 from rollout_engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _param, divide
 from rollout_engine.layers.weight_copy import copy_into
 from rollout_engine.models.config import MoeConfig
+
+if TYPE_CHECKING:
+    from rollout_engine.forward_batch import ForwardBatch
 
 GATE, UP, DOWN = 0, 1, 2  # the part of a per-expert tensor (shard id (expert, part))
 
@@ -82,9 +87,13 @@ class MoeExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, hidden: int, moe: MoeConfig, comm: TPComm):
+    """`moe_index`: this block's place among the model's MoE layers (its
+    column of the routing-capture buffer, KVPool.routes)."""
+
+    def __init__(self, hidden: int, moe: MoeConfig, comm: TPComm, moe_index: int = 0):
         super().__init__()
         self.comm = comm
+        self.moe_index = moe_index
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         self.gate = ReplicatedLinear(hidden, moe.num_experts)
         self.gate.weight.weight_loader = self._load_router  # type: ignore[attr-defined]
@@ -102,8 +111,12 @@ class SparseMoeBlock(nn.Module):
 
     batch_invariant = False  # layers/invariant.py: a token's expert outputs do not depend on the others
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+    def forward(self, x: torch.Tensor, fb: "ForwardBatch | None" = None) -> torch.Tensor:
+        """With `fb` whose pool captures routing, each token's experts also go
+        to its KV slot's row (in the routing launch)."""
+        routes = fb.kv_pool.routes if fb is not None else None
+        record = (routes[:, self.moe_index], fb.out_cache_loc) if routes is not None else None
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, record)
         e = self.experts
         out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, invariant=self.batch_invariant)
         if self.shared_expert is not None:  # partial sums too: one reduction for both

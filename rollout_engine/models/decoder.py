@@ -131,7 +131,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, layer_id, rotary, comm)
         sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_id)
-        self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe, comm) if sparse else DecoderMLP(cfg, comm)
+        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, comm, cfg.moe.sparse_layers.index(layer_id))
+                    if sparse else DecoderMLP(cfg, comm))
+        self.sparse = sparse
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -147,7 +149,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(positions, h, fb)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return (self.mlp(h, fb) if self.sparse else self.mlp(h)), residual
 
     def norms_in_products(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """One row on the GPU: each RMSNorm (with its residual add) is computed
@@ -185,7 +187,7 @@ class DecoderLayer(nn.Module):
         h = attn.attend(q, fb).contiguous()
         if not isinstance(mlp, DecoderMLP):  # the sparse MLP: its router and experts take the normed rows
             h, residual = self.post_attention_layernorm(h, residual)
-            return mlp(h), residual
+            return mlp(h, fb), residual
         act, residual = mlp.one_row_act(h, residual, self.post_attention_layernorm)
         return mlp.down_proj(act), residual
 

@@ -21,6 +21,7 @@ from rollout_engine.plan import SamplingPlan, StepOutput, StepPlan
 from rollout_engine.kernels._triton import triton_available, use_kernel
 from rollout_engine.kernels.batch_gemm import new_counters, use_counters
 from rollout_engine.runner.device_lock import DEVICE_WIDE
+from rollout_engine.runner.routes import RoutesCopy
 from rollout_engine.runner.sampler import (INVARIANT_ROWS, TORCH_ROWS, SamplingBatch, raw_logprobs_per_row, sample,
                                            sample_per_row, score)
 
@@ -100,6 +101,11 @@ class ModelRunner:
         if handle.event is not None:
             handle.event.synchronize()
         return self._unpack(handle.plan, handle.sampled, None if handle.host is None else handle.host.numpy())
+
+    def routes_of(self, slots: np.ndarray) -> RoutesCopy:
+        """The routing recorded in these KV slots, copied to the host after
+        every step launched so far (routing capture must be on)."""
+        return RoutesCopy(self.kv_pool.routes, slots)
 
     def settle(self) -> None:
         """Wait until every step launched here has finished on the device."""

@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import numpy as np
+
 from rollout_engine.plan import StepOutput, StepPlan
 from rollout_engine.request import PLACEHOLDER, Request
 from rollout_engine.scheduler.batch import Batch, ScheduledSeq
@@ -45,6 +47,10 @@ class StepRunner(Protocol):
 
     def collect(self, handle: Any) -> StepOutput:
         """Wait for a launched step's results."""
+
+    def routes_of(self, slots: np.ndarray) -> Any:
+        """The routing recorded in these KV slots, on its way to the host
+        (runner/routes.py); only with routing capture."""
 
 
 class Scheduler:
@@ -390,6 +396,11 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         self.stats.on_finish(reason)
+        if req.params.return_routed_experts:
+            # every position that went through the model: all but the last sampled token (an aborted
+            # request: those whose KV it holds)
+            n = min(req.kv_len, len(req.prompt_ids) + req.num_output_tokens - 1) if req.row is not None else 0
+            req.routes = self.runner.routes_of(self.kv.table.slots(req.row, 0, n) if n else np.zeros(0, np.int64))
         self.kv.release(req)
         if self.on_finish is not None:
             self.on_finish(req)
