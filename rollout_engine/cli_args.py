@@ -46,6 +46,8 @@ FIELD_HELP: dict[str, str] = {
     "tp_size": "tensor-parallel degree: GPUs per engine (processes over gloo on the CPU)",
     "seed": "seed of dummy weights and of the sampling seeds drawn for requests",
     "overlap_schedule": "schedule step N+1 while step N runs on the device",
+    "enable_return_routed_experts": "MoE models: record the experts each token went to in every MoE layer, for "
+                                    "requests that ask for them (return_routed_experts; routing replay)",
     "deterministic": "batch-invariant mode: a seeded request gives the same tokens and logprobs whatever else "
                      "is batched, chunked or cached (GPU: Triton kernels; CPU: row by row, several times slower)",
 }

@@ -602,3 +602,50 @@ def test_serve_from_python_with_engine_kwargs(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
+
+
+def test_routed_experts_come_base64_encoded_as_sglang_clients_decode_them(tmp_path):
+    """`return_routed_experts`: meta_info["routed_experts"] is base64 of an
+    int32 array reshaped (-1, moe_layers, top_k), equal to the in-process
+    routing; streams carry it on their last chunk."""
+    import base64
+
+    import numpy as np
+
+    from models import make_hf_model, save_model
+
+    folder = save_model(make_hf_model("qwen3_moe", seed=5), tmp_path / "moe")
+    ids = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    engine = RolloutEngine(folder, device="cpu", max_total_tokens=2048, enable_return_routed_experts=True)
+    ref = engine.generate(input_ids=ids, sampling_params=SamplingParams(**params, return_routed_experts=True))
+    engine.shutdown()
+    layers, top_k = ref[0].routed_experts.shape[1:]
+
+    def decode(meta: dict) -> np.ndarray:
+        return np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).reshape(-1, layers, top_k)
+
+    srv = Server(folder, "--device", "cpu", "--enable-return-routed-experts")
+    try:
+        got = srv.post("/generate", {"input_ids": ids, "sampling_params": params,
+                                     "return_routed_experts": True}).json()
+        for g, r in zip(got, ref):
+            assert np.array_equal(decode(g["meta_info"]), r.routed_experts)
+        plain = srv.post("/generate", {"input_ids": ids[0], "sampling_params": params}).json()
+        assert "routed_experts" not in plain["meta_info"]
+        chunks = []
+        with httpx.stream("POST", srv.url + "/generate", timeout=60, json={
+                "input_ids": ids[0], "stream": True, "sampling_params": params, "return_routed_experts": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert np.array_equal(decode(chunks[-1]["meta_info"]), ref[0].routed_experts)
+        assert all("routed_experts" not in c["meta_info"] for c in chunks[:-1])
+        bad = srv.post("/generate", {"input_ids": ids[0], "return_routed_experts": "yes"})
+        assert bad.status_code == 400 and "return_routed_experts" in bad.text
+    finally:
+        srv.stop()
+    srv = Server(folder, "--device", "cpu")  # built without the flag: the request is refused naming it
+    try:
+        bad = srv.post("/generate", {"input_ids": ids[0], "return_routed_experts": True})
+        assert bad.status_code == 400 and "enable_return_routed_experts" in bad.text, bad.text
+    finally:
+        srv.stop()

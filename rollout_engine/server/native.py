@@ -4,6 +4,7 @@ streaming), /health and the info routes. Field names and the output's
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from typing import Any
 
@@ -19,7 +20,7 @@ from rollout_engine.server.state import ClientGone, read_json, state_of, until_d
 router = APIRouter()
 
 TOP_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "top_logprobs_num", "stream",
-              "logprob_start_len", "return_text_in_logprobs"}
+              "logprob_start_len", "return_text_in_logprobs", "return_routed_experts"}
 # SGLang fields accepted when absent/empty (features this engine does not have).
 EMPTY_OK = {"image_data", "audio_data", "video_data", "lora_path", "lora_id", "custom_logit_processor",
             "return_hidden_states", "modalities", "session_params", "data_parallel_rank", "bootstrap_host",
@@ -67,6 +68,9 @@ class GenerateCall:
             raise ApiError(400, "return_logprob must be a bool", "return_logprob")
         top = logprob_count(body.get("top_logprobs_num", 0), "top_logprobs_num")
         self.logprob_text = body.get("return_text_in_logprobs", False) is True
+        self.routed = body.get("return_routed_experts", False)
+        if not isinstance(self.routed, bool):
+            raise ApiError(400, "return_routed_experts must be a bool", "return_routed_experts")
         self.stream = body.get("stream", False)
         if not isinstance(self.stream, bool):
             raise ApiError(400, "stream must be a bool", "stream")
@@ -74,10 +78,10 @@ class GenerateCall:
         if isinstance(raw, list):
             if len(raw) != count:
                 raise ApiError(400, f"sampling_params has {len(raw)} entries for {count} prompts", "sampling_params")
-            self.params = [sglang_params(p, self.return_logprob, top, f"sampling_params[{i}]")
+            self.params = [sglang_params(p, self.return_logprob, top, f"sampling_params[{i}]", self.routed)
                            for i, p in enumerate(raw)]
         else:
-            self.params = [sglang_params(raw, self.return_logprob, top)] * count
+            self.params = [sglang_params(raw, self.return_logprob, top, routed=self.routed)] * count
         rid = body.get("rid")
         self.request_ids = None
         if rid is not None:
@@ -114,6 +118,8 @@ def meta_info(out: RolloutOutput, call: GenerateCall, tokenizer, started: float,
                                          zip(out.output_logprobs or [], out.output_token_ids)]
         if out.top_logprobs is not None:
             meta["output_top_logprobs"] = [[[lp, t, tok(t)] for t, lp in row] for row in out.top_logprobs]
+    if out.routed_experts is not None:  # SGLang's encoding: base64 of the int32 array, rows of layers x top_k
+        meta["routed_experts"] = base64.b64encode(out.routed_experts.astype("<i4").tobytes()).decode("ascii")
     return meta
 
 

@@ -41,8 +41,8 @@ def make_params(prefix: str = "", **kw) -> SamplingParams:
         raise ApiError(400, message, name) from None
 
 
-def sglang_params(raw: Any, return_logprob: bool, top_logprobs_num: int, field: str = "sampling_params"
-                  ) -> SamplingParams:
+def sglang_params(raw: Any, return_logprob: bool, top_logprobs_num: int, field: str = "sampling_params",
+                  routed: bool = False) -> SamplingParams:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -62,6 +62,8 @@ def sglang_params(raw: Any, return_logprob: bool, top_logprobs_num: int, field: 
         elif key not in IGNORED:
             raise ApiError(400, f"{name} is not a known sampling parameter", name)
     kw["top_logprobs"] = top_logprobs_num if return_logprob else 0
+    if routed:
+        kw["return_routed_experts"] = True
     return make_params(field, **kw)
 
 
