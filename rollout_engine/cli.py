@@ -35,7 +35,8 @@ CPU_WORKLOADS = ("grpo", "weights", "serve", "longtail")  # the others measure t
 # Engine fields that bench/run.py's engine factory passes on; other engine
 # flags would be accepted and silently ignored, so bench does not offer them.
 BENCH_ENGINE_FIELDS = ("model", "load_format", "attention_backend", "max_total_tokens", "seed", "cuda_graph",
-                       "tp_size", "deterministic", "page_size", "max_running_requests", "cuda_graph_max_batch_size")
+                       "tp_size", "deterministic", "page_size", "max_running_requests", "cuda_graph_max_batch_size",
+                       "enable_return_routed_experts")
 
 
 class Parser(argparse.ArgumentParser):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -123,6 +124,8 @@ def run_call(engine, call: Call, tag: str) -> list:
         m.output_token_ids += delta.output_token_ids
         m.output_logprobs += delta.output_logprobs or []
         m.finish_reason = delta.finish_reason
+        if delta.routed_experts is not None:
+            m.routed_experts = delta.routed_experts
         if k == call.abort_after:
             engine.abort([expanded[call.abort_index]])
     return [merged[rid] for rid in expanded]
@@ -137,6 +140,7 @@ class _Streamed:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    routed_experts: Any = None  # return_routed_experts: on the last delta
 
 
 class Reference:

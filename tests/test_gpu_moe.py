@@ -10,7 +10,11 @@ import os
 import pytest
 import torch
 
-from differential import Reference, WorkloadGenerator, stress
+import dataclasses
+
+import numpy as np
+
+from differential import Reference, Report, WorkloadGenerator, check_outputs, run_call, stress
 from models import make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams
 from test_moe import _per_expert
@@ -101,6 +105,68 @@ def _check(engine, report, what: str, retractions: bool = True) -> None:
     engine.shutdown()
 
 
+def _router_topk(hf, ids: list[int], top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """HF's routing of a sequence in fp32: ([T, layers, k] experts, [T,
+    layers] gap between the k-th and the next probability)."""
+    logits = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: logits.append(o[0] if isinstance(o, tuple) else o))
+             for layer in hf.model.layers if hasattr(layer.mlp, "experts")]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([ids], device="cuda"))
+    finally:
+        for h in hooks:
+            h.remove()
+    probs = torch.stack([torch.softmax(x.float(), -1) for x in logits], 1)  # [T, layers, E]
+    top = torch.topk(probs, top_k + 1, -1)
+    return top.indices[..., :top_k].cpu().numpy(), (top.values[..., top_k - 1] - top.values[..., top_k]).cpu().numpy()
+
+
+# (dtype, backend, page size, share of (token, layer) routings that must equal HF's fp32 router away from
+# near-ties): fp32 all of them; bf16 rounds a router's logits, so a few near-ties go the other way.
+ROUTING_CASES = [("float32", "torch", 16, 1.0), ("bfloat16", "flashinfer", 16, 0.97), ("bfloat16", "triton", 1, 0.97)]
+
+
+@pytest.mark.parametrize("dtype,backend,page_size,agree", ROUTING_CASES)
+def test_routing_capture_in_graphs_with_overlap_equals_the_reference(models, dtype, backend, page_size, agree):
+    """Routing capture on one long-lived engine (CUDA graphs, overlap, the
+    prefix cache, forks, aborts, a tight pool) over the differential stress
+    sequences: each token's recorded experts are HF's router's on that
+    token's sequence (compared as sets, per MoE layer)."""
+    folder, reference = models["qwen3_moe"]
+    engine = RolloutEngine(folder, device="cuda", dtype=dtype, attention_backend=backend, page_size=page_size,
+                           max_total_tokens=1280, max_prefill_tokens=256, cuda_graph_max_batch_size=32,
+                           max_running_requests=96, enable_return_routed_experts=True)
+    top_k = engine.model_config.moe.top_k
+    gen = WorkloadGenerator(seed=7, token_range=(0, 4096), max_prompt_len=96, max_new_tokens=48, max_batch=40)
+    report, same, total, near = Report(), 0, 0, 0
+    for c in range(20):
+        call = gen.call()
+        call.params = [dataclasses.replace(p, return_routed_experts=True) for p in call.params]
+        outputs = run_call(engine, call, f"c{c}")
+        check_outputs(reference, call, outputs, report, MOE_MARGIN, MOE_LOGPROB_TOL, f"call {c}", MOE_MEAN_TOL)
+        for out in outputs:
+            got = out.routed_experts
+            ids = out.prompt_token_ids + out.output_token_ids
+            assert got is not None and got.shape[0] <= len(ids) - 1, out.request_id
+            if out.finish_reason != "abort":
+                assert got.shape[0] == len(ids) - 1, (out.request_id, got.shape)
+            if not got.shape[0]:
+                continue
+            want, gap = _router_topk(reference.model, ids[: got.shape[0]], top_k)
+            equal = (np.sort(got.astype(np.int64), -1) == np.sort(want, -1)).all(-1)
+            clear = gap > 1e-4
+            same, total, near = same + int((equal & clear).sum()), total + int(clear.sum()), near + int((~clear).sum())
+            gen.observe(out.prompt_token_ids, out.output_token_ids)
+        engine.check_integrity()
+    print(f"routing {dtype} {backend}: {same}/{total} equal away from near-ties ({near} near-ties); "
+          f"{report.summary()}")
+    assert total > 5000 and same >= agree * total, (same, total)
+    assert not report.violations, report.violations[:5]
+    assert engine.cache_stats()["hit_rate"] > 0.1 and report.aborted > 0
+    engine.shutdown()
+
+
 def test_release_resume_and_updates_under_both_namings(models, tmp_path):
     folder, _ = models["qwen2_moe"]
     new = _peaked("qwen2_moe", seed=9)
@@ -115,12 +181,17 @@ def test_release_resume_and_updates_under_both_namings(models, tmp_path):
     want = outs(fresh)
     fresh.shutdown()
     engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", mem_fraction=0.3, enable_memory_saver=True,
-                           weights_cpu_backup=True)
+                           weights_cpu_backup=True, enable_return_routed_experts=True)
     old = outs(engine)
+    routed = dataclasses.replace(params, return_routed_experts=True)
+    before = [o.routed_experts for o in engine.generate(input_ids=prompts, sampling_params=routed)]
     freed = engine.release_memory()
     assert freed["weights"] > 0
     engine.resume_memory()
     assert outs(engine) == old
+    # the routing buffer is released and resumed with the KV tag; recomputed, it is what it was
+    after = [o.routed_experts for o in engine.generate(input_ids=prompts, sampling_params=routed)]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
     engine.update_weights(list(new.named_parameters()))  # fused
     assert outs(engine) == want
     engine.update_weights_from_disk(folder)

@@ -207,6 +207,26 @@ def test_route_matches_reference(experts, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("experts,dtype", [(60, torch.uint8), (512, torch.int16)])
+def test_route_records_each_tokens_ids_in_its_slot(experts, dtype):
+    """Routing capture: the ids also land in dest[loc[t]], a strided column
+    of a [slots, layers, k] buffer, in its dtype; other slots untouched."""
+    top_k, slots, layers = 8, 1000, 3
+    for tokens in (1, 37, 300):
+        logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
+        buf = torch.full((slots, layers, top_k), 7, dtype=dtype, device="cuda")
+        loc = torch.randperm(slots, device="cuda")[:tokens]
+        w, i = moe.route(logits, top_k, True, (buf[:, 1], loc))
+        wr, ir = moe.route_ref(logits, top_k, True)
+        assert torch.equal(i, ir)
+        assert torch.equal(buf[loc, 1].long(), ir.long())
+        rest = torch.ones(slots, dtype=torch.bool, device="cuda")
+        rest[loc] = False
+        assert (buf[rest] == 7).all() and (buf[:, 0] == 7).all() and (buf[:, 2] == 7).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("experts,block_m", [(8, 16), (60, 16), (128, 16), (128, 32), (64, 64), (512, 16)])
 def test_align_kernel(experts, block_m):
     for pairs in (1, 64, 65, 1000, 16384):
@@ -289,3 +309,11 @@ def test_invariant_rows_do_not_depend_on_the_batch(inter, hidden):
         bi = torch.cat([oi[:at].cuda(), ids, oi[at:].cuda()])
         batch = moe.fused_moe(bx, w13, w2, bw, bi, invariant=True)
         assert torch.equal(batch[at], alone[0]), others
+
+
+def test_route_ref_records_into_the_slots():
+    logits = torch.randn(5, 12)
+    buf = torch.zeros(20, 2, 3, dtype=torch.uint8)
+    loc = torch.tensor([4, 0, 19, 7, 8])
+    _, ids = moe.route(logits, 3, False, (buf[:, 1], loc))
+    assert torch.equal(buf[loc, 1].long(), ids.long()) and not buf[:, 0].any()

@@ -1,6 +1,7 @@
 """`rollout-engine bench`: run a workload (BENCH.md), print and write JSON."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import random
@@ -20,10 +21,13 @@ def _device_name() -> str:
 
 
 def run_workload(engine, wl: workloads.Workload) -> dict[str, Any]:
+    # an engine that captures routing: every request asks for it (its cost is what is measured)
+    routed = getattr(getattr(engine, "config", None), "enable_return_routed_experts", False)
+    params = [dataclasses.replace(p, return_routed_experts=True) for p in wl.params] if routed else wl.params
     before = engine.cache_stats()
     sync()
     start = time.perf_counter()
-    outs = engine.generate(input_ids=wl.input_ids, sampling_params=wl.params, progress=show_progress())
+    outs = engine.generate(input_ids=wl.input_ids, sampling_params=params, progress=show_progress())
     sync()
     elapsed = time.perf_counter() - start
     after = engine.cache_stats()
@@ -40,7 +44,7 @@ def run_workload(engine, wl: workloads.Workload) -> dict[str, Any]:
         "ideal_hit_rate": round(1 - len(wl.input_ids) / wl.num_samples, 4),
         "steps": after["steps"] - before["steps"],
         "retractions": after["retractions"] - before["retractions"],
-    }
+    } | ({"routed_experts_bytes": sum(o.routed_experts.nbytes for o in outs)} if routed else {})
 
 
 def _warm(engine) -> None:
