@@ -69,6 +69,10 @@ def test_routing_equals_hf_on_first_calls_cache_hits_and_forks(models, kind):
         n=3, max_new_tokens=12, seed=2, ignore_eos=True, return_routed_experts=True))
     assert all(o.num_cached_tokens >= len(SYSTEM) for o in forks)  # served from the cache
     assert_routes_match(hf, forks, top_k)
+    # one token each: the siblings finish as they are forked, holding no KV of their own
+    ones = engine.generate(input_ids=[PROMPTS[2] + [1]], sampling_params=SamplingParams(
+        n=3, max_new_tokens=1, seed=2, return_routed_experts=True))
+    assert_routes_match(hf, ones, top_k)
     assert first[0].routed_experts.dtype == np.uint8
     assert first[0].routed_experts.shape[1:] == (len(engine.model_config.moe.sparse_layers), top_k)
     plain = engine.generate(input_ids=PROMPTS[:1], sampling_params=SamplingParams(max_new_tokens=3))

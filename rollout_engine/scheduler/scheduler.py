@@ -367,14 +367,16 @@ class Scheduler:
         for sib, res in zip(leader.fork_siblings, results):
             if leader.prompt_logprobs is not None:
                 sib.prompt_logprobs = list(leader.prompt_logprobs)
-            if not self._append(sib, res, weight_version):
+            if not self._append(sib, res, weight_version, kv_of=leader):
                 queued.append(sib)
         leader.fork_siblings = []
         self.waiting.extendleft(reversed(queued))
 
-    def _append(self, req: Request, result: SeqResult, weight_version: int, fill_index: int | None = None) -> bool:
+    def _append(self, req: Request, result: SeqResult, weight_version: int, fill_index: int | None = None,
+                kv_of: Request | None = None) -> bool:
         """Record a sampled token (into its placeholder when it was scheduled
-        ahead); returns True if the request finished."""
+        ahead); returns True if the request finished. `kv_of`: the request
+        whose KV holds this one's tokens (a fork's leader)."""
         if fill_index is None:
             req.output_ids.append(result.token)
         else:
@@ -390,20 +392,26 @@ class Scheduler:
         reason = self.stop.check(req)
         if reason is None:
             return False
-        self._finish(req, reason)
+        self._finish(req, reason, kv_of)
         return True
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, kv_of: Request | None = None) -> None:
         req.finish_reason = reason
         self.stats.on_finish(reason)
         if req.params.return_routed_experts:
-            # every position that went through the model: all but the last sampled token (an aborted
-            # request: those whose KV it holds)
-            n = min(req.kv_len, len(req.prompt_ids) + req.num_output_tokens - 1) if req.row is not None else 0
-            req.routes = self.runner.routes_of(self.kv.table.slots(req.row, 0, n) if n else np.zeros(0, np.int64))
+            self._copy_routes(req, req if req.row is not None else kv_of)
         self.kv.release(req)
         if self.on_finish is not None:
             self.on_finish(req)
+
+    def _copy_routes(self, req: Request, holder: Request | None) -> None:
+        """The routing of every position that went through the model (all but
+        the last sampled token; an aborted request: those computed), read
+        from the KV slots of `holder` (the request itself, or the fork leader
+        whose prompt KV a sibling that finished at once shares)."""
+        n = len(req.prompt_ids) + req.num_output_tokens - 1
+        n = min(holder.kv_len, n) if holder is not None and holder.row is not None else 0
+        req.routes = self.runner.routes_of(self.kv.table.slots(holder.row, 0, n) if n else np.zeros(0, np.int64))
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.running)
