@@ -6,6 +6,9 @@ weight update and under tensor parallelism; streams carry it on their last
 delta; bad requests are refused naming the flag."""
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -154,6 +157,7 @@ def test_bad_requests_name_the_flag_and_leave_the_engine_usable(models, tmp_path
         RolloutEngine(dense, device="cpu", max_total_tokens=1024, enable_return_routed_experts=True)
 
 
+@pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
 def test_tp2_reports_the_routing_of_tp1(models):
     hf, folder = models["qwen3_moe"]
     params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True, return_routed_experts=True)
@@ -168,3 +172,50 @@ def test_tp2_reports_the_routing_of_tp1(models):
         assert a.output_token_ids == b.output_token_ids
         assert np.array_equal(a.routed_experts, b.routed_experts)
     assert_routes_match(hf, outs[2], 2)
+
+
+def _trainer_logprobs(hf, outs, routes=None) -> list[torch.Tensor]:
+    """Each output token's logprob under `hf` over a right-padded batch, with
+    the engine's routing replayed when `routes` is given."""
+    from rollout_engine.integrations.routing_replay import replay
+
+    seqs = [o.prompt_token_ids + o.output_token_ids for o in outs]
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    with torch.no_grad(), (replay(hf, routes) if routes is not None else contextlib.nullcontext()):
+        logp = torch.log_softmax(hf(ids, attention_mask=mask).logits.float(), -1)
+    out = []
+    for i, o in enumerate(outs):
+        p = len(o.prompt_token_ids)
+        pos = torch.arange(p - 1, p - 1 + len(o.output_token_ids))
+        out.append(logp[i, pos, torch.tensor(o.output_token_ids)])
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_trainer_replaying_the_engines_routing_scores_its_tokens_as_the_engine_did(models, kind):
+    """The engine's arrays feed `integrations.routing_replay.replay` as they
+    come: with the engine's weights the trainer's logprobs equal the engine's
+    (fp32, 1e-4); with a drifted router, replay brings them closer."""
+    hf, folder = models[kind]
+    engine = _engine(folder)
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=SamplingParams(
+        max_new_tokens=10, seed=1, ignore_eos=True, logprob_mode="raw", return_routed_experts=True))
+    engine.shutdown()
+    routes = [o.routed_experts for o in outs]
+    for o, lp in zip(outs, _trainer_logprobs(hf, outs, routes)):
+        assert torch.allclose(lp, torch.tensor(o.output_logprobs), atol=1e-4), o.request_id
+    drifted = copy.deepcopy(hf)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for layer in drifted.model.layers:
+            if hasattr(layer.mlp, "experts"):
+                layer.mlp.gate.weight.add_(torch.randn_like(layer.mlp.gate.weight) * layer.mlp.gate.weight.std())
+
+    def gap(logprobs) -> float:
+        return float(torch.cat([lp - torch.tensor(o.output_logprobs) for o, lp in zip(outs, logprobs)]).abs().mean())
+
+    free, replayed = gap(_trainer_logprobs(drifted, outs)), gap(_trainer_logprobs(drifted, outs, routes))
+    assert replayed < free, (replayed, free)

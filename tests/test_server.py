@@ -604,6 +604,7 @@ def test_serve_from_python_with_engine_kwargs(tmp_path):
         assert proc.wait(15) == 0
 
 
+@pytest.mark.slow  # two server processes; run by .ci/run after the fast tests
 def test_routed_experts_come_base64_encoded_as_sglang_clients_decode_them(tmp_path):
     """`return_routed_experts`: meta_info["routed_experts"] is base64 of an
     int32 array reshaped (-1, moe_layers, top_k), equal to the in-process
