@@ -6,6 +6,7 @@ engine in place, every step.
     python examples/grpo_train.py --steps 60 --wandb --log-json run.json
     python examples/plot_run.py run.json run.png
     python examples/grpo_train.py --model qwen3-0.6b --load-format dummy --task token   # no checkpoint needed
+    python examples/grpo_train.py --model qwen3-moe-mini --load-format dummy --task token --routing-replay
     torchrun --nproc-per-node 2 examples/grpo_train.py --fsdp                 # FSDP2 trainer over 2 ranks
 
 Tasks: `arithmetic` (chat prompts "What is a + b?", reward 1 when the last
@@ -30,10 +31,17 @@ The train-inference mismatch is measured on every step before the update,
 like with like: the engine's raw logprobs against the trainer's log-softmax
 on the same weights, over the sampled tokens (mean and max of the absolute
 gap, and the k1 estimate of KL(engine || trainer) per sequence).
+
+With `--routing-replay` (MoE models) the engine returns each token's experts
+and the trainer's forward sends every token to them
+(`rollout_engine.integrations.routing_replay`); each step also logs the
+mismatch of a forward without replay and the share of (token, MoE layer)
+where the trainer's routers pick the engine's experts.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -97,15 +105,28 @@ def load_trainer(args, folder: str, dtype, device):
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape), dtype=dtype)
 
 
-def token_logprobs(model, sequences: list[tuple[list[int], list[int]]], device) -> list[torch.Tensor]:
+def token_logprobs(model, sequences: list[tuple[list[int], list[int]]], device, routes=None,
+                   agreement: list[float] | None = None) -> list[torch.Tensor]:
     """The trainer's log-softmax of each sampled token, for a micro-batch of
     (prompt, output) pairs in one forward. Right padding: causal attention
-    keeps the pad after a sequence from reaching its tokens."""
+    keeps the pad after a sequence from reaching its tokens. `routes` (MoE):
+    the engine's routing of each sequence, replayed in the forward.
+    `agreement`: gets the share of (token, MoE layer) whose free routing in
+    this forward equals the engine's (`routes` given, replay off)."""
     width = max(len(p) + len(o) for p, o in sequences)
     ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
     for row, (p, o) in enumerate(sequences):
         ids[row, : len(p) + len(o)] = torch.tensor(p + o, device=device)
-    logits = model(ids).logits
+    if agreement is not None:
+        with routing_agreement(model, routes, width, agreement):
+            logits = model(ids).logits
+    elif routes is not None:
+        from rollout_engine.integrations.routing_replay import replay
+
+        with replay(model, routes):
+            logits = model(ids).logits
+    else:
+        logits = model(ids).logits
     out = []
     for row, (p, o) in enumerate(sequences):
         picked = logits[row, len(p) - 1: len(p) + len(o) - 1].float()
@@ -113,18 +134,54 @@ def token_logprobs(model, sequences: list[tuple[list[int], list[int]]], device) 
     return out
 
 
+@contextlib.contextmanager
+def routing_agreement(model, routes, width: int, out: list[float]):
+    """Appends to `out` the share of (token, MoE layer) where the model's own
+    top-k (its routers' outputs in the forward run inside) equals the
+    engine's, over the positions the engine routed."""
+    from rollout_engine.integrations.routing_replay import moe_blocks
+
+    seen = []
+    hooks = [block.gate.register_forward_hook(lambda m, i, o: seen.append(o[2].detach()))
+             for block in moe_blocks(model)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+    same = total = 0
+    for layer, picked in enumerate(seen):
+        picked = picked.view(len(routes), width, -1).sort(-1).values.cpu()
+        for row, r in enumerate(routes):
+            engine = torch.from_numpy(r[:, layer].astype("int64")).sort(-1).values
+            same += int((picked[row, : len(r)] == engine).all(-1).sum())
+            total += len(r)
+    out.append(same / max(1, total))
+
+
 def grpo_step(model, optimizer, prompts, outs, rewards, n: int, clip: float, device,
               micro_batch: int = 16) -> dict[str, float]:
-    """One update; returns the mismatch figures measured before it."""
+    """One update; returns the mismatch figures measured before it. With the
+    engine's routing in the outputs (MoE, --routing-replay), the trainer's
+    forward replays it, and the mismatch without replay and the routers'
+    agreement with the engine are measured too (an extra forward, no grad)."""
     model.train()
     groups = torch.tensor(rewards).view(-1, n)
     adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
-    gaps, kl, losses = [], [], []
+    gaps, free_gaps, agree, kl, losses = [], [], [], [], []
     optimizer.zero_grad()
     kept = [i for i, out in enumerate(outs) if out.output_token_ids]
+    replaying = bool(kept) and outs[kept[0]].routed_experts is not None
     for start in range(0, len(kept), micro_batch):
         chunk = kept[start: start + micro_batch]
-        news = token_logprobs(model, [(prompts[i // n], outs[i].output_token_ids) for i in chunk], device)
+        pairs = [(prompts[i // n], outs[i].output_token_ids) for i in chunk]
+        routes = [outs[i].routed_experts for i in chunk] if replaying else None
+        if replaying:
+            with torch.no_grad():
+                free = token_logprobs(model, pairs, device, routes, agreement=agree)
+            for i, f in zip(chunk, free):
+                free_gaps.append((f - torch.tensor(outs[i].output_logprobs, device=device)).abs())
+        news = token_logprobs(model, pairs, device, routes)
         loss = 0.0
         for i, new in zip(chunk, news):
             old = torch.tensor(outs[i].output_logprobs, device=device, dtype=torch.float32)
@@ -136,8 +193,13 @@ def grpo_step(model, optimizer, prompts, outs, rewards, n: int, clip: float, dev
         losses.append(float(loss.detach()))
     optimizer.step()
     gap = torch.cat(gaps) if gaps else torch.zeros(1)
-    return {"mismatch_mean": float(gap.mean()), "mismatch_max": float(gap.max()),
-            "kl_k1_per_seq": sum(kl) / max(1, len(kl)), "loss": sum(losses)}
+    figures = {"mismatch_mean": float(gap.mean()), "mismatch_max": float(gap.max()),
+               "kl_k1_per_seq": sum(kl) / max(1, len(kl)), "loss": sum(losses)}
+    if replaying:
+        free = torch.cat(free_gaps)
+        figures |= {"mismatch_free_mean": float(free.mean()), "mismatch_free_max": float(free.max()),
+                    "router_agreement": sum(agree) / len(agree)}
+    return figures
 
 
 def init_ranks(gpu: bool) -> tuple[int, int, str | None]:
@@ -209,6 +271,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--checksum-every", type=int, default=10, metavar="N",
                    help="every N steps (and the last) check that the engine holds exactly the trainer's weights "
                         "(weights_checksum on both sides); 0: never")
+    p.add_argument("--routing-replay", action="store_true",
+                   help="MoE models: the engine returns each token's experts and the trainer's forward replays "
+                        "them; logs the routers' agreement and the mismatch without replay too")
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 trainer over the ranks of torchrun; each rank rolls out with its own engine")
     args = p.parse_args(argv)
@@ -239,8 +304,15 @@ def main(argv: list[str] | None = None) -> dict:
         if "RANK" not in os.environ:
             p.error("--fsdp runs under torchrun: torchrun --nproc-per-node K examples/grpo_train.py --fsdp ...")
         rank, world, engine_device = init_ranks(gpu)
-    engine = RolloutEngine(folder, load_format=args.load_format, device=engine_device, dtype=args.dtype,
-                           seed=args.seed, enable_memory_saver=gpu, weights_cpu_backup=False, max_total_tokens=16384)
+    try:
+        engine = RolloutEngine(folder, load_format=args.load_format, device=engine_device, dtype=args.dtype,
+                               seed=args.seed, enable_memory_saver=gpu, weights_cpu_backup=False,
+                               max_total_tokens=16384, enable_return_routed_experts=args.routing_replay)
+    except ValueError as e:
+        if not args.routing_replay or "enable_return_routed_experts" not in str(e):
+            raise
+        p.error(f"--routing-replay needs a mixture-of-experts model (e.g. --model qwen3-moe-mini "
+                f"--load-format dummy --task token): {e}")
     device = engine.device
     if args.task == "arithmetic" and engine.tokenizer is None:
         p.error("--task arithmetic needs a model with a tokenizer; use --task token")
@@ -272,7 +344,8 @@ def main(argv: list[str] | None = None) -> dict:
                 vocab = engine.model_config.vocab_size
                 prompts = [[rng.randrange(vocab) for _ in range(16)] for _ in range(args.prompts)]
             params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens,
-                                    logprob_mode="raw", seed=args.seed + 1000 * step)
+                                    logprob_mode="raw", seed=args.seed + 1000 * step,
+                                    return_routed_experts=args.routing_replay)
             timings = {}
             start = time.perf_counter()
             outs = engine.generate(input_ids=prompts, sampling_params=params)
@@ -308,8 +381,10 @@ def main(argv: list[str] | None = None) -> dict:
             logger.log(row, step)
             rows.append(row)
             if rank == 0:
-                bar.write(f"step {step}: reward {row['reward_mean']:.3f}  mismatch mean {row['mismatch_mean']:.2e} "
-                          f"max {row['mismatch_max']:.2e}  {row.get('output_tokens_per_s', 0):.0f} tok/s  "
+                replay = (f" (without replay {row['mismatch_free_mean']:.2e}, routers agree "
+                          f"{row['router_agreement']:.1%})" if "router_agreement" in row else "")
+                bar.write(f"step {step}: reward {row['reward_mean']:.3f}  mismatch mean {row['mismatch_mean']:.2e}"
+                          f"{replay} max {row['mismatch_max']:.2e}  {row.get('output_tokens_per_s', 0):.0f} tok/s  "
                           f"weights v{row['weight_version']}  e.g. {outs[0].text or outs[0].output_token_ids[:8]!r}")
         # The final policy's greedy answer to a fixed prompt: equal on every
         # rank when FSDP synced one set of weights into every engine.

@@ -29,6 +29,9 @@ def plot(runs: dict[str, list[dict]], out: str, title: str = "GRPO") -> None:
                          label=f"{label}: mean")
         axes[1].semilogy(steps, [max(r["mismatch_max"], 1e-12) for r in rows], color=color, linestyle=":",
                          label=f"{label}: max")
+        if all("mismatch_free_mean" in r for r in rows):  # --routing-replay: the same forward without replay
+            axes[1].semilogy(steps, [max(r["mismatch_free_mean"], 1e-12) for r in rows], color=color,
+                             linestyle="--", label=f"{label}: mean without routing replay")
         axes[2].plot(steps, [r.get("output_tokens_per_s", 0) for r in rows], color=color, marker=".")
     axes[0].set_ylabel("mean reward")
     axes[0].legend()

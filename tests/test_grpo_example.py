@@ -204,3 +204,33 @@ def test_check_sync_names_tensors_the_engine_holds_differently(llama):
     engine.update_weights([(name, hf.state_dict()[name] * 2)])
     with pytest.raises(RuntimeError, match=f"differ from the trainer's in 1 tensors: \\['{name}'\\]"):
         check_sync(hf, engine)
+
+
+def test_routing_replay_on_a_small_moe(tmp_path, monkeypatch):
+    """`--routing-replay`: the engine (bf16) returns each token's experts, the
+    fp32 trainer replays them; every step logs the routers' agreement and
+    the mismatch without replay, which replay does not exceed; the plot
+    draws both. A dense model is refused naming the flag."""
+    from rollout_engine.models import presets
+
+    monkeypatch.setitem(presets.PRESETS, "tiny-moe", dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=3000, hidden_size=128,
+        intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
+        eos_token_id=2999, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, norm_topk_prob=True))
+    log = tmp_path / "run.json"
+    train = _load("grpo_train")
+    train.main(["--model", "tiny-moe", "--load-format", "dummy", "--task", "token", "--routing-replay",
+                "--dtype", "bfloat16", "--steps", "3", "--prompts", "4", "-n", "4", "--max-new-tokens", "12",
+                "--device", "cpu", "--log-json", str(log)])
+    rows = json.loads(log.read_text())
+    assert len(rows) == 3
+    for row in rows:
+        assert 0.5 < row["router_agreement"] <= 1
+        assert row["mismatch_mean"] <= row["mismatch_free_mean"]
+    png = tmp_path / "run.png"
+    _load("plot_run").main([str(log), str(png)])
+    assert png.stat().st_size > 0
+    with pytest.raises(SystemExit):
+        train.main(["--model", "qwen3-0.6b", "--load-format", "dummy", "--task", "token", "--routing-replay",
+                    "--steps", "1", "--device", "cpu"])

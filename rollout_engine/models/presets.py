@@ -48,6 +48,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
         shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
     ),
+    # a small MoE of that family (not a released model): the routing-replay example on one GPU or the CPU
+    "qwen3-moe-mini": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=32768,
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=4096,
+        rope_theta=1000000.0, tie_word_embeddings=False, eos_token_id=2,
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[],
+    ),
     "olmoe-1b-7b": dict(
         architectures=["OlmoeForCausalLM"], model_type="olmoe", vocab_size=50304,
         hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
