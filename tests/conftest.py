@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from models import make_hf_model, save_model  # noqa: E402
+from models import MOE, make_hf_model, save_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -81,3 +81,14 @@ def _automatic_stepping_after_each_test():
     for core in live_cores():
         if core.manual:
             core.set_manual(False)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    """The tiny MoE models of tests/models.py: kind -> (HF model, folder of its
+    checkpoint, per-expert names)."""
+    out = {}
+    for kind in sorted(MOE):
+        hf = make_hf_model(kind, seed=5)
+        out[kind] = (hf, save_model(hf, tmp_path_factory.mktemp(kind)))
+    return out

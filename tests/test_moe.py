@@ -15,23 +15,12 @@ from models import MOE, make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.fidelity import weights_checksum
 from rollout_engine.integrations.fsdp import sync_to_engine
-from rollout_engine.weights.loader import iter_safetensors
 from test_parity_hf import hf_greedy, hf_logprobs
 
 KINDS = sorted(MOE)
 SYSTEM = list(range(30, 70))
 PROMPTS = [SYSTEM + [1, 2, 3], SYSTEM + [4, 5, 6, 7], [7] * 20, list(range(100, 190)), [300, 11]]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, logprob_mode="raw", ignore_eos=True, prompt_logprobs=True)
-
-
-@pytest.fixture(scope="module")
-def moe_models(tmp_path_factory):
-    """kind -> (hf model, folder of its checkpoint: per-expert names)."""
-    out = {}
-    for kind in KINDS:
-        hf = make_hf_model(kind, seed=5)
-        out[kind] = (hf, save_model(hf, tmp_path_factory.mktemp(kind)))
-    return out
 
 
 @pytest.mark.parametrize("kind", KINDS)

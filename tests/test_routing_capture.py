@@ -51,18 +51,9 @@ def _engine(folder: str, **kw) -> RolloutEngine:
                          **{"max_total_tokens": 4096, "max_prefill_tokens": 16, **kw})
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    out = {}
-    for kind in KINDS:
-        hf = make_hf_model(kind, seed=5)
-        out[kind] = (hf, save_model(hf, tmp_path_factory.mktemp(kind)))
-    return out
-
-
 @pytest.mark.parametrize("kind", KINDS)
-def test_routing_equals_hf_on_first_calls_cache_hits_and_forks(models, kind):
-    hf, folder = models[kind]
+def test_routing_equals_hf_on_first_calls_cache_hits_and_forks(moe_models, kind):
+    hf, folder = moe_models[kind]
     engine = _engine(folder)  # prefill chunks of 16: every prompt but one is chunked
     top_k = engine.model_config.moe.top_k
     params = SamplingParams(max_new_tokens=12, seed=1, ignore_eos=True, return_routed_experts=True)
@@ -85,8 +76,8 @@ def test_routing_equals_hf_on_first_calls_cache_hits_and_forks(models, kind):
 
 
 @pytest.mark.parametrize("kind", ["qwen2_moe", "olmoe"])
-def test_retractions_in_a_tight_pool_report_the_recomputed_routing(models, kind):
-    hf, folder = models[kind]
+def test_retractions_in_a_tight_pool_report_the_recomputed_routing(moe_models, kind):
+    hf, folder = moe_models[kind]
     engine = _engine(folder, max_total_tokens=160, max_prefill_tokens=32, page_size=4)
     prompts = [[i + 3] * 8 + list(range(200 + i, 220 + i)) for i in range(8)]
     outs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(
@@ -96,8 +87,8 @@ def test_retractions_in_a_tight_pool_report_the_recomputed_routing(models, kind)
     engine.shutdown()
 
 
-def test_routing_follows_a_weight_update(models):
-    hf, folder = models["qwen3_moe"]
+def test_routing_follows_a_weight_update(moe_models):
+    hf, folder = moe_models["qwen3_moe"]
     engine = _engine(folder)
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, return_routed_experts=True)
     engine.generate(input_ids=PROMPTS, sampling_params=params)  # the prompts' KV cached under the old weights
@@ -108,8 +99,8 @@ def test_routing_follows_a_weight_update(models):
     engine.shutdown()
 
 
-def test_a_stream_carries_the_routing_on_its_last_delta(models):
-    hf, folder = models["olmoe"]
+def test_a_stream_carries_the_routing_on_its_last_delta(moe_models):
+    hf, folder = moe_models["olmoe"]
     engine = _engine(folder)
     params = SamplingParams(max_new_tokens=10, seed=3, ignore_eos=True, return_routed_experts=True)
     deltas = list(engine.stream(input_ids=PROMPTS[:2], sampling_params=params, request_ids=["a", "b"]))
@@ -122,8 +113,8 @@ def test_a_stream_carries_the_routing_on_its_last_delta(models):
     engine.shutdown()
 
 
-def test_an_aborted_request_reports_the_tokens_computed(models):
-    hf, folder = models["qwen3_moe"]
+def test_an_aborted_request_reports_the_tokens_computed(moe_models):
+    hf, folder = moe_models["qwen3_moe"]
     engine = _engine(folder)
     params = SamplingParams(max_new_tokens=400, seed=3, ignore_eos=True, return_routed_experts=True)
     stream = engine.stream(input_ids=PROMPTS[:1], sampling_params=params)
@@ -140,8 +131,8 @@ def test_an_aborted_request_reports_the_tokens_computed(models):
     engine.shutdown()
 
 
-def test_bad_requests_name_the_flag_and_leave_the_engine_usable(models, tmp_path):
-    _, folder = models["qwen2_moe"]
+def test_bad_requests_name_the_flag_and_leave_the_engine_usable(moe_models, tmp_path):
+    _, folder = moe_models["qwen2_moe"]
     engine = RolloutEngine(folder, device="cpu", max_total_tokens=1024)
     with pytest.raises(ValueError, match="return_routed_experts.*enable_return_routed_experts=True"):
         engine.generate(input_ids=PROMPTS[:1], sampling_params=SamplingParams(return_routed_experts=True))
@@ -158,8 +149,8 @@ def test_bad_requests_name_the_flag_and_leave_the_engine_usable(models, tmp_path
 
 
 @pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
-def test_tp2_reports_the_routing_of_tp1(models):
-    hf, folder = models["qwen3_moe"]
+def test_tp2_reports_the_routing_of_tp1(moe_models):
+    hf, folder = moe_models["qwen3_moe"]
     params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True, return_routed_experts=True)
     outs = {}
     for tp in (1, 2):
@@ -195,11 +186,11 @@ def _trainer_logprobs(hf, outs, routes=None) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_trainer_replaying_the_engines_routing_scores_its_tokens_as_the_engine_did(models, kind):
+def test_the_trainer_replaying_the_engines_routing_scores_its_tokens_as_the_engine_did(moe_models, kind):
     """The engine's arrays feed `integrations.routing_replay.replay` as they
     come: with the engine's weights the trainer's logprobs equal the engine's
     (fp32, 1e-4); with a drifted router, replay brings them closer."""
-    hf, folder = models[kind]
+    hf, folder = moe_models[kind]
     engine = _engine(folder)
     outs = engine.generate(input_ids=PROMPTS, sampling_params=SamplingParams(
         max_new_tokens=10, seed=1, ignore_eos=True, logprob_mode="raw", return_routed_experts=True))
