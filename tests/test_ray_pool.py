@@ -309,3 +309,29 @@ def test_a_replica_no_node_can_hold_is_refused_at_once(cluster, folders):
     with pytest.raises(ValueError, match="CPU"):
         RolloutPool(folders[0], num_replicas=1, tp_size=64, device="cpu", call_timeout_s=120)
     assert time.monotonic() - start < 30
+
+
+def test_routed_experts_pass_through_the_pool(cluster, tmp_path):
+    """MoE routing capture behind the pool: generate and a stream's last
+    delta carry each sample's routing, equal to one engine's."""
+    import numpy as np
+
+    from rollout_engine.integrations.ray import RolloutPool
+
+    folder = save_model(make_hf_model("qwen3_moe", seed=5), tmp_path / "moe")
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=3, ignore_eos=True,
+                            return_routed_experts=True)
+    engine = RolloutEngine(folder, enable_return_routed_experts=True, **ENGINE)
+    want = engine.generate(input_ids=PROMPTS[:4], sampling_params=params)
+    engine.shutdown()
+    pool = RolloutPool(folder, num_replicas=2, call_timeout_s=120, generate_timeout_s=180, restart_timeout_s=120,
+                       enable_return_routed_experts=True, **ENGINE)
+    try:
+        got = pool.generate(input_ids=PROMPTS[:4], sampling_params=params)
+        assert _tokens(got) == _tokens(want)
+        assert all(np.array_equal(a.routed_experts, b.routed_experts) for a, b in zip(got, want))
+        last = {d.request_id: d for d in pool.stream(input_ids=PROMPTS[:1], sampling_params=params)
+                if d.finish_reason is not None}
+        assert sorted(d.routed_experts.shape[0] for d in last.values()) == [len(PROMPTS[0]) + 7] * 2
+    finally:
+        pool.shutdown()
