@@ -210,3 +210,39 @@ def test_the_trainer_replaying_the_engines_routing_scores_its_tokens_as_the_engi
 
     free, replayed = gap(_trainer_logprobs(drifted, outs)), gap(_trainer_logprobs(drifted, outs, routes))
     assert replayed < free, (replayed, free)
+
+
+def test_a_routing_copy_in_flight_never_holds_up_a_step(moe_models, monkeypatch):
+    """The copy of a finished request's routing lands later than the step
+    that finished it (on a GPU, behind the steps in flight): the request is
+    handed out at a later dispatch once it has landed, and the loop waits
+    for a copy only when no step is left to run."""
+    from rollout_engine.runner import model_runner
+    from rollout_engine.runner.routes import RoutesCopy
+
+    hf, folder = moe_models["olmoe"]
+    engine = _engine(folder)
+    scheduler = engine.core.scheduler
+    forced, landed = [], []
+
+    class Late(RoutesCopy):  # not on the host until asked three times
+        polls = 0
+
+        def ready(self) -> bool:
+            self.polls += 1
+            return self.polls > 3
+
+        def result(self):
+            (landed if self.polls > 3 else forced).append(scheduler.has_work())
+            return super().result()
+
+    monkeypatch.setattr(model_runner, "RoutesCopy", Late)
+    params = [SamplingParams(max_new_tokens=m, seed=m, ignore_eos=True, return_routed_experts=True)
+              for m in (2, 5, 9, 30)]
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    assert_routes_match(hf, outs, engine.model_config.moe.top_k)
+    assert any(landed), "no request was handed out while others still ran"
+    assert forced and not any(forced), "a copy was waited for while steps remained"
+    deltas = list(engine.stream(input_ids=PROMPTS[:2], sampling_params=params[:2]))
+    assert sum(d.routed_experts is not None for d in deltas) == 2
+    engine.shutdown()
