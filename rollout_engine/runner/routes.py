@@ -15,7 +15,7 @@ class RoutesCopy:
     def __init__(self, routes: torch.Tensor, slots: np.ndarray):
         """`routes` [slots, moe_layers, top_k] (the KV pool's buffer); `slots`:
         the request's KV slots, position by position."""
-        self._slots = np.ascontiguousarray(slots, dtype=np.int64)  # kept until the copy is done
+        self._slots = np.array(slots, dtype=np.int64)  # its own copy (the table row is reused), kept while copying
         self._event = None
         self._array: np.ndarray | None = None
         index = torch.from_numpy(self._slots)
@@ -39,4 +39,3 @@ class RoutesCopy:
             self._array = self._host.numpy().copy()  # not pinned memory in the caller's hands
             self._host = self._event = None
         return self._array
-
