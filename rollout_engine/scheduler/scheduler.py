@@ -398,20 +398,11 @@ class Scheduler:
     def _finish(self, req: Request, reason: str, kv_of: Request | None = None) -> None:
         req.finish_reason = reason
         self.stats.on_finish(reason)
-        if req.params.return_routed_experts:
-            self._copy_routes(req, req if req.row is not None else kv_of)
+        if req.params.return_routed_experts:  # before its KV is released: read from the slots it holds
+            req.routes = self.runner.routes_of(self.kv.computed_slots(req, kv_of))
         self.kv.release(req)
         if self.on_finish is not None:
             self.on_finish(req)
-
-    def _copy_routes(self, req: Request, holder: Request | None) -> None:
-        """The routing of every position that went through the model (all but
-        the last sampled token; an aborted request: those computed), read
-        from the KV slots of `holder` (the request itself, or the fork leader
-        whose prompt KV a sibling that finished at once shares)."""
-        n = len(req.prompt_ids) + req.num_output_tokens - 1
-        n = min(holder.kv_len, n) if holder is not None and holder.row is not None else 0
-        req.routes = self.runner.routes_of(self.kv.table.slots(holder.row, 0, n) if n else np.zeros(0, np.int64))
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.running)
