@@ -647,6 +647,7 @@ def test_routed_experts_come_base64_encoded_as_sglang_clients_decode_them(tmp_pa
     srv = Server(folder, "--device", "cpu")  # built without the flag: the request is refused naming it
     try:
         bad = srv.post("/generate", {"input_ids": ids[0], "return_routed_experts": True})
-        assert bad.status_code == 400 and "enable_return_routed_experts" in bad.text, bad.text
+        assert bad.status_code == 400 and "--enable-return-routed-experts" in bad.text, bad.text
+        assert bad.json()["error"]["param"] == "return_routed_experts"
     finally:
         srv.stop()

@@ -132,6 +132,9 @@ def sglang_output(out: RolloutOutput, call: GenerateCall, tokenizer, started: fl
 async def generate(request: Request):
     st = state_of(request)
     call = GenerateCall(await read_json(request))
+    if call.routed and st.engine.limits.routing_off is not None:
+        raise ApiError(400, "return_routed_experts needs a server started with --enable-return-routed-experts "
+                            "(mixture-of-experts models only)", "return_routed_experts")
     started = time.perf_counter()
     if call.stream:
         st.admission.check(call.samples)
