@@ -1,0 +1,89 @@
+"""FP8 (e4m3) tensors with scales: the quantize / dequantize references
+that fp8 weights and activations are held to.
+
+A quantized tensor is e4m3 values `q` and fp32 multipliers `scale_inv`:
+x ~= q * scale_inv, each multiplier shared by one group of elements. Each
+group's scale maps its largest magnitude to E4M3_MAX (448), so that value
+is stored exactly and the others to e4m3's precision: 3 mantissa bits, a
+relative rounding error of at most 2^-4 for normal values, an absolute one
+of at most scale_inv * 2^-10 below the smallest normal (2^-6 * scale_inv).
+Layouts:
+
+- `quantize_blocks`: weights [N, K] in tiles of BLOCK x BLOCK (the
+  `weight_scale_inv` [ceil(N / 128), ceil(K / 128)] of Qwen3 and DeepSeek
+  FP8 checkpoints); ragged edge tiles take the scale of what they hold.
+- `quantize_channels`: one scale per output row [N, 1].
+- `quantize_rows`: activations [T, K], one scale per token, or per group of
+  `group` columns of a token ([T, ceil(K / group)]).
+
+An all-zero group gets scale_inv 1 (and zeros). Non-finite input is not
+representable (e4m3 has no infinities): callers check finiteness first, as
+weight updates do."""
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+BLOCK = 128
+
+
+def _scale_inv(amax: torch.Tensor) -> torch.Tensor:
+    """Per-group multipliers (fp32) from the groups' largest magnitudes."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def _cast(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values already scaled into [-448, 448], to e4m3 (round to
+    nearest even; the clamp keeps a value a rounding of the division pushed
+    a hair past the largest finite e4m3)."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+def _tiles(w: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int]:
+    """w [N, K] zero-padded to whole tiles, viewed [N / b, b, K / b, b]."""
+    n, k = w.shape
+    rows, cols = -(-n // block), -(-k // block)
+    padded = torch.nn.functional.pad(w.float(), (0, cols * block - k, 0, rows * block - n))
+    return padded.view(rows, block, cols, block), n, k
+
+
+def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q e4m3 [N, K], scale_inv fp32 [ceil(N / block), ceil(K / block)])."""
+    tiles, n, k = _tiles(w, block)
+    scale_inv = _scale_inv(tiles.abs().amax(dim=(1, 3)))
+    q = _cast(tiles / scale_inv[:, None, :, None])
+    return q.view(tiles.shape[0] * block, -1)[:n, :k].contiguous(), scale_inv
+
+
+def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """quantize_blocks's inverse: fp32 [N, K]."""
+    n, k = q.shape
+    full = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
+    return q.float() * full
+
+
+def quantize_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q e4m3 [N, K], scale_inv fp32 [N, 1]): one scale per output row."""
+    scale_inv = _scale_inv(w.abs().amax(dim=1, keepdim=True))
+    return _cast(w.float() / scale_inv), scale_inv
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations x [T, K] -> (q e4m3 [T, K], scale_inv fp32 [T, groups]):
+    one scale per token (`group` None) or per `group` columns of a token."""
+    t, k = x.shape
+    if group is None:
+        group = k
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(t, groups, group)
+    scale_inv = _scale_inv(padded.abs().amax(dim=2))
+    q = _cast(padded / scale_inv[:, :, None]).view(t, groups * group)[:, :k].contiguous()
+    return q, scale_inv
+
+
+def dequantize_rows(q: torch.Tensor, scale_inv: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """quantize_rows's inverse (the same `group`): fp32 [T, K]."""
+    k = q.shape[1]
+    return q.float() * scale_inv.repeat_interleave(group or k, 1)[:, :k]
