@@ -246,3 +246,90 @@ def test_a_routing_copy_in_flight_never_holds_up_a_step(moe_models, monkeypatch)
     deltas = list(engine.stream(input_ids=PROMPTS[:2], sampling_params=params[:2]))
     assert sum(d.routed_experts is not None for d in deltas) == 2
     engine.shutdown()
+
+
+def test_a_request_waiting_without_kv_still_reports_what_was_computed(moe_models):
+    """Retracted then aborted (the partial-rollout pattern: pause with
+    retract, then abort), or a forked sample aborted before it ran: the
+    routing of the positions computed before it gave up its KV."""
+    hf, folder = moe_models["qwen3_moe"]
+    top_k = 2
+    engine = _engine(folder)
+    params = SamplingParams(max_new_tokens=400, seed=1, ignore_eos=True, return_routed_experts=True)
+    out_ids, paused = [], False
+    for delta in engine.stream(input_ids=PROMPTS[:1], sampling_params=params):
+        out_ids += delta.output_token_ids
+        if len(out_ids) >= 5 and not paused:
+            paused = True
+            engine.pause_generation("retract")
+            engine.pause_generation("abort")
+        if delta.finish_reason is not None:
+            break
+    assert delta.finish_reason == "abort"
+    assert delta.routed_experts.shape[0] == len(PROMPTS[0]) + len(out_ids) - 1
+    want = hf_routes(hf, (PROMPTS[0] + out_ids)[:-1], top_k)
+    assert (np.sort(delta.routed_experts.astype(np.int64), -1) == np.sort(want, -1)).all()
+    engine.continue_generation()
+
+    engine.core.set_manual(True)  # a fork's samples wait for their turn; one is aborted before it runs
+    reqs = engine.core.add_requests(None, [PROMPTS[2]], SamplingParams(
+        n=3, max_new_tokens=50, seed=1, ignore_eos=True, return_routed_experts=True))
+    while not any(r.output_ids for r in reqs[1:]):
+        engine.core.step_once()
+    waiting = reqs[1]
+    assert waiting.row is None and waiting.num_output_tokens == 1
+    engine.core.call(lambda: engine.core.scheduler.abort([waiting.request_id]))
+    engine.core.step_once()
+    assert waiting.finish_reason == "abort"
+    rows = waiting.routes.result()
+    assert rows.shape[0] == len(PROMPTS[2])  # the prompt, computed by the leader
+    assert (np.sort(rows.astype(np.int64), -1) == np.sort(hf_routes(hf, PROMPTS[2], top_k), -1)).all()
+    engine.core.set_manual(False)
+    engine.shutdown()
+
+
+def test_a_request_finished_by_a_commands_settle_is_handed_out(moe_models, monkeypatch):
+    """A weight update settles the step in flight between two steps; a
+    request that finished there (its routing copy still on its way) is
+    handed out once nothing is left to run, not left waiting for a step
+    that never comes."""
+    import threading
+
+    from rollout_engine.runner import model_runner
+    from rollout_engine.runner.routes import RoutesCopy
+
+    hf, folder = moe_models["qwen3_moe"]
+    engine = _engine(folder)
+    core, scheduler = engine.core, engine.core.scheduler
+    greedy = engine.generate(input_ids=PROMPTS[:1], sampling_params=SamplingParams(
+        max_new_tokens=8, temperature=0, ignore_eos=True))[0].output_token_ids
+    k = next(i for i in range(2, 8) if greedy[i] not in greedy[:i])  # a stop token: the step after it was
+    # already launched when it is seen (a length stop is known ahead and launches nothing more)
+
+    class NotYet(RoutesCopy):  # a GPU copy still behind the step in flight
+        def ready(self) -> bool:
+            return False
+
+    monkeypatch.setattr(model_runner, "RoutesCopy", NotYet)
+    weights = list(hf.state_dict().items())
+    step, posted = scheduler.step, []
+
+    def step_then_update():
+        finished = step()
+        if finished and not posted:  # another thread's update arrives between this step and the next
+            posted.append(1)
+            core.post(lambda: core.controls.update_weights(weights, None))
+        return finished
+
+    monkeypatch.setattr(scheduler, "step", step_then_update)
+    params = SamplingParams(max_new_tokens=50, temperature=0, stop_token_ids=[greedy[k]], ignore_eos=True,
+                            return_routed_experts=True)
+    result = []
+    caller = threading.Thread(target=lambda: result.append(engine.generate(input_ids=PROMPTS[:1],
+                                                                           sampling_params=params)), daemon=True)
+    caller.start()
+    caller.join(30)
+    assert posted and result, "generate never returned"
+    assert result[0][0].output_token_ids == greedy[: k + 1]
+    assert result[0][0].routed_experts.shape[0] == len(PROMPTS[0]) + k
+    engine.shutdown()

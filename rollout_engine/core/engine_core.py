@@ -274,6 +274,8 @@ class EngineCore:
                     if self._stopping:
                         return
                     cmd = self._next_command()
+                if self._finished or self._streams:  # a command that settled a step finished requests
+                    self.dispatch()
                 if not (self.paused or self.manual) and self.scheduler.has_work():
                     self._step()
         except BaseException as e:  # noqa: BLE001 - reported to every waiter

@@ -330,6 +330,7 @@ class Scheduler:
         recomputes the rest, so nothing is lost or sampled twice (the RNG is
         keyed by position)."""
         self.running.remove(req)
+        self._keep_routes(req)
         self.kv.release(req)
         req.num_retractions += 1
         self.num_retractions += 1
@@ -368,6 +369,7 @@ class Scheduler:
             if leader.prompt_logprobs is not None:
                 sib.prompt_logprobs = list(leader.prompt_logprobs)
             if not self._append(sib, res, weight_version, kv_of=leader):
+                self._keep_routes(sib, leader)
                 queued.append(sib)
         leader.fork_siblings = []
         self.waiting.extendleft(reversed(queued))
@@ -396,13 +398,24 @@ class Scheduler:
         return True
 
     def _finish(self, req: Request, reason: str, kv_of: Request | None = None) -> None:
-        req.finish_reason = reason
-        self.stats.on_finish(reason)
-        if req.params.return_routed_experts:  # before its KV is released: read from the slots it holds
-            req.routes = self.runner.routes_of(self.kv.computed_slots(req, kv_of))
-        self.kv.release(req)
+        try:
+            if req.row is not None or kv_of is not None or req.routes is None:  # else: kept from _keep_routes
+                self._keep_routes(req, kv_of)
+        finally:
+            req.finish_reason = reason
+            self.stats.on_finish(reason)
+            self.kv.release(req)
         if self.on_finish is not None:
             self.on_finish(req)
+
+    def _keep_routes(self, req: Request, kv_of: Request | None = None) -> None:
+        """return_routed_experts: copy the routing of the positions `req` has
+        computed (or its fork leader `kv_of` for it) while their slots are
+        still its: at its end, and when it gives them up to wait (retracted,
+        or a forked sample queued), so that ending while it waits still
+        reports what was computed."""
+        if req.params.return_routed_experts:
+            req.routes = self.runner.routes_of(self.kv.computed_slots(req, kv_of))
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.running)
