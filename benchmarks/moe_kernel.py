@@ -24,7 +24,7 @@ from gemm_shapes import write_out  # benchmarks/, the script's own folder
 
 from rollout_engine.bench.roofline import measure_device
 from rollout_engine.cli_args import ScriptParser, needs_cuda
-from rollout_engine.kernels import moe
+from rollout_engine.kernels import moe, moe_align, moe_route
 from rollout_engine.kernels.moe import Tiles
 
 SHAPES = {  # experts, top_k, hidden, intermediate (per expert), renormalize
@@ -94,14 +94,14 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
     for t in tokens:
         logits = torch.randn(t, experts, device=dev, dtype=dt)
         x = torch.randn(t, hidden, device=dev, dtype=dt)
-        weights, ids = moe.route(logits, top_k, renorm)
+        weights, ids = moe_route.route(logits, top_k, renorm)
         distinct = int(torch.unique(ids).numel())
         nbytes = distinct * expert_bytes + 2 * t * hidden * x.element_size() + t * top_k * 8
         flops = 2 * t * top_k * 3 * hidden * inter
         bw_us, fl_us = nbytes / limits.bandwidth * 1e6, flops / limits.flops * 1e6
         cfg = moe.pick(t, top_k, experts)
         pairs = t * top_k
-        aligned = moe._align(ids, experts, cfg.block_m)
+        aligned = moe_align._align(ids, experts, cfg.block_m)
         act = moe._up(x, w13, aligned, pairs, top_k, cfg.block_m, cfg.up)
         y = moe._down(act, w2, weights.reshape(-1), aligned, cfg.block_m, cfg.down)
         row = {"tokens": t, "distinct_experts": distinct, "bytes": nbytes, "flops": flops,
@@ -109,9 +109,9 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
                "config": cfg._asdict() | {"up": cfg.up._asdict(), "down": cfg.down._asdict()},
                "moe_us": graph_us(lambda: moe.fused_moe(x, w13, w2, weights, ids), calls=3),
                "invariant_us": graph_us(lambda: moe.fused_moe(x, w13, w2, weights, ids, invariant=True), calls=3),
-               "route_us": graph_us(lambda: moe.route(logits, top_k, renorm), calls=10),
-               "align_us": graph_us(lambda: moe._align(ids, experts, cfg.block_m), calls=10),
-               "align_torch_us": graph_us(lambda: moe.align_ref(ids, experts, cfg.block_m), calls=10),
+               "route_us": graph_us(lambda: moe_route.route(logits, top_k, renorm), calls=10),
+               "align_us": graph_us(lambda: moe_align._align(ids, experts, cfg.block_m), calls=10),
+               "align_torch_us": graph_us(lambda: moe_align.align_ref(ids, experts, cfg.block_m), calls=10),
                "up_us": graph_us(lambda: moe._up(x, w13, aligned, pairs, top_k, cfg.block_m, cfg.up), calls=3),
                "down_us": graph_us(lambda: moe._down(act, w2, weights.reshape(-1), aligned, cfg.block_m, cfg.down),
                                    calls=3),
@@ -144,8 +144,8 @@ def sweep_tokens(name, t, x, w13, w2, weights, ids) -> list[dict]:
     rw = weights.reshape(-1)
     out = []
     for bm in sweep_block_ms(pairs / experts):
-        aligned = moe._align(ids, experts, bm)
-        align_us = graph_us(lambda: moe._align(ids, experts, bm), calls=10)
+        aligned = moe_align._align(ids, experts, bm)
+        align_us = graph_us(lambda: moe_align._align(ids, experts, bm), calls=10)
         best = {}
         act = None
         for product, cands in (("up", SWEEP_UP[bm]), ("down", SWEEP_DOWN[bm])):

@@ -1,16 +1,11 @@
-"""Mixture-of-experts layer: routing (softmax, top-k) and the experts' SwiGLU
-MLPs of every (token, slot) pair in a few launches, on the device alone.
+"""Mixture-of-experts layer: the experts' SwiGLU MLPs of every (token, slot)
+pair in a few launches, on the device alone.
 
-`route`: one program per few tokens: softmax over the experts in fp32 and the
-top k by repeated argmax (ties: lower expert first).
-
-`fused_moe`, for ids [T, k] (pair p = t * k + j is slot j of token t):
-1. align: the T*k pairs sorted by expert (stable), each expert's run padded
-   to a multiple of BLOCK_M with the sentinel T*k, the expert of every
-   block of BLOCK_M and the padded total on the device. Buffers are sized
-   by the bound T*k + min(E, T*k) * (BLOCK_M - 1), so nothing waits for
-   the host and a CUDA graph of the call replays with other ids of the
-   same T (programs past the total return at once).
+The routing is kernels/moe_route.py. `fused_moe`, for ids [T, k] (pair
+p = t * k + j is slot j of token t):
+1. align (kernels/moe_align.py): the pairs sorted by expert, each expert's
+   run padded to a multiple of BLOCK_M, on the device (programs past the
+   padded total return at once).
 2. up: per block and tile of the intermediate size I, the gate and up rows
    of w13[e] in one program; writes silu(gate) * up, rounded as
    `silu_and_mul` rounds it, to act [T*k, I].
@@ -32,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_engine.kernels._triton import cdiv, next_pow2, use_kernel
+from rollout_engine.kernels.moe_align import _align
 
 
 class Tiles(NamedTuple):
@@ -78,18 +74,6 @@ def pick(tokens: int, top_k: int, experts: int, invariant: bool = False) -> MoeL
 
 # ---------------------------------------------------------------- references
 
-def route_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights fp32 [T, k], ids int32 [T, k]): the k largest of softmax(logits)
-    in fp32, descending, ties to the lower expert; divided by their sum when
-    `renormalize`."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    vals, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = vals[:, :top_k], order[:, :top_k].to(torch.int32)
-    if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights.contiguous(), ids.contiguous()
-
-
 def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(x, w13).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w2)
@@ -124,135 +108,11 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     return out.to(x.dtype)
 
 
-def align_ref(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The align step in torch ops that stay on the device (no host sync):
-    (sorted pair ids [NB * block_m] int32, padding = T*k, and past the total
-    unset; block_expert [NB] int32; the padded total [1] int32)."""
-    flat = ids.reshape(-1).long()
-    pairs = flat.numel()
-    blocks = _max_blocks(pairs, experts, block_m)
-    dev = flat.device
-    sorted_e, order = torch.sort(flat, stable=True)
-    bounds = torch.searchsorted(sorted_e, torch.arange(experts + 1, device=dev))
-    counts = bounds[1:] - bounds[:-1]
-    padded = (counts + block_m - 1) // block_m * block_m
-    end = torch.cumsum(padded, 0)
-    start = end - padded
-    dest = start[sorted_e] + torch.arange(pairs, device=dev) - bounds[:-1][sorted_e]
-    sorted_ids = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=dev)
-    sorted_ids[dest] = order.to(torch.int32)
-    block_expert = torch.searchsorted(end, torch.arange(blocks, device=dev) * block_m, right=True).to(torch.int32)
-    return sorted_ids, block_expert, end[-1:].to(torch.int32)
-
-
-def _max_blocks(pairs: int, experts: int, block_m: int) -> int:
-    """Blocks of the padded pairs at most: every used expert's run rounds up."""
-    return max(1, cdiv(pairs + min(experts, pairs) * (block_m - 1), block_m))
-
-
 # ---------------------------------------------------------------- kernels
 
 if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the kernels
     import triton
     import triton.language as tl
-
-    @triton.jit(do_not_specialize=["T"])
-    def moe_route_kernel(x_ptr, w_ptr, id_ptr, loc_ptr, rec_ptr, T, E, stride_x, stride_rec, ROWS: tl.constexpr,
-                         BLOCK_E: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
-                         RECORD: tl.constexpr):
-        """ROWS tokens: softmax over E in fp32, then TOPK rounds of argmax
-        (leftmost on ties) with the chosen expert masked out. RECORD: the ids
-        also go to rec[loc[t]] (a token's KV slot: routing capture)."""
-        t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        e = tl.arange(0, BLOCK_E)
-        e_ok = e < E
-        row = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last one, never stored
-        x = tl.load(x_ptr + row[:, None] * stride_x + e[None, :], mask=e_ok[None, :], other=float("-inf"))
-        x = x.to(tl.float32)
-        p = tl.exp(x - tl.max(x, axis=1)[:, None])
-        prob = tl.where(e_ok[None, :], p / tl.sum(p, axis=1)[:, None], -1.0)
-        j = tl.arange(0, BLOCK_K)
-        vals = tl.zeros([ROWS, BLOCK_K], tl.float32)
-        idx = tl.zeros([ROWS, BLOCK_K], tl.int32)
-        for i in tl.static_range(TOPK):
-            v = tl.max(prob, axis=1)
-            a = tl.argmax(prob, axis=1, tie_break_left=True)
-            vals = tl.where(j[None, :] == i, v[:, None], vals)
-            idx = tl.where(j[None, :] == i, a[:, None], idx)
-            prob = tl.where(e[None, :] == a[:, None], -2.0, prob)
-        if RENORM:
-            vals = vals / tl.sum(vals, axis=1)[:, None]
-        out = t[:, None].to(tl.int64) * TOPK + j[None, :]
-        ok = (t < T)[:, None] & (j < TOPK)[None, :]
-        tl.store(w_ptr + out, vals, mask=ok)
-        tl.store(id_ptr + out, idx, mask=ok)
-        if RECORD:
-            slot = tl.load(loc_ptr + row).to(tl.int64)
-            tl.store(rec_ptr + slot[:, None] * stride_rec + j[None, :], idx.to(rec_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _chunk_counts(ids_ptr, P, first, e, CHUNK: tl.constexpr, SUB: tl.constexpr):
-        """Pairs per expert (lanes e) among pairs [first, first + CHUNK)."""
-        counts = tl.zeros(e.shape, tl.int32)
-        for s in range(0, CHUNK, SUB):
-            p = first + s + tl.arange(0, SUB)
-            ex = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
-            counts += tl.sum((ex[:, None] == e[None, :]).to(tl.int32), axis=0)
-        return counts
-
-    @triton.jit(do_not_specialize=["P"])
-    def moe_count_kernel(ids_ptr, part_ptr, P, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
-        """Chunk c's pairs per expert, to part[c]."""
-        c = tl.program_id(0)
-        e = tl.arange(0, BLOCK_E)
-        tl.store(part_ptr + c * BLOCK_E + e, _chunk_counts(ids_ptr, P, c * CHUNK, e, CHUNK=CHUNK, SUB=SUB))
-
-    @triton.jit(do_not_specialize=["P", "NB", "NC", "BPP"])
-    def moe_align_kernel(ids_ptr, part_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, NC, BPP,
-                         BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr,
-                         ONE_CHUNK: tl.constexpr, PART_ROWS: tl.constexpr, BLOCK_B: tl.constexpr,
-                         PAD: tl.constexpr):
-        """Chunk c's pairs to their sorted places: expert e's run starts at
-        the padded sizes of experts < e, then come the earlier chunks' pairs
-        of e, then this chunk's in pair order. The padding sentinels and
-        block_expert are shared out between the programs (blocks [c * BPP,
-        (c + 1) * BPP) to program c). ONE_CHUNK: one program that counts the
-        pairs itself (no count launch)."""
-        c = tl.program_id(0)
-        e = tl.arange(0, BLOCK_E)
-        if ONE_CHUNK:
-            counts = _chunk_counts(ids_ptr, P, 0, e, CHUNK=CHUNK, SUB=SUB)
-            before = tl.zeros([BLOCK_E], tl.int32)
-        else:
-            counts = tl.zeros([BLOCK_E], tl.int32)
-            before = tl.zeros([BLOCK_E], tl.int32)
-            for r0 in range(0, NC, PART_ROWS):
-                r = r0 + tl.arange(0, PART_ROWS)
-                part = tl.load(part_ptr + r[:, None] * BLOCK_E + e[None, :], mask=(r < NC)[:, None], other=0)
-                counts += tl.sum(part, axis=0)
-                before += tl.sum(tl.where((r < c)[:, None], part, 0), axis=0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        end = tl.cumsum(padded, axis=0)
-        start = end - padded
-        if c == 0:
-            tl.store(total_ptr, tl.sum(padded, axis=0))
-        for j0 in range(c * PAD, BLOCK_M, NC * PAD):  # padding columns j0.. of every expert
-            pos = (start + counts)[:, None] + j0 + tl.arange(0, PAD)[None, :]
-            tl.store(sorted_ptr + pos, P, mask=pos < end[:, None])
-        b_end = tl.minimum((c + 1) * BPP, NB)
-        for b0 in range(c * BPP, b_end, BLOCK_B):
-            b = b0 + tl.arange(0, BLOCK_B)
-            ex = tl.sum((end[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1)
-            tl.store(block_expert_ptr + b, ex, mask=b < b_end)
-        run = start + before
-        i = tl.arange(0, SUB)
-        for s in range(0, CHUNK, SUB):
-            p = c * CHUNK + s + i
-            ex = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
-            hot = ex[:, None] == e[None, :]
-            earlier = tl.sum(((ex[:, None] == ex[None, :]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
-            tl.store(sorted_ptr + tl.sum(tl.where(hot, run[None, :], 0), axis=1) + earlier, p, mask=p < P)
-            run += tl.sum(hot.to(tl.int32), axis=0)
 
     @triton.jit
     def _tile(pid, NB, tiles, GROUP: tl.constexpr):
@@ -369,42 +229,6 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 
 # ---------------------------------------------------------------- wrappers
 
-Record = tuple[torch.Tensor, torch.Tensor]  # (dest [slots, k] with unit last stride, KV slot per token [T])
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool,
-          record: Record | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """route_ref's (weights fp32 [T, k], ids int32 [T, k]) in one launch on
-    the GPU; the reference elsewhere. `record` (dest, loc): also dest[loc[t]]
-    = the ids of token t, in dest's dtype (routing capture, in the same launch)."""
-    if not use_kernel(logits):
-        weights, ids = route_ref(logits, top_k, renormalize)
-        if record is not None and len(ids):
-            dest, loc = record
-            dest[loc] = ids.to(dest.dtype)
-        return weights, ids
-    return _route_triton(logits, top_k, renormalize, record)
-
-
-def _route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, record: Record | None = None,
-                  rows: int = 4, warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, experts = logits.shape
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=logits.device)
-    if tokens == 0:
-        return weights, ids
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    dest, loc = record if record is not None else (ids, ids)
-    if record is not None:
-        assert dest.stride(1) == 1 and dest.shape[1] == top_k, "the record's rows hold a token's k ids"
-    moe_route_kernel[(cdiv(tokens, rows),)](logits, weights, ids, loc, dest, tokens, experts, logits.stride(0),
-                                            dest.stride(0), ROWS=rows, BLOCK_E=next_pow2(experts), TOPK=top_k,
-                                            BLOCK_K=next_pow2(top_k), RENORM=renormalize,
-                                            RECORD=record is not None, num_warps=warps)
-    return weights, ids
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               invariant: bool = False) -> torch.Tensor:
     """fused_moe_ref's result: on the GPU in five launches or fewer (align,
@@ -425,34 +249,6 @@ def _fit(t: Tiles, dtype: torch.dtype) -> Tiles:
     """fp32 operands: half the K slice, so the pipeline's stages still fit
     in shared memory."""
     return t._replace(block_k=max(16, t.block_k // 2)) if dtype == torch.float32 else t
-
-
-def _align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """align_ref's result in one launch (pairs that fit one program's chunk)
-    or two (counts per chunk, then each chunk to its places)."""
-    flat = ids.reshape(-1)
-    pairs = flat.numel()
-    blocks = _max_blocks(pairs, experts, block_m)
-    dev = flat.device
-    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
-    total = torch.empty(1, dtype=torch.int32, device=dev)
-    block_e = next_pow2(experts)
-    sub = max(16, min(64, 8192 // block_e))  # pairs per step: a [sub, experts] one-hot, a [sub, sub] compare
-    chunk = max(sub, next_pow2(cdiv(pairs, 64)))  # at most 64 chunks
-    chunks = cdiv(pairs, chunk)
-    one = chunks == 1
-    part = total
-    if not one:
-        part = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
-        moe_count_kernel[(chunks,)](flat, part, pairs, CHUNK=chunk, SUB=sub, BLOCK_E=block_e, num_warps=4)
-    per = cdiv(blocks, chunks)
-    moe_align_kernel[(chunks,)](flat, part, sorted_ids, block_expert, total, pairs, blocks, chunks, per,
-                                BLOCK_M=block_m, CHUNK=chunk, SUB=sub, BLOCK_E=block_e, ONE_CHUNK=one,
-                                PART_ROWS=max(1, min(64, 8192 // block_e)),
-                                BLOCK_B=max(1, min(next_pow2(per), 64, 8192 // block_e)), PAD=min(16, block_m),
-                                num_warps=4)
-    return sorted_ids, block_expert, total
 
 
 def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, block_m: int, t: Tiles) -> torch.Tensor:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout_engine.kernels import moe
+from rollout_engine.kernels import moe, moe_align, moe_route
 from rollout_engine.kernels.moe import MoeLaunch, Tiles
 
 interpreted = pytest.mark.skipif(
@@ -44,7 +44,7 @@ def _problem(tokens, experts, top_k, hidden, inter, dtype, device="cpu", load="u
     if load == "sparse":  # most experts get nothing
         logits[:, 3:] -= 100
         logits[:, :3] += torch.randn(tokens, 3, generator=g)
-    weights, ids = moe.route_ref(logits, top_k, True)
+    weights, ids = moe_route.route_ref(logits, top_k, True)
     if load == "hot":  # every pair on expert 3
         ids = torch.full_like(ids, 3)
     return x, w13, w2, weights.to(device), ids.to(device)
@@ -59,7 +59,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_route_ref_is_softmax_topk(renormalize):
     logits = torch.randn(9, 60)
-    weights, ids = moe.route_ref(logits.bfloat16(), 4, renormalize)
+    weights, ids = moe_route.route_ref(logits.bfloat16(), 4, renormalize)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (9, 4)
     probs = torch.softmax(logits.bfloat16().float(), -1)
     top = probs.topk(4, -1)
@@ -71,9 +71,9 @@ def test_route_ref_is_softmax_topk(renormalize):
 
 def test_route_ref_breaks_ties_to_the_lower_expert_and_takes_no_tokens():
     logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
-    _, ids = moe.route_ref(logits, 3, False)
+    _, ids = moe_route.route_ref(logits, 3, False)
     assert ids.tolist() == [[1, 2, 4], [0, 1, 2]]
-    weights, ids = moe.route_ref(torch.empty(0, 8), 2, True)
+    weights, ids = moe_route.route_ref(torch.empty(0, 8), 2, True)
     assert weights.shape == ids.shape == (0, 2)
 
 
@@ -98,7 +98,7 @@ def test_without_a_gpu_the_wrappers_are_the_references():
     x, w13, w2, weights, ids = _problem(5, 6, 2, 32, 16, torch.float32)
     assert torch.equal(moe.fused_moe(x, w13, w2, weights, ids), moe.fused_moe_ref(x, w13, w2, weights, ids))
     logits = torch.randn(5, 6)
-    for a, b in zip(moe.route(logits, 2, True), moe.route_ref(logits, 2, True)):
+    for a, b in zip(moe_route.route(logits, 2, True), moe_route.route_ref(logits, 2, True)):
         assert torch.equal(a, b)
 
 
@@ -126,7 +126,7 @@ def _check_align(ids, experts, block_m, aligned):
 @pytest.mark.parametrize("pairs,experts,block_m", [(1, 4, 16), (64, 128, 16), (300, 8, 32), (2000, 60, 64)])
 def test_align_ref(pairs, experts, block_m):
     ids = torch.randint(0, experts, (pairs,))
-    _check_align(ids, experts, block_m, moe.align_ref(ids, experts, block_m))
+    _check_align(ids, experts, block_m, moe_align.align_ref(ids, experts, block_m))
 
 
 def test_pick_keeps_one_shape_when_invariant():
@@ -148,20 +148,20 @@ def test_interpreted_route(dtype):
     logits = torch.randn(11, 12).to(dtype)
     logits[0, 5] = logits[0, 7] = logits[0].max() + 1  # a tie at the top
     for renormalize in (True, False):
-        w, i = moe._route_triton(logits, 3, renormalize)
-        wr, ir = moe.route_ref(logits, 3, renormalize)
+        w, i = moe_route._route_triton(logits, 3, renormalize)
+        wr, ir = moe_route.route_ref(logits, 3, renormalize)
         assert torch.equal(i, ir)
         torch.testing.assert_close(w, wr, atol=1e-6, rtol=0)
-    assert moe._route_triton(logits[:0], 3, True)[0].shape == (0, 3)
+    assert moe_route._route_triton(logits[:0], 3, True)[0].shape == (0, 3)
 
 
 @interpreted
 @pytest.mark.parametrize("pairs,experts,block_m", [(6, 4, 16), (100, 128, 16), (300, 8, 32), (700, 16, 64)])
 def test_interpreted_align(pairs, experts, block_m):
     ids = torch.randint(0, experts, (pairs,), dtype=torch.int32)
-    aligned = moe._align(ids, experts, block_m)
+    aligned = moe_align._align(ids, experts, block_m)
     _check_align(ids, experts, block_m, aligned)
-    ref = moe.align_ref(ids, experts, block_m)
+    ref = moe_align.align_ref(ids, experts, block_m)
     assert aligned[0].shape == ref[0].shape and aligned[1].shape == ref[1].shape
 
 
@@ -197,11 +197,11 @@ def test_route_matches_reference(experts, dtype):
         for renormalize in (True, False):
             for tokens in (1, 37, 300):
                 logits = torch.randn(tokens, experts, device="cuda").to(dtype)
-                w, i = moe.route(logits, top_k, renormalize)
-                wr, ir = moe.route_ref(logits, top_k, renormalize)
+                w, i = moe_route.route(logits, top_k, renormalize)
+                wr, ir = moe_route.route_ref(logits, top_k, renormalize)
                 assert torch.equal(i, ir), (top_k, renormalize, tokens)
                 torch.testing.assert_close(w, wr, atol=1e-6, rtol=0)
-    w, i = moe.route(torch.empty(0, experts, device="cuda", dtype=dtype), 2, True)
+    w, i = moe_route.route(torch.empty(0, experts, device="cuda", dtype=dtype), 2, True)
     assert w.shape == i.shape == (0, 2)
 
 
@@ -216,8 +216,8 @@ def test_route_records_each_tokens_ids_in_its_slot(experts, dtype):
         logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
         buf = torch.full((slots, layers, top_k), 7, dtype=dtype, device="cuda")
         loc = torch.randperm(slots, device="cuda")[:tokens]
-        w, i = moe.route(logits, top_k, True, (buf[:, 1], loc))
-        wr, ir = moe.route_ref(logits, top_k, True)
+        w, i = moe_route.route(logits, top_k, True, (buf[:, 1], loc))
+        wr, ir = moe_route.route_ref(logits, top_k, True)
         assert torch.equal(i, ir)
         assert torch.equal(buf[loc, 1].long(), ir.long())
         rest = torch.ones(slots, dtype=torch.bool, device="cuda")
@@ -231,9 +231,9 @@ def test_route_records_each_tokens_ids_in_its_slot(experts, dtype):
 def test_align_kernel(experts, block_m):
     for pairs in (1, 64, 65, 1000, 16384):
         ids = torch.randint(0, experts, (pairs,), device="cuda", dtype=torch.int32)
-        aligned = moe._align(ids, experts, block_m)
+        aligned = moe_align._align(ids, experts, block_m)
         _check_align(ids, experts, block_m, aligned)
-        ref = moe.align_ref(ids, experts, block_m)
+        ref = moe_align.align_ref(ids, experts, block_m)
         total = int(ref[2])
         assert torch.equal(aligned[2], ref[2])
         assert torch.equal(aligned[0][:total], ref[0][:total])
@@ -302,7 +302,7 @@ def test_invariant_rows_do_not_depend_on_the_batch(inter, hidden):
         ox = torch.randn(others, hidden, generator=g).to("cuda", torch.bfloat16)
         logits = torch.randn(others, experts, generator=g)
         logits[:, ids[0].long().cpu()] += 2  # the others crowd the token's experts
-        ow, oi = moe.route_ref(logits, top_k, True)
+        ow, oi = moe_route.route_ref(logits, top_k, True)
         at = int(torch.randint(0, others + 1, (1,), generator=g))
         bx = torch.cat([ox[:at], x, ox[at:]])
         bw = torch.cat([ow[:at].cuda(), weights, ow[at:].cuda()])
@@ -315,5 +315,5 @@ def test_route_ref_records_into_the_slots():
     logits = torch.randn(5, 12)
     buf = torch.zeros(20, 2, 3, dtype=torch.uint8)
     loc = torch.tensor([4, 0, 19, 7, 8])
-    _, ids = moe.route(logits, 3, False, (buf[:, 1], loc))
+    _, ids = moe_route.route(logits, 3, False, (buf[:, 1], loc))
     assert torch.equal(buf[loc, 1].long(), ids.long()) and not buf[:, 0].any()

@@ -20,7 +20,8 @@ from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rollout_engine.kernels.gemv import linear
-from rollout_engine.kernels.moe import fused_moe, route
+from rollout_engine.kernels.moe import fused_moe
+from rollout_engine.kernels.moe_route import route
 from rollout_engine.layers.invariant import invariant_linear, per_row
 from rollout_engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _param, divide
 from rollout_engine.layers.weight_copy import copy_into
