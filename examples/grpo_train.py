@@ -41,7 +41,6 @@ where the trainer's routers pick the engine's experts.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -117,46 +116,19 @@ def token_logprobs(model, sequences: list[tuple[list[int], list[int]]], device, 
     ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
     for row, (p, o) in enumerate(sequences):
         ids[row, : len(p) + len(o)] = torch.tensor(p + o, device=device)
-    if agreement is not None:
-        with routing_agreement(model, routes, width, agreement):
-            logits = model(ids).logits
-    elif routes is not None:
-        from rollout_engine.integrations.routing_replay import replay
-
-        with replay(model, routes):
-            logits = model(ids).logits
-    else:
+    if routes is None:
         logits = model(ids).logits
+    else:
+        from rollout_engine.integrations import routing_replay
+
+        with (routing_replay.agreement(model, routes, agreement) if agreement is not None
+              else routing_replay.replay(model, routes)):
+            logits = model(ids).logits
     out = []
     for row, (p, o) in enumerate(sequences):
         picked = logits[row, len(p) - 1: len(p) + len(o) - 1].float()
         out.append(torch.log_softmax(picked, dim=-1).gather(-1, ids[row, len(p): len(p) + len(o), None]).squeeze(-1))
     return out
-
-
-@contextlib.contextmanager
-def routing_agreement(model, routes, width: int, out: list[float]):
-    """Appends to `out` the share of (token, MoE layer) where the model's own
-    top-k (its routers' outputs in the forward run inside) equals the
-    engine's, over the positions the engine routed."""
-    from rollout_engine.integrations.routing_replay import moe_blocks
-
-    seen = []
-    hooks = [block.gate.register_forward_hook(lambda m, i, o: seen.append(o[2].detach()))
-             for block in moe_blocks(model)]
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
-    same = total = 0
-    for layer, picked in enumerate(seen):
-        picked = picked.view(len(routes), width, -1).sort(-1).values.cpu()
-        for row, r in enumerate(routes):
-            engine = torch.from_numpy(r[:, layer].astype("int64")).sort(-1).values
-            same += int((picked[row, : len(r)] == engine).all(-1).sum())
-            total += len(r)
-    out.append(same / max(1, total))
 
 
 def grpo_step(model, optimizer, prompts, outs, rewards, n: int, clip: float, device,

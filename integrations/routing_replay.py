@@ -79,6 +79,30 @@ def replay(model: nn.Module, routed_experts: Sequence[np.ndarray]) -> Iterator[N
                 gate.forward = forward
 
 
+@contextlib.contextmanager
+def agreement(model: nn.Module, routed_experts: Sequence[np.ndarray], out: list[float]) -> Iterator[None]:
+    """Measure instead of replay: appends to `out` the share of (token, MoE
+    layer) where the model's own top-k, in the forward run inside (over a
+    right-padded batch, one row per array), equals the given experts, over
+    the positions the arrays cover. 1.0 means replay would change nothing."""
+    seen: list[torch.Tensor] = []
+    hooks = [block.gate.register_forward_hook(lambda m, i, o: seen.append(o[2].detach()))
+             for block in moe_blocks(model)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+    same = total = 0
+    for layer, picked in enumerate(seen):
+        picked = picked.view(len(routed_experts), -1, picked.shape[-1]).sort(-1).values.cpu()
+        for row, r in enumerate(routed_experts):
+            engine = torch.from_numpy(np.asarray(r)[:, layer].astype(np.int64)).sort(-1).values
+            same += int((picked[row, : len(r)] == engine).all(-1).sum())
+            total += len(r)
+    out.append(same / max(1, total))
+
+
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's sparse MoE blocks in order of depth; ValueError naming the
     architecture when it is not one replay supports."""

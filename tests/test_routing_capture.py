@@ -165,17 +165,20 @@ def test_tp2_reports_the_routing_of_tp1(moe_models):
     assert_routes_match(hf, outs[2], 2)
 
 
-def _trainer_logprobs(hf, outs, routes=None) -> list[torch.Tensor]:
+def _trainer_logprobs(hf, outs, routes=None, agree: list | None = None) -> list[torch.Tensor]:
     """Each output token's logprob under `hf` over a right-padded batch, with
-    the engine's routing replayed when `routes` is given."""
-    from rollout_engine.integrations.routing_replay import replay
+    the engine's routing replayed when `routes` is given (`agree`: measured
+    against it instead)."""
+    from rollout_engine.integrations.routing_replay import agreement, replay
 
     seqs = [o.prompt_token_ids + o.output_token_ids for o in outs]
     ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
         ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
-    with torch.no_grad(), (replay(hf, routes) if routes is not None else contextlib.nullcontext()):
+    context = contextlib.nullcontext() if routes is None else (
+        agreement(hf, routes, agree) if agree is not None else replay(hf, routes))
+    with torch.no_grad(), context:
         logp = torch.log_softmax(hf(ids, attention_mask=mask).logits.float(), -1)
     out = []
     for i, o in enumerate(outs):
@@ -210,6 +213,10 @@ def test_the_trainer_replaying_the_engines_routing_scores_its_tokens_as_the_engi
 
     free, replayed = gap(_trainer_logprobs(drifted, outs)), gap(_trainer_logprobs(drifted, outs, routes))
     assert replayed < free, (replayed, free)
+    agree: list[float] = []
+    _trainer_logprobs(hf, outs, routes, agree)  # the same weights: every (token, layer) as the engine routed it
+    _trainer_logprobs(drifted, outs, routes, agree)
+    assert agree[0] == 1.0 and 0 < agree[1] < 1.0, agree
 
 
 def test_a_routing_copy_in_flight_never_holds_up_a_step(moe_models, monkeypatch):
