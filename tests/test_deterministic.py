@@ -16,7 +16,9 @@ TARGET = SamplingParams(max_new_tokens=32, temperature=1.0, top_p=0.9, seed=123,
                         top_logprobs=3)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2_moe", pytest.param("olmoe", marks=pytest.mark.slow)])
+# fast: qwen3 (q/k norms) and qwen2_moe (experts, shared expert, biases); llama's plain path and olmoe with the slow
+@pytest.fixture(scope="module", params=[pytest.param("llama", marks=pytest.mark.slow), "qwen3", "qwen2_moe",
+                                        pytest.param("olmoe", marks=pytest.mark.slow)])
 def folder(request, tmp_path_factory):
     return save_model(make_hf_model(request.param, seed=1, num_hidden_layers=2), tmp_path_factory.mktemp("det"))
 
