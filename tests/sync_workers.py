@@ -2,11 +2,22 @@
 from __future__ import annotations
 
 
-def trainer(port: int, folder: str, meta_queue, bucket_bytes: int, world_size: int = 2) -> None:
+def trainer(port: int, folder: str, meta_queue, bucket_bytes: int, world_size: int = 2,
+            in_memory: bool = False) -> None:
+    """Sends the checkpoint's tensors under their names on disk, or
+    (`in_memory`) the model's parameters as transformers holds them (MoE:
+    fused expert tensors, where the checkpoint has one per expert)."""
     from rollout_engine.integrations.weight_sender import WeightSender
     from rollout_engine.weights.loader import iter_safetensors
 
-    tensors = list(iter_safetensors(folder))
+    if in_memory:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        tensors = [(name, p.detach()) for name, p in model.named_parameters()]
+    else:
+        tensors = list(iter_safetensors(folder))
     sender = WeightSender("127.0.0.1", port, world_size=world_size, backend="gloo", bucket_bytes=bucket_bytes)
     meta_queue.put(WeightSender.metadata(tensors))
     sender.send(tensors)

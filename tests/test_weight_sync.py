@@ -47,7 +47,7 @@ def test_buckets_pack_in_order_and_split_large_tensors():
     assert all(off % 256 == 0 for b in buckets for _, off in b.entries)
 
 
-def check_trainer_broadcast(folder_a: str, folder_b: str, tp_size: int = 1) -> None:
+def check_trainer_broadcast(folder_a: str, folder_b: str, tp_size: int = 1, in_memory: bool = False) -> None:
     """A trainer process sends folder_b's weights to an engine process (on
     folder_a, tp_size ranks) over a gloo weight-sync group; the engine then
     generates what a fresh engine on folder_b does, and a bad name raises
@@ -57,7 +57,8 @@ def check_trainer_broadcast(folder_a: str, folder_b: str, tp_size: int = 1) -> N
     ctx = mp.get_context("spawn")
     meta, out = ctx.Queue(), ctx.Queue()
     port, bucket_bytes = _free_port(), 64 * 1024  # small buckets: several broadcasts
-    procs = [ctx.Process(target=sync_workers.trainer, args=(port, folder_b, meta, bucket_bytes, 1 + tp_size)),
+    procs = [ctx.Process(target=sync_workers.trainer, args=(port, folder_b, meta, bucket_bytes, 1 + tp_size,
+                                                            in_memory)),
              ctx.Process(target=sync_workers.engine,
                          args=(port, folder_a, meta, out, PROMPTS, bucket_bytes, tp_size))]
     for p in procs:
@@ -75,6 +76,37 @@ def test_trainer_process_broadcasts_to_engine_process(llama, tmp_path):
 
 
 import pytest  # noqa: E402
+
+
+@pytest.mark.slow  # two processes per naming; run by .ci/run after the fast tests
+@pytest.mark.parametrize("in_memory", [False, True], ids=["per-expert", "fused"])
+def test_moe_weights_broadcast_under_either_naming(moe_models, tmp_path, in_memory):
+    """An MoE trainer's weights over the sync group: the checkpoint's
+    per-expert tensors, or the fused tensors transformers holds in memory."""
+    _, folder_a = moe_models["qwen3_moe"]
+    check_trainer_broadcast(folder_a, save_model(make_hf_model("qwen3_moe", seed=12), tmp_path / "b"),
+                            in_memory=in_memory)
+
+
+@pytest.mark.slow  # two trainer ranks
+def test_fsdp_ranks_update_their_colocated_moe_engines(moe_models, tmp_path):
+    """FSDP2 over an MoE trainer (fused expert parameters, sharded): each
+    rank's engine ends with the trainer's weights."""
+    import sync_workers
+
+    _, folder_a = moe_models["qwen2_moe"]
+    folder_b = save_model(make_hf_model("qwen2_moe", seed=13), tmp_path / "b")
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=sync_workers.fsdp_rank, args=(r, port, folder_a, folder_b, 2, out, PROMPTS))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = sorted(_gather(procs, out, 2))
+    fresh = RolloutEngine(folder_b, max_total_tokens=2048, device="cpu").generate(
+        input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
+    for rank, version, tokens in results:
+        assert version == 1 and tokens == [o.output_token_ids for o in fresh]
 
 
 @pytest.mark.parametrize("kind", [pytest.param(2, marks=pytest.mark.slow), pytest.param(1, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
