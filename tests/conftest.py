@@ -83,7 +83,7 @@ def _automatic_stepping_after_each_test():
             core.set_manual(False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def moe_models(tmp_path_factory):
     """The tiny MoE models of tests/models.py: kind -> (HF model, folder of its
     checkpoint, per-expert names)."""
