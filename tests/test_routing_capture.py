@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
+from differential import WorkloadGenerator, run_call
 from models import MOE, make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams
 
@@ -252,6 +254,17 @@ def test_a_routing_copy_in_flight_never_holds_up_a_step(moe_models, monkeypatch)
     assert forced and not any(forced), "a copy was waited for while steps remained"
     deltas = list(engine.stream(input_ids=PROMPTS[:2], sampling_params=params[:2]))
     assert sum(d.routed_experts is not None for d in deltas) == 2
+    # random calls: streams aborted midway, forks, cache hits, batches that grow and shrink
+    gen = WorkloadGenerator(seed=5, token_range=(0, 512), max_prompt_len=40, max_new_tokens=16, max_batch=8)
+    for c in range(12):
+        call = gen.call()
+        call.params = [dataclasses.replace(p, return_routed_experts=True) for p in call.params]
+        for out in run_call(engine, call, f"r{c}"):
+            assert out.routed_experts is not None and out.routed_experts.shape[0] <= len(out.prompt_token_ids) + len(
+                out.output_token_ids) - 1
+            gen.observe(out.prompt_token_ids, out.output_token_ids)
+    assert not any(forced), "a copy was waited for while steps remained"
+    engine.check_integrity()
     engine.shutdown()
 
 
