@@ -218,6 +218,11 @@ def test_rl_controls(server, tmp_path, smollm2_dir):
     assert server.post("/pause_generation", {"mode": "sideways"}).status_code == 400
     assert server.post("/flush_cache").json()["success"]
     assert server.post("/abort_request", {"abort_all": True}).json()["success"]
+    # a JSON body sent as a form (curl -d's default type) is read as JSON on the control routes too
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    assert httpx.post(server.url + "/abort_request", content=b'{"abort_all": true}', headers=form).json()["success"]
+    assert httpx.post(server.url + "/pause_generation", content=b'{"mode": "sideways"}',
+                      headers=form).status_code == 400
     metrics = httpx.get(server.url + "/metrics").text
     assert "rollout_engine_weight_version 2.0" in metrics and "rollout_engine_kv_usage_ratio" in metrics
     for family in ("rollout_engine_time_to_first_token_seconds", "rollout_engine_step_duration_seconds"):

@@ -1,5 +1,5 @@
 """The FastAPI application around one engine: authentication, a request
-body limit, one error shape, and the routers (native, OpenAI, RL controls,
+body limit, JSON bodies whatever their declared type, one error shape, and the routers (native, OpenAI, RL controls,
 metrics)."""
 from __future__ import annotations
 
@@ -45,6 +45,25 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
+class JsonBodies:
+    """Every route reads a JSON body: one sent as a form (`curl -d`'s
+    default type) or with no type is read as JSON too, on the control
+    routes as on /generate."""
+
+    FORM = (b"application/x-www-form-urlencoded", b"")
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+            given = dict(scope.get("headers") or []).get(b"content-type", b"")
+            if given.split(b";")[0].strip().lower() in self.FORM:
+                scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
 class ApiKey:
     """Every route but /health needs `Authorization: Bearer KEY`."""
 
@@ -67,6 +86,7 @@ def build_app(engine, cfg: ServerConfig, model_name: str | None = None) -> FastA
     errors.install(app)
     for module in (native, openai_api, controls, metrics):
         app.include_router(module.router)
+    app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
     if cfg.api_key:
         app.add_middleware(ApiKey, key=cfg.api_key)
