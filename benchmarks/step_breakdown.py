@@ -8,6 +8,7 @@ for --tp 2):
     python3 benchmarks/step_breakdown.py --workload grpo --model qwen2.5-7b \\
         --num-prompts 16 -n 8 --output-len 256 --out /tmp/breakdown.json [--deterministic] [--trace /tmp/trace.json]
     python3 benchmarks/step_breakdown.py --workload decode --batch-size 1 --tp 2 ...
+    python3 benchmarks/step_breakdown.py --model qwen3-30b-a3b --enable-return-routed-experts ...  # MoE capture
 
 With --tp k the trace is rank 0's (its GPU's kernels); the other ranks run
 the same steps.
@@ -25,6 +26,7 @@ runs its steps on a thread of its own).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -130,7 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ScriptParser("step_breakdown.py", __doc__)
     p.add_argument("--workload", choices=["grpo", "offline", "decode"], default="grpo",
                    help="grpo: prompts x samples; offline: independent requests; decode: one batch of short prompts")
-    add_engine_args(p, ("model", "load_format", "tp_size", "deterministic", "page_size", "max_running_requests"),
+    add_engine_args(p, ("model", "load_format", "tp_size", "deterministic", "page_size", "max_running_requests",
+                        "enable_return_routed_experts"),
                     defaults={"model": "qwen3-0.6b", "load_format": "dummy"})
     p.add_argument("--num-prompts", type=positive_int, default=16, help="grpo, offline: prompts")
     p.add_argument("-n", type=positive_int, default=8, help="grpo: samples per prompt")
@@ -161,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         wl = workloads.grpo(vocab, args.batch_size, 1, 16, 16, args.output_len)
         wl = workloads.Workload("decode", wl.input_ids, [SamplingParams(max_new_tokens=args.output_len, temperature=0,
                                                                         ignore_eos=True)] * args.batch_size)
+    if args.enable_return_routed_experts:  # every request asks for its routing: the copy-out is in the trace
+        wl = dataclasses.replace(wl, params=[dataclasses.replace(p, return_routed_experts=True) for p in wl.params])
     warm = workloads.grpo(vocab, 2, 2, 16, 32, 8, seed=99)
     engine.generate(input_ids=warm.input_ids, sampling_params=warm.params)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     events = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA]
     res = {"workload": args.workload, "model": args.model, "deterministic": args.deterministic, "tp": args.tp_size,
+           "routing_capture": args.enable_return_routed_experts,
            "device": torch.cuda.get_device_name(), **breakdown(events, wall_us, steps)}
     print(json.dumps(res, indent=1))
     if args.out:
