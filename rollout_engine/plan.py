@@ -1,7 +1,7 @@
 """StepPlan: everything one step computes, as plain data.
 
-The scheduler emits a plan per step; a runner turns it into tensors, runs
-the model and samples, and answers with a StepOutput. Neither side sees the
+The scheduler emits a plan per step; a runner (`StepRunner`) turns it into
+tensors, runs the model and samples, and answers with a StepOutput. Neither side sees the
 other's objects: a plan holds numpy arrays and numbers only, so it pickles,
 can be broadcast to tensor-parallel ranks, and replays on another runner
 built on the same weights (same plans in, same tokens out).
@@ -14,6 +14,7 @@ prompt-logprob rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -114,3 +115,16 @@ class StepOutput:
     top_ids: np.ndarray | None  # int64 [S, k]
     top_logprobs: np.ndarray | None  # float64 [S, k]
     prompt_logprobs: np.ndarray  # float64 [P]
+
+
+class StepRunner(Protocol):
+    def launch(self, plan: StepPlan, prev: Any = None) -> Any:
+        """Start the step; `prev` is the previous launch's handle (its sampled
+        tokens are the inputs of a plan with `prev_rows`)."""
+
+    def collect(self, handle: Any) -> StepOutput:
+        """Wait for a launched step's results."""
+
+    def routes_of(self, slots: np.ndarray) -> Any:
+        """The routing recorded in these KV slots, on its way to the host
+        (runner/routes.py); only with routing capture."""

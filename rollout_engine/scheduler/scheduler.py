@@ -14,11 +14,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
-import numpy as np
-
-from rollout_engine.plan import StepOutput, StepPlan
+from rollout_engine.plan import StepRunner
 from rollout_engine.request import PLACEHOLDER, Request
 from rollout_engine.scheduler.batch import Batch, ScheduledSeq
 from rollout_engine.scheduler.kv_manager import KVManager
@@ -38,19 +36,6 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.002
     # Schedule step N+1 while step N runs on the device.
     overlap: bool = True
-
-
-class StepRunner(Protocol):
-    def launch(self, plan: StepPlan, prev: Any = None) -> Any:
-        """Start the step; `prev` is the previous launch's handle (its sampled
-        tokens are the inputs of a plan with `prev_rows`)."""
-
-    def collect(self, handle: Any) -> StepOutput:
-        """Wait for a launched step's results."""
-
-    def routes_of(self, slots: np.ndarray) -> Any:
-        """The routing recorded in these KV slots, on its way to the host
-        (runner/routes.py); only with routing capture."""
 
 
 class Scheduler:
