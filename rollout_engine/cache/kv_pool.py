@@ -24,7 +24,7 @@ class RoutesLayout(NamedTuple):
 
     @property
     def bytes_per_token(self) -> int:
-        return self.moe_layers * self.top_k * torch.empty((), dtype=self.dtype).element_size()
+        return self.moe_layers * self.top_k * self.dtype.itemsize
 
 
 class KVPool:

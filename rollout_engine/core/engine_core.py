@@ -269,13 +269,14 @@ class EngineCore:
             while not self._stopping:
                 idle = self.paused or self.manual or not self.scheduler.has_work()
                 cmd = self._inbox.get() if idle else self._next_command()
+                commanded = cmd is not None
                 while cmd is not None:
                     self._execute(*cmd)
                     if self._stopping:
                         return
                     cmd = self._next_command()
-                if self._finished or self._streams:  # a command that settled a step finished requests
-                    self.dispatch()
+                if commanded and (self._finished or self._streams):  # a command that settled a step may
+                    self.dispatch()  # have finished requests: no later dispatch would hand them out
                 if not (self.paused or self.manual) and self.scheduler.has_work():
                     self._step()
         except BaseException as e:  # noqa: BLE001 - reported to every waiter

@@ -110,7 +110,8 @@ class DecoderMLP(nn.Module):
         w = self.gate_up_proj.weight  # at one row SiLU * mul inside the gate_up product (`one_row_act`)
         self.gated_in_product = pairs_fit(*w.shape, w.shape[0])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: "ForwardBatch | None" = None) -> torch.Tensor:
+        """`fb` unused (the sparse MLP's record of routing needs it)."""
         gate_up = self.gate_up_proj(x)
         act = silu_and_mul(gate_up) if use_kernel(gate_up) else silu_and_mul_ref(gate_up)
         return self.down_proj(act)
@@ -133,7 +134,6 @@ class DecoderLayer(nn.Module):
         sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_id)
         self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, comm, cfg.moe.sparse_layers.index(layer_id))
                     if sparse else DecoderMLP(cfg, comm))
-        self.sparse = sparse
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -149,7 +149,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(positions, h, fb)
         h, residual = self.post_attention_layernorm(h, residual)
-        return (self.mlp(h, fb) if self.sparse else self.mlp(h)), residual
+        return self.mlp(h, fb), residual
 
     def norms_in_products(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """One row on the GPU: each RMSNorm (with its residual add) is computed

@@ -384,7 +384,8 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, kv_of: Request | None = None) -> None:
         try:
-            if req.row is not None or kv_of is not None or req.routes is None:  # else: kept from _keep_routes
+            kept_while_waiting = req.row is None and kv_of is None and req.routes is not None
+            if not kept_while_waiting:
                 self._keep_routes(req, kv_of)
         finally:
             req.finish_reason = reason

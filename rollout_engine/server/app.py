@@ -1,6 +1,6 @@
 """The FastAPI application around one engine: authentication, a request
-body limit, JSON bodies whatever their declared type, one error shape, and the routers (native, OpenAI, RL controls,
-metrics)."""
+body limit, JSON bodies whatever their declared type, one error shape, and
+the routers (native, OpenAI, RL controls, metrics)."""
 from __future__ import annotations
 
 import hmac
@@ -57,10 +57,11 @@ class JsonBodies:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
-            given = dict(scope.get("headers") or []).get(b"content-type", b"")
+            headers = scope.get("headers") or []
+            given = dict(headers).get(b"content-type", b"")
             if given.split(b";")[0].strip().lower() in self.FORM:
-                scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+                kept = [(k, v) for k, v in headers if k != b"content-type"]
+                scope = {**scope, "headers": kept + [(b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
 
 
