@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 sampling_params=SamplingParams(max_new_tokens=8, temperature=0))[0].output_token_ids
     except KeyboardInterrupt:
         if rank == 0:
-            print(f"interrupted after {len(rows)} steps" + (f"; their rows are in {args.log_json}"
+            print(f"interrupted after {len(rows)} step{'s' if len(rows) != 1 else ''}" + (f"; their rows are in {args.log_json}"
                                                              if args.log_json else ""), file=sys.stderr)
         raise SystemExit(130) from None
     finally:
