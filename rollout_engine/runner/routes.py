@@ -20,7 +20,9 @@ class RoutesCopy:
         self._array: np.ndarray | None = None
         index = torch.from_numpy(self._slots)
         if routes.is_cuda:
-            rows = routes[index.to(routes.device, non_blocking=True)]
+            # from pinned memory: an upload from pageable memory would wait for
+            # the steps in flight (CUDA syncs the stream before such a copy)
+            rows = routes[index.pin_memory().to(routes.device, non_blocking=True)]
             self._host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             self._host.copy_(rows, non_blocking=True)
             self._event = torch.cuda.Event()
