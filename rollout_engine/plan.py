@@ -125,6 +125,6 @@ class StepRunner(Protocol):
     def collect(self, handle: Any) -> StepOutput:
         """Wait for a launched step's results."""
 
-    def routes_of(self, slots: np.ndarray) -> Any:
-        """The routing recorded in these KV slots, on its way to the host
-        (runner/routes.py); only with routing capture."""
+    def routes_of(self, slot_lists: list[np.ndarray]) -> list[Any]:
+        """The routing recorded in each list's KV slots, on its way to the
+        host in one copy (runner/routes.py); only with routing capture."""

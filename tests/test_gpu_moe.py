@@ -209,18 +209,20 @@ def test_release_resume_and_updates_under_both_namings(models, tmp_path):
 
 
 def test_routing_copy_out_does_not_wait_for_the_steps_in_flight():
-    """A finished request's routing copy is enqueued behind the running
-    steps without the host waiting for them: an index upload from pageable
-    memory would drain the stream first (the step breakdown showed it)."""
+    """Finished requests' routing copy is enqueued behind the running steps
+    without the host waiting for them, and each request gets its own rows."""
     from rollout_engine.runner.routes import RoutesCopy
 
     routes = torch.randint(0, 64, (4096, 4, 8), dtype=torch.uint8, device="cuda")
-    slots = np.random.default_rng(0).permutation(4096)[:700]
+    slots = [np.random.default_rng(0).permutation(4096)[:n] for n in (700, 3, 90)]
+    RoutesCopy(routes, slots).result()  # the first gather loads its kernel, which waits for the device
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of device time standing for the steps in flight
     step_done = torch.cuda.Event()
     step_done.record()
-    copy = RoutesCopy(routes, slots)
+    parts = RoutesCopy(routes, slots).parts()
     assert not step_done.query(), "building the copy waited for the work already queued"
-    assert np.array_equal(copy.result(), routes[torch.from_numpy(slots).cuda()].cpu().numpy())
+    assert not any(p.ready() for p in parts)
+    for part, s in zip(parts, slots):
+        assert np.array_equal(part.result(), routes[torch.from_numpy(s).cuda()].cpu().numpy())
     assert step_done.query()

@@ -268,6 +268,33 @@ def test_a_routing_copy_in_flight_never_holds_up_a_step(moe_models, monkeypatch)
     engine.shutdown()
 
 
+def test_requests_finishing_together_share_one_copy(moe_models, monkeypatch):
+    """A GRPO group's samples finish in the same step: their routing goes to
+    the host in one copy (one gather, one transfer, one event), not one per
+    request, each request still getting exactly its own rows."""
+    from rollout_engine.runner import model_runner
+    from rollout_engine.runner.routes import RoutesCopy
+
+    hf, folder = moe_models["qwen3_moe"]
+    engine = _engine(folder)
+    copies = []
+
+    class Counted(RoutesCopy):
+        def __init__(self, routes, slot_lists):
+            copies.append(len(slot_lists))
+            super().__init__(routes, slot_lists)
+
+    monkeypatch.setattr(model_runner, "RoutesCopy", Counted)
+    params = SamplingParams(n=6, max_new_tokens=7, seed=3, ignore_eos=True, return_routed_experts=True)
+    outs = engine.generate(input_ids=PROMPTS[:2], sampling_params=params)
+    assert len(outs) == 12
+    assert_routes_match(hf, outs, 2)
+    # 12 finishes and 10 forked samples queued: a copy per pass, not per request (one each: 22 copies)
+    assert sum(copies) == 22 and len(copies) <= 5, copies
+    engine.check_integrity()
+    engine.shutdown()
+
+
 def test_a_request_waiting_without_kv_still_reports_what_was_computed(moe_models):
     """Retracted then aborted (the partial-rollout pattern: pause with
     retract, then abort), or a forked sample aborted before it ran: the

@@ -206,8 +206,8 @@ class TPStepRunner:
     def collect(self, handle):
         return self.local.collect(handle)
 
-    def routes_of(self, slots):
-        return self.local.routes_of(slots)  # every rank routes alike: this rank's record is the engine's
+    def routes_of(self, slot_lists):
+        return self.local.routes_of(slot_lists)  # every rank routes alike: this rank's record is the engine's
 
 
 def backend_for(device: torch.device) -> str:

@@ -21,7 +21,7 @@ from rollout_engine.plan import SamplingPlan, StepOutput, StepPlan
 from rollout_engine.kernels._triton import triton_available, use_kernel
 from rollout_engine.kernels.batch_gemm import new_counters, use_counters
 from rollout_engine.runner.device_lock import DEVICE_WIDE
-from rollout_engine.runner.routes import RoutesCopy
+from rollout_engine.runner.routes import RoutesCopy, RoutesPart
 from rollout_engine.runner.sampler import (INVARIANT_ROWS, TORCH_ROWS, SamplingBatch, raw_logprobs_per_row, sample,
                                            sample_per_row, score)
 
@@ -102,10 +102,11 @@ class ModelRunner:
             handle.event.synchronize()
         return self._unpack(handle.plan, handle.sampled, None if handle.host is None else handle.host.numpy())
 
-    def routes_of(self, slots: np.ndarray) -> RoutesCopy:
-        """The routing recorded in these KV slots, copied to the host after
-        every step launched so far (routing capture must be on)."""
-        return RoutesCopy(self.kv_pool.routes, slots)
+    def routes_of(self, slot_lists: list[np.ndarray]) -> list[RoutesPart]:
+        """The routing recorded in each list's KV slots, copied to the host
+        (in one copy) after every step launched so far (routing capture must
+        be on)."""
+        return RoutesCopy(self.kv_pool.routes, slot_lists).parts()
 
     def settle(self) -> None:
         """Wait until every step launched here has finished on the device."""

@@ -21,6 +21,7 @@ from rollout_engine.request import PLACEHOLDER, Request
 from rollout_engine.scheduler.batch import Batch, ScheduledSeq
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.plan_builder import PlanIndex, SeqResult, build_plan, seq_results
+from rollout_engine.scheduler.routes_keeper import RoutesKeeper
 from rollout_engine.scheduler.stats import StepStats
 from rollout_engine.scheduler.stop import StopChecker
 
@@ -59,6 +60,7 @@ class Scheduler:
         kv.table.track_writes()  # each plan carries the table writes since the previous one
         self._abort_marked = 0  # requests marked by abort() since the last step applied them
         self.stats = StepStats()
+        self.routes = RoutesKeeper(kv, runner)
 
     # ---- requests in and out -------------------------------------------------
     def add(self, req: Request) -> None:
@@ -93,7 +95,9 @@ class Scheduler:
     def finish_aborted(self) -> list[Request]:
         """Apply marked aborts now, without running a batch (the step in
         flight, if any, is settled first)."""
-        return self.settle() + self._apply_aborts()
+        done = self.settle() + self._apply_aborts()
+        self.routes.send()
+        return done
 
     def _apply_aborts(self) -> list[Request]:
         if not self._abort_marked:
@@ -120,6 +124,7 @@ class Scheduler:
         try:
             return self._step()
         finally:
+            self.routes.send()
             self.stats.on_step(time.perf_counter() - start)
 
     def _step(self) -> list[Request]:
@@ -151,11 +156,14 @@ class Scheduler:
 
     def _launch(self, batch: Batch, prev: tuple[Batch, PlanIndex, Any] | None = None) -> tuple[Batch, PlanIndex, Any]:
         plan, index = build_plan(batch, self.kv.table, prev[1] if prev is not None else None)
+        self.routes.send()  # before a step that may reuse the slots they were read from
         return batch, index, self.runner.launch(plan, prev[2] if prev is not None else None)
 
     def settle(self) -> list[Request]:
         """Wait for the step in flight, if any, and apply it."""
-        return self._collect_pending() if self._pending is not None else []
+        done = self._collect_pending() if self._pending is not None else []
+        self.routes.send()
+        return done
 
     def _collect_pending(self) -> list[Request]:
         batch, index, handle = self._pending
@@ -308,6 +316,7 @@ class Scheduler:
         self.settle()
         for req in reversed(list(self.running)):
             self._retract(req)
+        self.routes.send()
 
     def _retract(self, req: Request) -> None:
         """Take a running request back to the front of the queue. Its computed
@@ -315,7 +324,7 @@ class Scheduler:
         recomputes the rest, so nothing is lost or sampled twice (the RNG is
         keyed by position)."""
         self.running.remove(req)
-        self._keep_routes(req)
+        self.routes.keep(req)
         self.kv.release(req)
         req.num_retractions += 1
         self.num_retractions += 1
@@ -354,7 +363,7 @@ class Scheduler:
             if leader.prompt_logprobs is not None:
                 sib.prompt_logprobs = list(leader.prompt_logprobs)
             if not self._append(sib, res, weight_version, kv_of=leader):
-                self._keep_routes(sib, leader)
+                self.routes.keep(sib, leader)
                 queued.append(sib)
         leader.fork_siblings = []
         self.waiting.extendleft(reversed(queued))
@@ -386,22 +395,13 @@ class Scheduler:
         try:
             kept_while_waiting = req.row is None and kv_of is None and req.routes is not None
             if not kept_while_waiting:
-                self._keep_routes(req, kv_of)
+                self.routes.keep(req, kv_of)
         finally:
             req.finish_reason = reason
             self.stats.on_finish(reason)
             self.kv.release(req)
         if self.on_finish is not None:
             self.on_finish(req)
-
-    def _keep_routes(self, req: Request, kv_of: Request | None = None) -> None:
-        """return_routed_experts: copy the routing of the positions `req` has
-        computed (or its fork leader `kv_of` for it) while their slots are
-        still its: at its end, and when it gives them up to wait (retracted,
-        or a forked sample queued), so that ending while it waits still
-        reports what was computed."""
-        if req.params.return_routed_experts:
-            req.routes = self.runner.routes_of(self.kv.computed_slots(req, kv_of))
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.running)

@@ -1,0 +1,36 @@
+"""Which requests' routing to copy out, gathered over one scheduler pass
+and sent as one copy (routing capture; runner/routes.py does the copy)."""
+from __future__ import annotations
+
+import numpy as np
+
+from rollout_engine.plan import StepRunner
+from rollout_engine.request import Request
+from rollout_engine.scheduler.kv_manager import KVManager
+
+UNSENT = object()  # a request's routing kept, its copy not started yet (starts before the scheduler returns)
+
+
+class RoutesKeeper:
+    def __init__(self, kv: KVManager, runner: StepRunner):
+        self.kv, self.runner = kv, runner
+        self._wanted: list[tuple[Request, np.ndarray]] = []
+
+    def keep(self, req: Request, kv_of: Request | None = None) -> None:
+        """return_routed_experts: note the slots of the positions `req` has
+        computed (or its fork leader `kv_of` for it) while they are still
+        its: at its end, and when it gives them up to wait (retracted, or a
+        forked sample queued), so that ending while it waits still reports
+        what was computed."""
+        if req.params.return_routed_experts:
+            self._wanted.append((req, self.kv.computed_slots(req, kv_of)))
+            req.routes = UNSENT
+
+    def send(self) -> None:
+        """Start one copy of the routing kept since the last one. The
+        scheduler calls it before every launch (a step may reuse the slots)
+        and at the end of every public entry (outputs wait on it)."""
+        if self._wanted:
+            wanted, self._wanted = self._wanted, []
+            for (req, _), part in zip(wanted, self.runner.routes_of([slots for _, slots in wanted])):
+                req.routes = part
