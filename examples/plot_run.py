@@ -36,7 +36,8 @@ def plot(runs: dict[str, list[dict]], out: str, title: str = "GRPO") -> None:
     axes[0].set_ylabel("mean reward")
     axes[0].legend()
     axes[1].set_ylabel("|engine - trainer| logprob")
-    axes[1].legend(fontsize="small", ncol=2)
+    long_labels = max(len(label) for label in runs) > 24
+    axes[1].legend(fontsize="small", ncol=1 if long_labels else 2)  # two columns of long labels spill out
     axes[2].set_ylabel("output tok/s")
     axes[2].set_xlabel("step")
     axes[0].set_title(title)
