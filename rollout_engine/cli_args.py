@@ -12,7 +12,8 @@ import sys
 import typing
 from typing import Any, Iterable, Mapping, NoReturn
 
-from rollout_engine.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, EngineConfig
+from rollout_engine.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS,
+                                   EngineConfig)
 from rollout_engine.model_zoo import DEFAULT_MODEL, NOT_A_MODEL_FOLDER, ZOO, is_model_folder
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS
@@ -48,6 +49,10 @@ FIELD_HELP: dict[str, str] = {
     "overlap_schedule": "schedule step N+1 while step N runs on the device",
     "enable_return_routed_experts": "MoE models: record the experts each token went to in every MoE layer, for "
                                     "requests that ask for them (return_routed_experts; routing replay)",
+    "quantization": "fp8: the linear layers of the decoder hold e4m3 weights with one scale per output row, "
+                    "quantized on load and on every update; activations are quantized per token "
+                    "(embeddings, norms, the LM head and MoE experts stay in --dtype)",
+    "kv_cache_dtype": "dtype of the KV cache; auto: --dtype",
     "deterministic": "batch-invariant mode: a seeded request gives the same tokens and logprobs whatever else "
                      "is batched, chunked or cached (GPU: Triton kernels; CPU: row by row, several times slower)",
 }
@@ -55,6 +60,7 @@ FIELD_HELP: dict[str, str] = {
 # Fields whose allowed values config.py lists as a tuple.
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES, "load_format": LOAD_FORMATS, "attention_backend": ATTENTION_BACKENDS,
+    "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "ignore_eos")

@@ -9,6 +9,8 @@ from typing import Mapping
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
+QUANTIZATIONS = ("fp8",)  # or None: weights in `dtype`
+KV_CACHE_DTYPES = ("auto",)  # "auto": the KV cache in `dtype`
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class EngineConfig:
     overlap_schedule: bool = True  # schedule step N+1 while step N runs
     deterministic: bool = False  # batch-invariant: a request's tokens and logprobs do not depend on its batch
     enable_return_routed_experts: bool = False  # MoE: record each token's experts per layer (routing replay)
+    quantization: str | None = None  # "fp8": e4m3 linear-layer weights, one scale per output row (quantization.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -67,6 +71,13 @@ class EngineConfig:
         for flag in ("deterministic", "enable_return_routed_experts"):
             if not isinstance(getattr(self, flag), bool):
                 bad(flag, "must be True or False")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            bad("quantization", f"must be None or one of {QUANTIZATIONS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES} (the KV cache is held in `dtype`; "
+                                  "an fp8 KV cache is not available yet)")
+        if self.deterministic and self.quantization is not None:
+            bad("quantization", "must be None with deterministic=True (fp8 products are not batch-invariant)")
         if self.deterministic and self.attention_backend != "auto":
             bad("attention_backend", "must stay 'auto' with deterministic=True (which uses its own "
                                      "batch-invariant attention)")

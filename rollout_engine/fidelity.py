@@ -110,13 +110,16 @@ def hf_gap(model_folder: str, sequences: Sequences, scores: list[list[float]], d
     return {"mean_abs": float(gap.mean()), "max_abs": float(gap.max()), "tokens": int(gap.numel())}
 
 
-def weights_checksum(named_tensors, dtype: torch.dtype | str) -> dict[str, str]:
+def weights_checksum(named_tensors, dtype: torch.dtype | str, quantization: str | None = None) -> dict[str, str]:
     """The trainer's side of `RolloutEngine.weights_checksum`: name -> the
     same 16-hex-digit checksum, of each tensor cast to `dtype` (the engine's
     dtype), computed where the tensor is (one Triton pass on a GPU). Equal
     digests mean the engine holds exactly these values. `named_tensors`: a
     dict, or (name, tensor) pairs such as `model.named_parameters()` (names
-    as the engine's, e.g. through integrations.fsdp.iter_hf_tensors)."""
+    as the engine's, e.g. through integrations.fsdp.iter_hf_tensors).
+    `quantization`: the engine's (`"fp8"`): the weights it quantizes are
+    hashed as it holds them (rollout_engine/quantization.py), so equal
+    digests still mean the engine holds exactly these weights, quantized."""
     from collections.abc import Mapping
 
     from rollout_engine.kernels.checksum import digest, many_sums, whole
@@ -126,6 +129,10 @@ def weights_checksum(named_tensors, dtype: torch.dtype | str) -> dict[str, str]:
     if not isinstance(resolved, torch.dtype):
         raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. torch.bfloat16 or 'bfloat16')")
     dtype = resolved
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+    from rollout_engine.quantization import as_held, is_quantized
+
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else pairs(named_tensors)
     sums: dict[str, torch.Tensor] = {}
     pending: list[tuple[str, tuple]] = []  # GPU tensors hashed in batches of ~1 GiB (one launch each, one sum)
@@ -140,7 +147,8 @@ def weights_checksum(named_tensors, dtype: torch.dtype | str) -> dict[str, str]:
             if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"{name}: expected a tensor, got {type(tensor).__name__}")
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # a DTensor shard
-            block = whole(full.detach().to(dtype))
+            held = as_held(full.detach(), dtype) if is_quantized(name, quantization) else full.detach().to(dtype)
+            block = whole(held)
             if not full.is_cuda:
                 sums[name] = many_sums([block])[0]
                 continue

@@ -112,7 +112,7 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     memory = MemoryManager(create_saver(cfg.enable_memory_saver, device))
     path = resolve_model_path(cfg.model, cfg.load_format)
     model = load_model(path, cfg.load_format, comm, device, dtype, cfg.seed,
-                       weights_region=memory.region("weights", cfg.weights_cpu_backup))
+                       weights_region=memory.region("weights", cfg.weights_cpu_backup), quantization=cfg.quantization)
     memory.register("weights", model.parameters())
     if cfg.enable_return_routed_experts and model.config.moe is None:
         raise ValueError(f"enable_return_routed_experts=True needs a mixture-of-experts model; "

@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 from rollout_engine.distributed.comm import TPComm
+from rollout_engine.kernels.fp8 import FP8
 from rollout_engine.kernels.gemv import linear
+from rollout_engine.layers.fp8_linear import fp8_linear
 from rollout_engine.layers.invariant import invariant_linear
-from rollout_engine.layers.weight_copy import copy_into
+from rollout_engine.layers.weight_copy import copy_into, quantize_into
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -30,7 +32,47 @@ def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
     return p
 
 
-class ColumnParallelLinear(nn.Module):
+class _Linear(nn.Module):
+    """What the parallel linear layers share: the product with this rank's
+    weight, in the engine dtype or fp8 (`quantize_fp8`), and the rows of a
+    parameter written from a source."""
+
+    batch_invariant = False  # layers/invariant.py
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_parameter("weight_scale", None)  # fp8: one multiplier per output row [out, 1], fp32
+
+    def quantize_fp8(self) -> None:
+        """Hold the weight in e4m3 with per-row scales from now on (before
+        any weight is loaded: the values are not carried over)."""
+        w = self.weight
+        self.weight = _param(tuple(w.shape), w.weight_loader)
+        self.weight.data = torch.empty(w.shape, dtype=FP8, device=w.device)
+        self.weight_scale = nn.Parameter(torch.ones(w.shape[0], 1, dtype=torch.float32, device=w.device),
+                                         requires_grad=False)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias) with this rank's W, no reduction."""
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, bias)
+        if self.batch_invariant:
+            return invariant_linear(x, self.weight, bias)
+        return linear(x, self.weight, bias)
+
+    def _store(self, param: torch.Tensor, offset: int, size: int, src: torch.Tensor,
+               whole_rows: torch.Tensor | None = None) -> None:
+        """Write rows [offset, offset + size) of `param` from `src`; an fp8
+        weight quantizes them, each row's scale taken over `whole_rows` (the
+        full rows `src` is a column slice of) or `src`."""
+        rows = param.data.narrow(0, offset, size)
+        if param is self.weight and self.weight_scale is not None:
+            quantize_into(rows, self.weight_scale.data.narrow(0, offset, size), src, whole_rows)
+        else:
+            copy_into(rows, src)
+
+
+class ColumnParallelLinear(_Linear):
     """y = x W^T with W split by output rows: each rank holds out/tp rows."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, comm: TPComm):
@@ -42,14 +84,10 @@ class ColumnParallelLinear(nn.Module):
 
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
         rows = self.out_per_rank
-        copy_into(param.data, full.narrow(0, self.comm.tp_rank * rows, rows))
-
-    batch_invariant = False  # layers/invariant.py
+        self._store(param, 0, rows, full.narrow(0, self.comm.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
-            return invariant_linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias)
+        return self.product(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -64,8 +102,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if shard_id is None:
             raise ValueError("a fused projection needs the shard it is loading")
         size = self.out_sizes[shard_id]
-        offset = sum(self.out_sizes[:shard_id])
-        copy_into(param.data.narrow(0, offset, size), full.narrow(0, self.comm.tp_rank * size, size))
+        self._store(param, sum(self.out_sizes[:shard_id]), size, full.narrow(0, self.comm.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -96,10 +133,10 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, src_index = self.kv_size, rank // self.kv_replicas
         else:
             raise ValueError(f"qkv shard must be 'q', 'k' or 'v', got {shard_id!r}")
-        copy_into(param.data.narrow(0, offset, size), full.narrow(0, src_index * size, size))
+        self._store(param, offset, size, full.narrow(0, src_index * size, size))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     """y = x W^T with W split by input columns; partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, comm: TPComm):
@@ -112,13 +149,12 @@ class RowParallelLinear(nn.Module):
 
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
         cols = self.in_per_rank
-        copy_into(param.data, full.narrow(1, self.comm.tp_rank * cols, cols))
+        # fp8: each row's scale over the whole row, so every rank's slice quantizes as at tp_size 1
+        self._store(param, 0, param.shape[0], full.narrow(1, self.comm.tp_rank * cols, cols), whole_rows=full)
 
     def _load_bias(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
         copy_into(param.data, full)
 
-    batch_invariant = False  # layers/invariant.py
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(invariant_linear(x, self.weight) if self.batch_invariant else linear(x, self.weight))
+        y = self.comm.all_reduce(self.product(x))
         return y if self.bias is None else y + self.bias

@@ -141,5 +141,4 @@ class SharedExpert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         act = silu_and_mul(gate_up) if use_kernel(gate_up) else silu_and_mul_ref(gate_up)
-        down = self.down_proj
-        return invariant_linear(act, down.weight) if down.batch_invariant else linear(act, down.weight)
+        return self.down_proj.product(act)

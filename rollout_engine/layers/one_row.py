@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from rollout_engine.kernels._triton import use_kernel
+from rollout_engine.kernels.fp8 import FP8
 from rollout_engine.kernels.gemv import linear, logits
 from rollout_engine.layers.embedding import ParallelLMHead
 from rollout_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -32,7 +33,7 @@ def compile_one_row_kernels(model: nn.Module) -> int:
             continue
         weight, bias = module.weight, getattr(module, "bias", None)
         key = (kind, tuple(weight.shape), weight.dtype, bias is not None)
-        if module.batch_invariant or key in seen or not use_kernel(weight):
+        if module.batch_invariant or key in seen or not use_kernel(weight) or weight.dtype == FP8:  # fp8: _scaled_mm
             continue
         seen.add(key)
         x = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)

@@ -13,6 +13,7 @@ import contextvars
 import torch
 
 from rollout_engine.kernels.copy_check import check_finite, copy_and_check
+from rollout_engine.kernels.fp8 import quantize_channels
 
 FLAGS_PER_BUFFER = 1024
 
@@ -32,6 +33,11 @@ class FiniteCheck:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         copy_and_check(dst, src, self._flag(dst.device, len(self.names) - 1))
+
+    def flag_if_not_finite(self, x: torch.Tensor) -> None:
+        """Flag the current tensor if `x` (derived from it) is not all finite."""
+        flag = self._flag(x.device, len(self.names) - 1)
+        flag.add_((~torch.isfinite(x)).any().to(flag.dtype))
 
     def check(self, name: str, src: torch.Tensor, dtype: torch.dtype) -> None:
         """Flag tensor `name` if `src` cast to `dtype` is not finite (reads only)."""
@@ -69,9 +75,13 @@ FINITE_CHECK: contextvars.ContextVar[FiniteCheck | None] = contextvars.ContextVa
 VALIDATE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("validate_only", default=False)
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor, name: str = "") -> None:
+def _check_shape(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"shape mismatch for {name or 'parameter'}: expected {tuple(dst.shape)}, got {tuple(src.shape)}")
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor, name: str = "") -> None:
+    _check_shape(dst, src, name)
     if VALIDATE_ONLY.get():
         return
     check = FINITE_CHECK.get()
@@ -79,3 +89,22 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, name: str = "") -> None:
         check.copy(dst, src)
     else:
         dst.copy_(src.to(dtype=dst.dtype))
+
+
+def quantize_into(dst: torch.Tensor, scale_inv: torch.Tensor, src: torch.Tensor,
+                  whole_rows: torch.Tensor | None = None, name: str = "") -> None:
+    """copy_into for an fp8 weight: the rows of `src` quantized into `dst`
+    (e4m3) and `scale_inv` (fp32 [rows, 1]), each row's scale taken over
+    `whole_rows` (the full rows `src` is a column slice of) or `src`
+    (kernels/fp8.py: quantize_channels), on the device. Finiteness is
+    checked on the rows the scales come from: e4m3 holds no infinity, so a
+    NaN or inf source shows as a non-finite scale."""
+    _check_shape(dst, src, name)
+    if VALIDATE_ONLY.get():
+        return
+    q, scales = quantize_channels(src, whole_rows)
+    check = FINITE_CHECK.get()
+    if check is not None:
+        check.flag_if_not_finite(scales)
+    dst.copy_(q)
+    scale_inv.copy_(scales)

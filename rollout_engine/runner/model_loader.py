@@ -13,6 +13,8 @@ from rollout_engine.distributed.comm import TPComm
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.decoder import DecoderForCausalLM
 from rollout_engine.models.presets import PRESETS, preset_config
+from rollout_engine.layers.weight_copy import quantize_into
+from rollout_engine.quantization import quantize_model
 from rollout_engine.weights.loader import WeightLoader
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -49,26 +51,37 @@ def read_hf_config(model: str) -> tuple[Any, tuple[int, ...]]:
     return hf, eos
 
 
-def build_model(cfg: ModelConfig, comm: TPComm, device: torch.device, dtype: torch.dtype) -> DecoderForCausalLM:
+def build_model(cfg: ModelConfig, comm: TPComm, device: torch.device, dtype: torch.dtype,
+                quantization: str | None = None) -> DecoderForCausalLM:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = DecoderForCausalLM(cfg, comm)
+            if quantization is not None:
+                quantize_model(model)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
 
 
-def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Random weights of the right shapes; norms stay at one."""
+def init_dummy_weights(model: torch.nn.Module, seed: int, dtype: torch.dtype, std: float = 0.02) -> None:
+    """Random weights of the right shapes; norms stay at one. An fp8 weight
+    holds the quantized draw of the `dtype` weight an engine without
+    quantization gets (the same seed per parameter)."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            gen = torch.Generator(device=p.device).manual_seed(seed)
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=gen)
+        for prefix, module in model.named_modules():
+            for leaf, p in module.named_parameters(recurse=False):
+                if leaf == "weight_scale":
+                    continue
+                gen = torch.Generator(device=p.device).manual_seed(seed)
+                if "norm" in f"{prefix}.{leaf}":
+                    p.fill_(1.0)
+                elif getattr(module, "weight_scale", None) is not None and leaf == "weight":
+                    drawn = torch.empty(p.shape, dtype=dtype, device=p.device).normal_(0.0, std, generator=gen)
+                    quantize_into(p.data, module.weight_scale.data, drawn)
+                else:
+                    p.normal_(0.0, std, generator=gen)
 
 
 def move_buffers_out(model: torch.nn.Module) -> None:
@@ -110,17 +123,18 @@ def check_fits(model: str, cfg: ModelConfig, comm: TPComm, device: torch.device,
 
 
 def load_model(model: str, load_format: str, comm: TPComm, device: torch.device, dtype: torch.dtype,
-               seed: int, weights_region: ContextManager | None = None) -> DecoderForCausalLM:
+               seed: int, weights_region: ContextManager | None = None,
+               quantization: str | None = None) -> DecoderForCausalLM:
     """Parameters are allocated inside `weights_region`; loading happens
     outside it (its temporaries must not land in the region)."""
     hf, eos = read_hf_config(model)
     cfg = ModelConfig.from_hf(hf, eos)
     check_fits(model, cfg, comm, device, dtype)
     with weights_region or contextlib.nullcontext():
-        net = build_model(cfg, comm, device, dtype)
+        net = build_model(cfg, comm, device, dtype, quantization)
     move_buffers_out(net)
     if load_format == "dummy":
-        init_dummy_weights(net, seed)
+        init_dummy_weights(net, seed, dtype)
         return net
     if not os.path.isdir(model):
         raise ValueError(f"model {model!r} is not a folder; presets ({sorted(PRESETS)}) need load_format='dummy'")

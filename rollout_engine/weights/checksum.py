@@ -26,6 +26,8 @@ def _block(loader: WeightLoader, name: str, tp_rank: int, tp_size: int):
     """(2D block, words per row of the full tensor, first row, first word),
     None when this rank adds nothing (a replica), or "join" when the block is
     not rectangular in whole words."""
+    if loader.is_fp8(name):  # its values are computed, not held: no block to keep a plan on
+        return "join"
     local = loader.view(name)
     dim, replicas, trim, pieces = loader.shard_layout(name) if tp_size > 1 else (None, 1, None, 1)
     if pieces > 1:

@@ -16,6 +16,7 @@ from typing import Iterable, Iterator, NamedTuple
 import torch
 from torch import nn
 
+from rollout_engine.kernels.fp8 import FP8, dequantize_channels
 from rollout_engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)
 from rollout_engine.layers.moe import DOWN, GATE, UP, MoeExperts
@@ -60,9 +61,11 @@ class Target:
 class WeightLoader:
     def __init__(self, model: nn.Module):
         self.model = model
-        self.params = dict(model.named_parameters())
+        # an fp8 weight's scales (`weight_scale`) are written with it, under its name
+        self.params = {n: p for n, p in model.named_parameters() if not n.endswith(".weight_scale")}
         self.stacked = getattr(model, "stacked_params", ())
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.dtype = next(p.dtype for p in self.params.values() if p.dtype != FP8)  # the engine dtype
 
     def resolve(self, hf_name: str) -> Target | None:
         """Where an HF tensor goes; None for names we deliberately ignore.
@@ -166,7 +169,8 @@ class WeightLoader:
             for hf_name, tensor in pairs(named_tensors):
                 target = self.resolve(hf_name)
                 if target is not None and tensor.device.type != "meta":
-                    check.check(hf_name, tensor, self.params[target.param_name].dtype)
+                    dtype = self.params[target.param_name].dtype
+                    check.check(hf_name, tensor, torch.float32 if dtype == FP8 else dtype)  # fp8: the scales' input
         check.raise_if_bad()
 
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], written: set[Target] | None = None
@@ -222,8 +226,17 @@ class WeightLoader:
         tensor at tp_size=1): the fused parameter's slice for that name."""
         return self.view(hf_name).clone()
 
+    def is_fp8(self, hf_name: str) -> bool:
+        """Whether `hf_name` is held in e4m3 (quantization="fp8"): its
+        `view` is then its values read back through the scales, a new tensor."""
+        if self.tied and hf_name == "lm_head.weight":
+            return False
+        target = self.resolve(hf_name)
+        return target is not None and self.params[target.param_name].dtype == FP8
+
     def view(self, hf_name: str) -> torch.Tensor:
-        """`read` without the copy: a view into the parameter."""
+        """`read` without the copy: a view into the parameter (for an fp8
+        weight, its values in the engine dtype: `is_fp8`)."""
         if self.tied and hf_name == "lm_head.weight":
             hf_name = "model.embed_tokens.weight"
         target = self.resolve(hf_name)
@@ -236,12 +249,16 @@ class WeightLoader:
                 return param
             expert, part = target.shard_id
             return param[expert] if part == DOWN else param[expert].narrow(0, part * owner.width, owner.width)
+        offset, size = 0, param.shape[0]
         if isinstance(owner, QKVParallelLinear):
             offset = {"q": 0, "k": owner.q_size, "v": owner.q_size + owner.kv_size}[target.shard_id]
             size = owner.q_size if target.shard_id == "q" else owner.kv_size
-            param = param.narrow(0, offset, size)
         elif isinstance(owner, MergedColumnParallelLinear):
-            param = param.narrow(0, sum(owner.out_sizes[: target.shard_id]), owner.out_sizes[target.shard_id])
+            offset, size = sum(owner.out_sizes[: target.shard_id]), owner.out_sizes[target.shard_id]
+        param = param.narrow(0, offset, size)
+        if param.dtype == FP8:
+            scale_inv = owner.weight_scale.detach().narrow(0, offset, size)
+            return dequantize_channels(param, scale_inv).to(self.dtype)
         if param.shape[0] != getattr(owner, "vocab_size", param.shape[0]):
             param = param[: owner.vocab_size]  # vocabulary padding rows
         return param

@@ -1,0 +1,43 @@
+"""Which weights an fp8 engine (quantization="fp8") holds in e4m3, and the
+values it holds for them.
+
+Every tensor-parallel linear layer of the decoder is quantized: the
+attention projections and the dense MLPs (Qwen2-MoE's shared expert
+included), with one scale per output row taken over the whole row, so a
+tensor-parallel rank's slice holds what the same rows hold at tp_size 1.
+The embeddings, norms, routers, MoE experts and the LM head stay in the
+engine dtype. A Hugging Face name is quantized when it matches `QUANTIZED`:
+the trainer's side of a checksum (fidelity.weights_checksum) uses the same
+rule and the same arithmetic (kernels/fp8.py: quantize_channels), so equal
+digests still mean the engine holds exactly the trainer's weights, as
+quantized."""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from rollout_engine.kernels.fp8 import dequantize_channels, quantize_channels
+
+QUANTIZED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def is_quantized(hf_name: str, quantization: str | None) -> bool:
+    return quantization == "fp8" and ".experts." not in hf_name and bool(QUANTIZED.search(hf_name))
+
+
+def quantize_model(model: nn.Module) -> None:
+    """Switch every parallel linear layer to fp8 storage (before loading)."""
+    from rollout_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.quantize_fp8()
+
+
+def as_held(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What an fp8 engine holds for a weight given as `tensor`, in `dtype`
+    (its values, read back through the scales)."""
+    q, scale_inv = quantize_channels(tensor.reshape(tensor.shape[0], -1))
+    return dequantize_channels(q, scale_inv).to(dtype).reshape(tensor.shape)

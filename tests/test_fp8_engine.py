@@ -1,0 +1,201 @@
+"""quantization="fp8" on the CPU: the engine's fp8 path is the reference
+arithmetic the GPU path is held to (layers/fp8_linear.py), checked here
+against Hugging Face models whose quantized linear layers are replaced by
+what fp8 holds and computes: weights read back through their per-row scales,
+inputs quantized per token. Updates in every form quantize into the same
+storage (equal to a fresh engine on the new weights, bitwise), keep the
+finiteness rule and atomicity, and checksums match the trainer's side."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models import MOE, make_hf_model, save_model
+from rollout_engine import RolloutEngine, SamplingParams
+from rollout_engine.fidelity import weights_checksum
+from rollout_engine.kernels.fp8 import FP8, dequantize_rows, quantize_rows
+from rollout_engine.quantization import as_held, is_quantized
+
+PROMPTS = [[5, 17, 3, 99, 250, 7], [1, 2, 3], list(range(40, 75))]
+KINDS = ["llama", "qwen2", "qwen3", "qwen2_moe"]
+
+
+def fp8_oracle(hf):
+    """A copy of `hf` computing what the fp8 engine computes, in fp32: each
+    quantized linear layer holds its weight as fp8 holds it and quantizes
+    its input per token."""
+    import copy
+
+    model = copy.deepcopy(hf).float()
+    hooked = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and is_quantized(f"{name}.weight", "fp8"):
+            with torch.no_grad():
+                module.weight.copy_(as_held(module.weight, torch.float32))
+            module.register_forward_pre_hook(lambda m, args: (dequantize_rows(
+                *quantize_rows(args[0].reshape(-1, args[0].shape[-1]))).reshape(args[0].shape),))
+            hooked += 1
+    assert hooked
+    return model
+
+
+def greedy_reference(model, prompt, steps):
+    ids, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            lp = torch.log_softmax(logits, -1)
+            tok = int(lp.argmax())
+            ids.append(tok)
+            logprobs.append(float(lp[tok]))
+    return ids[len(prompt):], logprobs
+
+
+@pytest.fixture(scope="module")
+def fp8_models(tmp_path_factory):
+    out = {}
+    for kind in KINDS:
+        hf = make_hf_model(kind, seed=3) if kind not in MOE else make_hf_model(kind, seed=5)
+        out[kind] = (hf, save_model(hf, tmp_path_factory.mktemp(f"fp8-{kind}")))
+    return out
+
+
+def _engine(folder, **kw):
+    return RolloutEngine(folder, device="cpu", max_total_tokens=2048, quantization="fp8",
+                         **{"max_prefill_tokens": 16, **kw})
+
+
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0, logprobs=True, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_engine_computes_what_fp8_holds(fp8_models, kind):
+    """Greedy tokens equal and logprobs within 1e-3 of the fp32 oracle (not
+    1e-4: an fp32 rounding difference ahead of a per-token quantization can
+    move one activation to the neighbouring e4m3 value), over
+    a cache hit, chunked prefill (chunk 16 < a 35-token prompt) and n > 1;
+    the quantized weights are e4m3 and the others stay in the engine dtype."""
+    hf, folder = fp8_models[kind]
+    engine = _engine(folder)
+    oracle = fp8_oracle(hf)
+    for rep in range(2):  # the second call hits the prefix cache
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        for prompt, out in zip(PROMPTS, outs):
+            tokens, logprobs = greedy_reference(oracle, prompt, 10)
+            assert out.output_token_ids == tokens, (kind, rep)
+            np.testing.assert_allclose(out.output_logprobs, logprobs, atol=1e-3)
+    fork = engine.generate(input_ids=PROMPTS[:1], sampling_params=SamplingParams(
+        n=3, max_new_tokens=10, temperature=0, ignore_eos=True))
+    assert all(o.output_token_ids == outs[0].output_token_ids for o in fork)
+    params = dict(engine.core.parts.model.named_parameters())
+    assert params["model.layers.0.self_attn.qkv_proj.weight"].dtype == FP8
+    assert params["model.layers.0.self_attn.qkv_proj.weight_scale"].dtype == torch.float32
+    assert params["model.embed_tokens.weight"].dtype == torch.float32
+    assert not any(p.dtype == FP8 for n, p in params.items() if "experts" in n or "norm" in n)
+    engine.check_integrity()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2_moe"])
+def test_checksums_and_get_weight_show_the_quantized_weights(fp8_models, kind):
+    """The engine's checksums equal the trainer's side with quantization="fp8"
+    (and differ from it without, for the quantized names only); get_weight
+    gives the values fp8 holds, in the engine dtype."""
+    hf, folder = fp8_models[kind]
+    engine = _engine(folder)
+    state = hf.state_dict()
+    theirs = weights_checksum(state, torch.float32, quantization="fp8")
+    ours = engine.weights_checksum()
+    assert ours == {n: theirs[n] for n in ours}
+    plain = weights_checksum(state, torch.float32)
+    differ = {n for n in ours if ours[n] != plain[n]}
+    assert differ and differ == {n for n in ours if is_quantized(n, "fp8")}
+    name = "model.layers.1.mlp.down_proj.weight" if kind == "qwen2" else \
+        "model.layers.1.mlp.shared_expert.down_proj.weight"
+    got = engine.get_weight(name)
+    assert got.dtype == torch.float32 and torch.equal(got, as_held(state[name], torch.float32))
+    with pytest.raises(ValueError, match="quantization"):
+        weights_checksum(state, torch.float32, quantization="int4")
+    engine.shutdown()
+
+
+def test_updates_in_every_form_equal_a_fresh_engine(fp8_models, tmp_path):
+    """list, dict, generator and disk updates quantize into the same storage:
+    the weights (checksums) and outputs of a fresh fp8 engine on the new
+    weights, bitwise."""
+    hf, folder = fp8_models["qwen3"]
+    new = make_hf_model("qwen3", seed=11)
+    new_folder = save_model(new, tmp_path / "new")
+    fresh = _engine(new_folder)
+    want_sums, want = fresh.weights_checksum(), fresh.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    fresh.shutdown()
+    engine = _engine(folder)
+    state = new.state_dict()
+    for form in ("list", "dict", "stream", "disk"):
+        engine.update_weights(list(make_hf_model("qwen3", seed=3).state_dict().items()))  # back to the old
+        if form == "list":
+            engine.update_weights(list(state.items()))
+        elif form == "dict":
+            engine.update_weights(dict(state))
+        elif form == "stream":
+            engine.update_weights((n, t) for n, t in state.items())
+        else:
+            engine.update_weights_from_disk(new_folder)
+        assert engine.weights_checksum() == want_sums, form
+        got = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want], form
+        assert [o.output_logprobs for o in got] == [o.output_logprobs for o in want], form
+    engine.shutdown()
+
+
+def test_a_non_finite_update_is_refused_whole_or_named(fp8_models):
+    """e4m3 holds no infinity: a NaN or inf source would show only in its
+    scale. A list with one is refused before anything is copied (weights
+    unchanged); a stream names the tensor; the engine serves afterwards."""
+    from rollout_engine.weights.updater import IncompleteUpdate
+    from rollout_engine.layers.weight_copy import NonFiniteWeights
+
+    hf, folder = fp8_models["llama"]
+    engine = _engine(folder)
+    before = engine.weights_checksum()
+    good = engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)[0]
+    state = dict(hf.state_dict())
+    bad = state["model.layers.0.mlp.down_proj.weight"].clone()
+    bad[3, 5] = float("inf")
+    items = [(n, bad if n == "model.layers.0.mlp.down_proj.weight" else t) for n, t in state.items()]
+    with pytest.raises(NonFiniteWeights, match="model.layers.0.mlp.down_proj.weight.*refused"):
+        engine.update_weights(items)
+    assert engine.weights_checksum() == before and engine.weight_version == 0
+    again = engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)[0]
+    assert again.output_token_ids == good.output_token_ids
+    with pytest.raises((NonFiniteWeights, IncompleteUpdate), match="model.layers.0.mlp.down_proj.weight"):
+        engine.update_weights(iter(items))
+    with pytest.raises(RuntimeError):  # written tensors are marked: no generation on mixed weights
+        engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)
+    engine.update_weights(list(state.items()))
+    assert engine.weights_checksum() == before
+    engine.shutdown()
+
+
+def test_dummy_fp8_weights_are_the_quantized_dummy_weights():
+    """load_format="dummy": an fp8 engine holds the quantized draw of the
+    weights the same engine without quantization gets, so fp8 and bf16
+    benchmarks run on the same model."""
+    plain = RolloutEngine("qwen3-moe-mini", load_format="dummy", device="cpu", max_total_tokens=256)
+    fp8 = RolloutEngine("qwen3-moe-mini", load_format="dummy", device="cpu", max_total_tokens=256,
+                        quantization="fp8")
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
+        assert torch.equal(fp8.get_weight(name), as_held(plain.get_weight(name), torch.float32))
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert torch.equal(fp8.get_weight(name), plain.get_weight(name))
+    plain.shutdown()
+    fp8.shutdown()
+
+
+@pytest.mark.parametrize("kw,field", [(dict(quantization="int8"), "quantization"),
+                                      (dict(quantization="fp8", deterministic=True), "quantization"),
+                                      (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype")])
+def test_bad_quantization_options_name_the_field(llama, kw, field):
+    with pytest.raises(ValueError, match=field):
+        RolloutEngine(llama[1], device="cpu", max_total_tokens=256, **kw)
