@@ -199,3 +199,63 @@ def test_dummy_fp8_weights_are_the_quantized_dummy_weights():
 def test_bad_quantization_options_name_the_field(llama, kw, field):
     with pytest.raises(ValueError, match=field):
         RolloutEngine(llama[1], device="cpu", max_total_tokens=256, **kw)
+
+
+def _fp8_checkpoint(hf, folder, drop: str | None = None) -> str:
+    """`hf` saved as FP8 checkpoints are: the quantized weights (experts
+    too) in e4m3 with 128x128 block scales beside them."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    from rollout_engine.kernels.fp8 import quantize_blocks
+
+    tensors = {}
+    for name, t in hf.state_dict().items():
+        if is_quantized(name, "fp8") or ".experts." in name and t.dim() == 2:
+            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t)
+        else:
+            tensors[name] = t.contiguous()
+    if drop:
+        del tensors[drop]
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    config = hf.config.to_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                     "activation_scheme": "dynamic"}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+def test_fp8_checkpoints_load_in_fp8_and_in_full_precision(fp8_models, tmp_path):
+    """An FP8 checkpoint (e4m3 weights, `weight_scale_inv` block scales):
+    an fp32 engine holds its values read back through the blocks, exactly;
+    an fp8 engine holds them re-quantized into its per-row layout; both
+    load from disk and as an update, and a weight missing its scales (or
+    scales without a weight) is a ValueError naming it, nothing copied."""
+    from rollout_engine.kernels.fp8 import dequantize_blocks, quantize_blocks
+
+    hf, _ = fp8_models["qwen3"]
+    folder = _fp8_checkpoint(hf, tmp_path / "ckpt")
+    name = "model.layers.1.self_attn.o_proj.weight"
+    blocks = dequantize_blocks(*quantize_blocks(hf.state_dict()[name]))
+    full = RolloutEngine(folder, device="cpu", max_total_tokens=512)
+    assert torch.equal(full.get_weight(name), blocks)
+    fp8 = _engine(folder)
+    assert torch.equal(fp8.get_weight(name), as_held(blocks, torch.float32))
+    assert fp8.generate(input_ids=PROMPTS, sampling_params=GREEDY)  # serves
+    full.update_weights(list(hf.state_dict().items()))
+    full.update_weights_from_disk(folder)
+    assert torch.equal(full.get_weight(name), blocks)
+    for drop in (name, name + "_scale_inv"):
+        bad = _fp8_checkpoint(hf, tmp_path / drop, drop=drop)
+        before = fp8.weights_checksum()
+        with pytest.raises(ValueError, match=name):
+            fp8.update_weights_from_disk(bad)
+        assert fp8.weights_checksum() == before
+        with pytest.raises(ValueError, match=name):
+            _engine(bad)
+    full.shutdown()
+    fp8.shutdown()

@@ -21,6 +21,7 @@ from rollout_engine.layers.linear import (ColumnParallelLinear, MergedColumnPara
                                           RowParallelLinear)
 from rollout_engine.layers.moe import DOWN, GATE, UP, MoeExperts
 from rollout_engine.layers.weight_copy import FINITE_CHECK, VALIDATE_ONLY, FiniteCheck, copy_into
+from rollout_engine.weights.fp8_checkpoint import dequantized
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # A checkpoint's per-expert tensor: Qwen/OLMoE names and Mixtral's w1 (gate), w3 (up), w2 (down).
@@ -155,7 +156,7 @@ class WeightLoader:
         token = VALIDATE_ONLY.set(True)
         try:
             with torch.no_grad():
-                for hf_name, tensor in pairs(named_tensors):
+                for hf_name, tensor in dequantized(pairs(named_tensors)):
                     self._load_one(hf_name, tensor)
         finally:
             VALIDATE_ONLY.reset(token)
@@ -166,7 +167,7 @@ class WeightLoader:
         copying nothing: one read-only pass, one host read per device."""
         check = FiniteCheck()
         with torch.no_grad():
-            for hf_name, tensor in pairs(named_tensors):
+            for hf_name, tensor in dequantized(pairs(named_tensors)):
                 target = self.resolve(hf_name)
                 if target is not None and tensor.device.type != "meta":
                     dtype = self.params[target.param_name].dtype
@@ -185,7 +186,7 @@ class WeightLoader:
         token = FINITE_CHECK.set(check)
         try:
             with torch.no_grad():
-                for hf_name, tensor in pairs(named_tensors):
+                for hf_name, tensor in dequantized(pairs(named_tensors)):
                     check.start(hf_name)
                     target = self._load_one(hf_name, tensor)
                     if target is not None:
@@ -279,14 +280,20 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
+SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}  # the dtype the shapes-only pass must know
+
+
 def safetensors_shapes(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, meta tensor of the stored shape) from the file headers alone."""
+    """(name, meta tensor of the stored shape) from the file headers alone
+    (e4m3 tensors in their dtype, as an FP8 checkpoint's weights)."""
     from safetensors import safe_open
 
     for path in safetensors_files(folder):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                yield name, torch.empty(f.get_slice(name).get_shape(), device="meta")
+                part = f.get_slice(name)
+                yield name, torch.empty(part.get_shape(), dtype=SAFETENSORS_DTYPES.get(part.get_dtype(), torch.float32),
+                                        device="meta")
 
 
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
