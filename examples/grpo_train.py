@@ -132,15 +132,20 @@ def token_logprobs(model, sequences: list[tuple[list[int], list[int]]], device, 
 
 
 def grpo_step(model, optimizer, prompts, outs, rewards, n: int, clip: float, device,
-              micro_batch: int = 16) -> dict[str, float]:
-    """One update; returns the mismatch figures measured before it. With the
+              micro_batch: int = 16, tis_cap: float | None = None) -> dict[str, float]:
+    """One update; returns the mismatch figures measured before it.
+    Without `tis_cap` the clipped ratio is taken against the engine's
+    logprobs. With it (truncated importance sampling): the ratio is the
+    trainer's own (one update per batch, so 1 with its gradient), and each
+    token's term is weighted by min(pi_trainer / pi_engine, tis_cap), which
+    corrects for sampling from the engine's (e.g. fp8) policy. With the
     engine's routing in the outputs (MoE, --routing-replay), the trainer's
     forward replays it, and the mismatch without replay and the routers'
     agreement with the engine are measured too (an extra forward, no grad)."""
     model.train()
     groups = torch.tensor(rewards).view(-1, n)
     adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
-    gaps, free_gaps, agree, kl, losses = [], [], [], [], []
+    gaps, free_gaps, agree, kl, losses, tis = [], [], [], [], [], []
     optimizer.zero_grad()
     kept = [i for i, out in enumerate(outs) if out.output_token_ids]
     replaying = bool(kept) and outs[kept[0]].routed_experts is not None
@@ -159,14 +164,22 @@ def grpo_step(model, optimizer, prompts, outs, rewards, n: int, clip: float, dev
             old = torch.tensor(outs[i].output_logprobs, device=device, dtype=torch.float32)
             gaps.append((new.detach() - old).abs())
             kl.append(float((old - new.detach()).sum()))
-            ratio = torch.exp(new - old)
-            loss = loss - torch.min(ratio * adv[i], ratio.clamp(1 - clip, 1 + clip) * adv[i]).mean() / len(outs)
+            if tis_cap is None:
+                ratio, weight = torch.exp(new - old), 1.0
+            else:
+                ratio, weight = torch.exp(new - new.detach()), torch.exp(new.detach() - old).clamp(max=tis_cap)
+                tis.append(weight)
+            term = torch.min(ratio * adv[i], ratio.clamp(1 - clip, 1 + clip) * adv[i]) * weight
+            loss = loss - term.mean() / len(outs)
         loss.backward()
         losses.append(float(loss.detach()))
     optimizer.step()
     gap = torch.cat(gaps) if gaps else torch.zeros(1)
     figures = {"mismatch_mean": float(gap.mean()), "mismatch_max": float(gap.max()),
                "kl_k1_per_seq": sum(kl) / max(1, len(kl)), "loss": sum(losses)}
+    if tis:
+        weights = torch.cat(tis)
+        figures |= {"tis_weight_mean": float(weights.mean()), "tis_capped": float((weights >= tis_cap).float().mean())}
     if replaying:
         free = torch.cat(free_gaps)
         figures |= {"mismatch_free_mean": float(free.mean()), "mismatch_free_max": float(free.max()),
@@ -208,12 +221,13 @@ def global_mean(values: list[float], world: int) -> float:
 
 def check_sync(trainer, engine) -> None:
     """Raise if the engine does not hold exactly the trainer's weights (cast
-    to the engine's dtype). Collective under FSDP: every rank calls it."""
+    to the engine's dtype, quantized where the engine quantizes). Collective
+    under FSDP: every rank calls it."""
     from rollout_engine.fidelity import weights_checksum
     from rollout_engine.integrations.fsdp import iter_hf_tensors
 
     with torch.no_grad():
-        ours = weights_checksum(iter_hf_tensors(trainer), engine.dtype)
+        ours = weights_checksum(iter_hf_tensors(trainer), engine.dtype, quantization=engine.config.quantization)
     theirs = engine.weights_checksum()
     wrong = sorted(n for n in theirs if ours.get(n) != theirs[n])
     if wrong:
@@ -246,6 +260,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--routing-replay", action="store_true",
                    help="MoE models: the engine returns each token's experts and the trainer's forward replays "
                         "them; logs the routers' agreement and the mismatch without replay too")
+    p.add_argument("--rollout-quantization", choices=["fp8"], default=None,
+                   help="the engine rolls out with fp8 linear layers (the trainer stays in fp32); the logged "
+                        "mismatch is then fp8 engine vs trainer")
+    p.add_argument("--tis-cap", type=float, default=None, metavar="C",
+                   help="truncated importance sampling: weight each token's loss by min(pi_trainer / pi_engine, C) "
+                        "(for rollouts from a policy other than the trainer's, e.g. fp8)")
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 trainer over the ranks of torchrun; each rank rolls out with its own engine")
     args = p.parse_args(argv)
@@ -260,6 +280,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--lr must be a finite number > 0")
     if not (args.clip > 0 and math.isfinite(args.clip)):
         p.error("--clip must be a finite number > 0")
+    if args.tis_cap is not None and not (args.tis_cap >= 1 and math.isfinite(args.tis_cap)):
+        p.error("--tis-cap must be a finite number >= 1")
     if args.log_json and not os.path.isdir(os.path.dirname(os.path.abspath(args.log_json))):
         p.error(f"--log-json: the folder of {args.log_json!r} does not exist")
 
@@ -279,7 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         engine = RolloutEngine(folder, load_format=args.load_format, device=engine_device, dtype=args.dtype,
                                seed=args.seed, enable_memory_saver=gpu, weights_cpu_backup=False,
-                               max_total_tokens=16384, enable_return_routed_experts=args.routing_replay)
+                               max_total_tokens=16384, enable_return_routed_experts=args.routing_replay,
+                               quantization=args.rollout_quantization)
     except ValueError as e:
         if not args.routing_replay or "enable_return_routed_experts" not in str(e):
             raise
@@ -332,7 +355,8 @@ def main(argv: list[str] | None = None) -> dict:
                 freed = sum(engine.release_memory(["kv_cache"]).values())
                 timings["release"] = time.perf_counter() - start
             start = time.perf_counter()
-            figures = grpo_step(trainer, optimizer, prompts, outs, rewards, args.n, args.clip, device)
+            figures = grpo_step(trainer, optimizer, prompts, outs, rewards, args.n, args.clip, device,
+                                tis_cap=args.tis_cap)
             timings["train"] = time.perf_counter() - start
             if gpu:
                 start = time.perf_counter()

@@ -107,6 +107,30 @@ def test_token_task_on_a_preset_with_dummy_weights(tmp_path, monkeypatch):
     assert all(r["mismatch_max"] < 1e-4 for r in rows)  # the engine runs the trainer's weights from the start
 
 
+def test_fp8_rollouts_with_tis(tmp_path, monkeypatch):
+    """`--rollout-quantization fp8 --tis-cap C`: the engine quantizes every
+    update (the checksum check on every step compares it with the trainer's
+    weights as fp8 holds them), the mismatch is fp8's (far above the 1e-4 of
+    an unquantized engine), and the truncated importance weights are logged."""
+    from rollout_engine.models import presets
+
+    monkeypatch.setitem(presets.PRESETS, "tiny-qwen3", dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=5000, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
+        eos_token_id=4999))
+    log = tmp_path / "run.json"
+    _load("grpo_train").main(["--model", "tiny-qwen3", "--load-format", "dummy", "--task", "token",
+                              "--steps", "2", "--prompts", "2", "-n", "4", "--max-new-tokens", "6",
+                              "--device", "cpu", "--rollout-quantization", "fp8", "--tis-cap", "2",
+                              "--checksum-every", "1", "--log-json", str(log)])
+    rows = json.loads(log.read_text())
+    assert len(rows) == 2
+    for row in rows:
+        assert row["mismatch_mean"] > 1e-3
+        assert 0 < row["tis_weight_mean"] <= 2 and 0 <= row["tis_capped"] <= 1
+
+
 def test_the_token_task_learns_from_random_weights(tmp_path):
     """The task the GPU presets train on (no checkpoint): from a random
     model, 30 GRPO steps raise the share of target tokens. Fails if the
@@ -164,6 +188,7 @@ def test_fsdp_over_two_ranks_trains_one_policy_into_both_engines(tmp_path):
 @pytest.mark.parametrize("flags,named", [
     (["--lr", "inf"], "--lr"), (["--lr", "0"], "--lr"), (["--clip", "-1"], "--clip"), (["--steps", "0"], "--steps"),
     (["--log-json", "/no/such/folder/run.json"], "--log-json"), (["--model", "no-such-model"], "--model"),
+    (["--tis-cap", "0.5"], "--tis-cap"), (["--rollout-quantization", "int4"], "--rollout-quantization"),
 ])
 def test_bad_arguments_are_one_line_errors_before_any_work(flags, named, capsys):
     with pytest.raises(SystemExit) as e:
