@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     for name in ("steps", "prompts", "n", "max_new_tokens"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"{'-n' if name == 'n' else '--' + name.replace('_', '-')} must be >= 1")
     if args.checksum_every < 0:
         p.error("--checksum-every must be >= 0")
     if args.lr is None:
@@ -306,8 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         if not args.routing_replay or "enable_return_routed_experts" not in str(e):
             raise
-        p.error(f"--routing-replay needs a mixture-of-experts model (e.g. --model qwen3-moe-mini "
-                f"--load-format dummy --task token): {e}")
+        p.error(f"--routing-replay: {e} (e.g. --model qwen3-moe-mini --load-format dummy --task token)")
     device = engine.device
     if args.task == "arithmetic" and engine.tokenizer is None:
         p.error("--task arithmetic needs a model with a tokenizer; use --task token")

@@ -18,6 +18,7 @@ def plot(runs: dict[str, list[dict]], out: str, title: str = "GRPO") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.ticker
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
@@ -40,6 +41,7 @@ def plot(runs: dict[str, list[dict]], out: str, title: str = "GRPO") -> None:
     axes[1].legend(fontsize="small", ncol=1 if long_labels else 2)  # two columns of long labels spill out
     axes[2].set_ylabel("output tok/s")
     axes[2].set_xlabel("step")
+    axes[2].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes[0].set_title(title)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"{log} is not a grpo_train.py --log-json log (no {', '.join(sorted(missing))})")
         runs[label] = rows
     plot(runs, png, args.title)
+    print(f"wrote {png}")
 
 
 if __name__ == "__main__":

@@ -84,20 +84,36 @@ def agreement(model: nn.Module, routed_experts: Sequence[np.ndarray], out: list[
     """Measure instead of replay: appends to `out` the share of (token, MoE
     layer) where the model's own top-k, in the forward run inside (over a
     right-padded batch, one row per array), equals the given experts, over
-    the positions the arrays cover. 1.0 means replay would change nothing."""
-    seen: list[torch.Tensor] = []
-    hooks = [block.gate.register_forward_hook(lambda m, i, o: seen.append(o[2].detach()))
-             for block in moe_blocks(model)]
+    the positions the arrays cover. 1.0 means replay would change nothing.
+    The arrays are checked as `replay` checks them (ValueError naming the
+    row, before the forward; a batch of another size or rows shorter than
+    an array, at forward time)."""
+    blocks = moe_blocks(model)
+    router = blocks[0].gate
+    rows = _stack(routed_experts, len(blocks), router.top_k, router.num_experts)
+    plan = _Plan(rows)
+    seen: list[tuple[int, torch.Tensor]] = []  # (MoE layer, its top-k) per router call
+
+    def record(layer: int):
+        def hook(module, args, output) -> None:
+            plan.layer(layer, output[2].device)  # the batch's shape against the arrays
+            seen.append((layer, output[2].detach()))
+        return hook
+
+    hooks = []
     try:
+        for layer, block in enumerate(blocks):
+            hooks.append(block.register_forward_pre_hook(plan.see_shape, with_kwargs=True))
+            hooks.append(block.gate.register_forward_hook(record(layer)))
         yield
     finally:
         for hook in hooks:
             hook.remove()
     same = total = 0
-    for layer, picked in enumerate(seen):
-        picked = picked.view(len(routed_experts), -1, picked.shape[-1]).sort(-1).values.cpu()
-        for row, r in enumerate(routed_experts):
-            engine = torch.from_numpy(np.asarray(r)[:, layer].astype(np.int64)).sort(-1).values
+    for layer, picked in seen:
+        picked = picked.view(len(rows), -1, picked.shape[-1]).sort(-1).values.cpu()
+        for row, r in enumerate(rows):
+            engine = torch.from_numpy(r[:, layer]).sort(-1).values
             same += int((picked[row, : len(r)] == engine).all(-1).sum())
             total += len(r)
     out.append(same / max(1, total))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from models import MOE, make_hf_model
-from rollout_engine.integrations.routing_replay import moe_blocks, replay
+from rollout_engine.integrations.routing_replay import agreement, moe_blocks, replay
 
 KINDS = sorted(MOE)
 ROW_LENS = [10, 7, 4, 9]  # tokens per right-padded row; the engine routed all but the last
@@ -210,16 +210,25 @@ BAD = {
 
 
 @pytest.mark.parametrize("bad", sorted(BAD))
-def test_bad_input_is_refused_by_name_and_leaves_the_model_unpatched(models, bad):
+@pytest.mark.parametrize("use", ["replay", "agreement"])
+def test_bad_input_is_refused_by_name_and_leaves_the_model_unpatched(models, bad, use):
+    """`replay` and `agreement` check the arrays alike: a wrong array is a
+    ValueError naming it, never a silently wrong agreement."""
     model, input_ids = models["qwen3_moe"], _batch()
     with torch.no_grad():
         free, layers = _run(model, input_ids)
         arrays, ids = _break(bad)(_arrays(layers), input_ids)
+        out = []
         with pytest.raises(ValueError, match=BAD[bad]):
-            with replay(model, arrays):
+            with replay(model, arrays) if use == "replay" else agreement(model, arrays, out):
                 model(ids)
+        assert out == []
         _assert_unpatched(model)
         assert torch.equal(model(input_ids).logits, free)
+        out = []
+        with agreement(model, _arrays(layers), out):  # its own routing: full agreement
+            model(input_ids)
+        assert out == [1.0]
 
 
 def test_a_model_without_supported_moe_blocks_is_refused_naming_it():

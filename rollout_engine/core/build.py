@@ -111,12 +111,14 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     memory = MemoryManager(create_saver(cfg.enable_memory_saver, device))
     path = resolve_model_path(cfg.model, cfg.load_format)
+    if cfg.enable_return_routed_experts:  # refused before the weights load
+        shape = ModelConfig.from_hf(*read_hf_config(path))
+        if shape.moe is None:
+            raise ValueError(f"enable_return_routed_experts=True needs a mixture-of-experts model; "
+                             f"{shape.architecture} has no experts")
     model = load_model(path, cfg.load_format, comm, device, dtype, cfg.seed,
                        weights_region=memory.region("weights", cfg.weights_cpu_backup), quantization=cfg.quantization)
     memory.register("weights", model.parameters())
-    if cfg.enable_return_routed_experts and model.config.moe is None:
-        raise ValueError(f"enable_return_routed_experts=True needs a mixture-of-experts model; "
-                         f"{model.config.architecture} has no experts")
     if cfg.deterministic:
         make_batch_invariant(model)
     tokenizer = load_tokenizer(path, cfg.tokenizer)
