@@ -92,12 +92,16 @@ def test_an_update_equals_a_fresh_engine_bitwise(model, tmp_path):
     engine.shutdown()
 
 
-@pytest.mark.parametrize("model_name,load_format", [("smollm2-135m", "auto"), ("qwen2.5-7b", "dummy")])
-def test_fidelity_against_bf16_is_bounded(model_name, load_format, tmp_path):
-    """Reported (printed) and bounded. The bounds are a little above the
-    measured values recorded in BENCHMARKS.md ("FP8 fidelity"); the random
-    7B shapes have near-flat logits, so their gaps are small and greedy
-    decoding differs early."""
+# (model, load format, bound on the mean per-token gap, bound on k1 KL per token). SmolLM2: measured on
+# the CPU (the reference arithmetic, fp32) 0.205 nats and 0.029 (BENCHMARKS.md, "FP8 fidelity"): a
+# 135M model loses that much to e4m3 weights alone (weights-only fp8: 0.172); bf16 adds its own rounding.
+# Random 7B shapes: near-flat logits, small gaps; the bound is provisional until measured on the GPU.
+FIDELITY = [("smollm2-135m", "auto", 0.3, 0.05), ("qwen2.5-7b", "dummy", 0.05, 0.01)]
+
+
+@pytest.mark.parametrize("model_name,load_format,gap_bound,kl_bound", FIDELITY)
+def test_fidelity_against_bf16_is_bounded(model_name, load_format, gap_bound, kl_bound, tmp_path):
+    """Reported (printed) and bounded from measurement (FIDELITY)."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -110,5 +114,5 @@ def test_fidelity_against_bf16_is_bounded(model_name, load_format, tmp_path):
             pytest.skip(f"{model_name} is not in the model cache (rollout-engine download {model_name})")
     report = main(["--model", model_name, "--load-format", load_format, "--dtype", "bfloat16", "--prompts", "16",
                    "--output-len", "48", "--out", str(tmp_path / "fidelity.json")])
-    assert report["logprob_gap_mean"] < 0.1
-    assert report["k1_kl_per_token"] < 0.05
+    assert report["logprob_gap_mean"] < gap_bound
+    assert report["k1_kl_per_token"] < kl_bound
