@@ -47,8 +47,8 @@ class _Linear(nn.Module):
         """Hold the weight in e4m3 with per-row scales from now on (before
         any weight is loaded: the values are not carried over)."""
         w = self.weight
-        self.weight = _param(tuple(w.shape), w.weight_loader)
-        self.weight.data = torch.empty(w.shape, dtype=FP8, device=w.device)
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=FP8, device=w.device), requires_grad=False)
+        self.weight.weight_loader = w.weight_loader  # type: ignore[attr-defined]
         self.weight_scale = nn.Parameter(torch.ones(w.shape[0], 1, dtype=torch.float32, device=w.device),
                                          requires_grad=False)
 
