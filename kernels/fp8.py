@@ -64,13 +64,21 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLO
     return q.float() * full
 
 
-def quantize_channels(w: torch.Tensor, whole_rows: torch.Tensor | None = None
+def channel_amax(w: torch.Tensor) -> torch.Tensor:
+    """Each row's largest magnitude [N, 1] (NaN where a row holds one)."""
+    return w.abs().amax(dim=1, keepdim=True)
+
+
+def quantize_channels(w: torch.Tensor, whole_rows: torch.Tensor | None = None, amax: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (q e4m3 [N, K], scale_inv fp32 [N, 1]): one scale per
     output row. `whole_rows` [N, K'] (w a column slice of it): the rows the
     scales are taken over, so that a slice quantizes as it would in the
-    whole matrix (a tensor-parallel rank's part of a row-split weight)."""
-    scale_inv = _scale_inv((w if whole_rows is None else whole_rows).abs().amax(dim=1, keepdim=True))
+    whole matrix (a tensor-parallel rank's part of a row-split weight);
+    `amax`: their `channel_amax`, when the caller has it."""
+    if amax is None:
+        amax = channel_amax(w if whole_rows is None else whole_rows)
+    scale_inv = _scale_inv(amax)
     return _cast(w.float() / scale_inv), scale_inv
 
 

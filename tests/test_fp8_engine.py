@@ -163,20 +163,22 @@ def test_a_non_finite_update_is_refused_whole_or_named(fp8_models):
     before = engine.weights_checksum()
     good = engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)[0]
     state = dict(hf.state_dict())
-    bad = state["model.layers.0.mlp.down_proj.weight"].clone()
-    bad[3, 5] = float("inf")
-    items = [(n, bad if n == "model.layers.0.mlp.down_proj.weight" else t) for n, t in state.items()]
-    with pytest.raises(NonFiniteWeights, match="model.layers.0.mlp.down_proj.weight.*refused"):
-        engine.update_weights(items)
-    assert engine.weights_checksum() == before and engine.weight_version == 0
-    again = engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)[0]
-    assert again.output_token_ids == good.output_token_ids
-    with pytest.raises((NonFiniteWeights, IncompleteUpdate), match="model.layers.0.mlp.down_proj.weight"):
-        engine.update_weights(iter(items))
-    with pytest.raises(RuntimeError):  # written tensors are marked: no generation on mixed weights
-        engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)
-    engine.update_weights(list(state.items()))
-    assert engine.weights_checksum() == before
+    for value in (float("inf"), float("nan")):
+        bad = state["model.layers.0.mlp.down_proj.weight"].clone()
+        bad[3, 5] = value
+        items = [(n, bad if n == "model.layers.0.mlp.down_proj.weight" else t) for n, t in state.items()]
+        version = engine.weight_version
+        with pytest.raises(NonFiniteWeights, match="model.layers.0.mlp.down_proj.weight.*refused"):
+            engine.update_weights(items)
+        assert engine.weights_checksum() == before and engine.weight_version == version
+        again = engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)[0]
+        assert again.output_token_ids == good.output_token_ids
+        with pytest.raises((NonFiniteWeights, IncompleteUpdate), match="model.layers.0.mlp.down_proj.weight"):
+            engine.update_weights(iter(items))
+        with pytest.raises(RuntimeError):  # written tensors are marked: no generation on mixed weights
+            engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)
+        engine.update_weights(list(state.items()))
+        assert engine.weights_checksum() == before
     engine.shutdown()
 
 

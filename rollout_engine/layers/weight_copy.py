@@ -13,7 +13,7 @@ import contextvars
 import torch
 
 from rollout_engine.kernels.copy_check import check_finite, copy_and_check
-from rollout_engine.kernels.fp8 import quantize_channels
+from rollout_engine.kernels.fp8 import channel_amax, quantize_channels
 
 FLAGS_PER_BUFFER = 1024
 
@@ -97,14 +97,15 @@ def quantize_into(dst: torch.Tensor, scale_inv: torch.Tensor, src: torch.Tensor,
     (e4m3) and `scale_inv` (fp32 [rows, 1]), each row's scale taken over
     `whole_rows` (the full rows `src` is a column slice of) or `src`
     (kernels/fp8.py: quantize_channels), on the device. Finiteness is
-    checked on the rows the scales come from: e4m3 holds no infinity, so a
-    NaN or inf source shows as a non-finite scale."""
+    checked on the rows the scales come from: e4m3 holds no infinity, and
+    a NaN or inf in a row makes its largest magnitude non-finite."""
     _check_shape(dst, src, name)
     if VALIDATE_ONLY.get():
         return
-    q, scales = quantize_channels(src, whole_rows)
+    amax = channel_amax(src if whole_rows is None else whole_rows)
     check = FINITE_CHECK.get()
     if check is not None:
-        check.flag_if_not_finite(scales)
+        check.flag_if_not_finite(amax)
+    q, scales = quantize_channels(src, amax=amax)
     dst.copy_(q)
     scale_inv.copy_(scales)
