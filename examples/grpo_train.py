@@ -264,8 +264,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the engine rolls out with fp8 linear layers (the trainer stays in fp32); the logged "
                         "mismatch is then fp8 engine vs trainer")
     p.add_argument("--tis-cap", type=float, default=None, metavar="C",
-                   help="truncated importance sampling: weight each token's loss by min(pi_trainer / pi_engine, C) "
-                        "(for rollouts from a policy other than the trainer's, e.g. fp8)")
+                   help="truncated importance sampling: weight each token's loss by min(pi_trainer / pi_engine, C), "
+                        "C >= 1 (for rollouts from a policy other than the trainer's, e.g. fp8); default: off, the "
+                        "clipped ratio against the engine's logprobs")
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 trainer over the ranks of torchrun; each rank rolls out with its own engine")
     args = p.parse_args(argv)
@@ -378,8 +379,10 @@ def main(argv: list[str] | None = None) -> dict:
             if rank == 0:
                 replay = (f" (without replay {row['mismatch_free_mean']:.2e}, routers agree "
                           f"{row['router_agreement']:.1%})" if "router_agreement" in row else "")
+                tis = (f"  TIS weight {row['tis_weight_mean']:.3f} ({row['tis_capped']:.1%} capped)"
+                       if "tis_weight_mean" in row else "")
                 bar.write(f"step {step}: reward {row['reward_mean']:.3f}  mismatch mean {row['mismatch_mean']:.2e}"
-                          f"{replay} max {row['mismatch_max']:.2e}  {row.get('output_tokens_per_s', 0):.0f} tok/s  "
+                          f"{replay} max {row['mismatch_max']:.2e}{tis}  {row.get('output_tokens_per_s', 0):.0f} tok/s  "
                           f"weights v{row['weight_version']}  e.g. {outs[0].text or outs[0].output_token_ids[:8]!r}")
         # The final policy's greedy answer to a fixed prompt: equal on every
         # rank when FSDP synced one set of weights into every engine.

@@ -251,7 +251,9 @@ class WeightLoader:
             expert, part = target.shard_id
             return param[expert] if part == DOWN else param[expert].narrow(0, part * owner.width, owner.width)
         offset, size = 0, param.shape[0]
-        if isinstance(owner, QKVParallelLinear):
+        if target.shard_id is None:  # a fused parameter by its own name: all of it
+            pass
+        elif isinstance(owner, QKVParallelLinear):
             offset = {"q": 0, "k": owner.q_size, "v": owner.q_size + owner.kv_size}[target.shard_id]
             size = owner.q_size if target.shard_id == "q" else owner.kv_size
         elif isinstance(owner, MergedColumnParallelLinear):
