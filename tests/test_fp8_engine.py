@@ -117,6 +117,9 @@ def test_checksums_and_get_weight_show_the_quantized_weights(fp8_models, kind):
         "model.layers.1.mlp.shared_expert.down_proj.weight"
     got = engine.get_weight(name)
     assert got.dtype == torch.float32 and torch.equal(got, as_held(state[name], torch.float32))
+    fused = engine.get_weight("model.layers.0.self_attn.qkv_proj.weight")  # a fused parameter by its own name
+    parts = [state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
+    assert torch.equal(fused, torch.cat([as_held(p, torch.float32) for p in parts]))
     with pytest.raises(ValueError, match="quantization"):
         weights_checksum(state, torch.float32, quantization="int4")
     engine.shutdown()
