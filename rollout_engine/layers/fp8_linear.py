@@ -23,8 +23,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     [N, 1] -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
     q, s = quantize_rows(rows)
-    if scaled_mm_fits(weight) and x.dtype in (torch.bfloat16, torch.float16):
-        y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale_inv.t(), out_dtype=x.dtype)
+    if scaled_mm_fits(weight) and x.dtype == torch.bfloat16:  # row-wise scales: bf16 output only
+        y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale_inv.view(1, -1), out_dtype=x.dtype)
         y = y if bias is None else y + bias
     else:
         y = ((q.float() @ weight.float().t()) * s * scale_inv.t())
