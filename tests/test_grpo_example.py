@@ -88,9 +88,8 @@ def test_the_reward_takes_the_last_number():
     assert reward("What is 12 + 7?", 19) == reward("", 19) == reward("19 is not it: 20", 19) == 0.0
 
 
-def test_token_task_on_a_preset_with_dummy_weights(tmp_path, monkeypatch):
-    """The path for GPUs without a checkpoint: a preset's shape, the trainer's
-    random init pushed to the engine first, a reward learnable from random weights."""
+def _tiny_qwen3_preset(monkeypatch) -> None:
+    """A preset `tiny-qwen3`: a small Qwen3 shape for runs with dummy weights."""
     from rollout_engine.models import presets
 
     monkeypatch.setitem(presets.PRESETS, "tiny-qwen3", dict(
@@ -98,6 +97,12 @@ def test_token_task_on_a_preset_with_dummy_weights(tmp_path, monkeypatch):
         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
         eos_token_id=4999))
+
+
+def test_token_task_on_a_preset_with_dummy_weights(tmp_path, monkeypatch):
+    """The path for GPUs without a checkpoint: a preset's shape, the trainer's
+    random init pushed to the engine first, a reward learnable from random weights."""
+    _tiny_qwen3_preset(monkeypatch)
     log = tmp_path / "run.json"
     result = _load("grpo_train").main(["--model", "tiny-qwen3", "--load-format", "dummy", "--task", "token",
                                        "--steps", "2", "--prompts", "2", "-n", "4", "--max-new-tokens", "6",
@@ -112,13 +117,7 @@ def test_fp8_rollouts_with_tis(tmp_path, monkeypatch):
     update (the checksum check on every step compares it with the trainer's
     weights as fp8 holds them), the mismatch is fp8's (far above the 1e-4 of
     an unquantized engine), and the truncated importance weights are logged."""
-    from rollout_engine.models import presets
-
-    monkeypatch.setitem(presets.PRESETS, "tiny-qwen3", dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=5000, hidden_size=64,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
-        eos_token_id=4999))
+    _tiny_qwen3_preset(monkeypatch)
     log = tmp_path / "run.json"
     _load("grpo_train").main(["--model", "tiny-qwen3", "--load-format", "dummy", "--task", "token",
                               "--steps", "2", "--prompts", "2", "-n", "4", "--max-new-tokens", "6",
