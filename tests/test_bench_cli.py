@@ -147,6 +147,25 @@ def test_workload_roofline_counts_only_computed_prompt_tokens():
     assert abs(every - 800 / (8000 * 1e9 / 1e14 + decode_s)) < 1e-6 * every
 
 
+def test_the_fp8_roofline_reads_one_byte_per_quantized_weight_at_twice_the_peak():
+    """quantization="fp8": the attention projections and dense MLPs cost 1
+    byte a weight and half their FLOPs against the bf16 peak; the
+    embeddings, LM head, norms and (MoE) experts and routers cost as in bf16."""
+    from rollout_engine.bench.roofline import ModelCosts
+    from rollout_engine.models.config import ModelConfig
+    from rollout_engine.models.presets import preset_config
+
+    mc = ModelConfig.from_hf(preset_config("qwen2.5-7b"), ())
+    h, i = mc.hidden_size, mc.intermediate_size
+    linear = mc.num_layers * (h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h + 3 * h * i)
+    bf16, fp8 = ModelCosts.of(mc), ModelCosts.of(mc, fp8=True)
+    assert bf16.weight_bytes_per_step - fp8.weight_bytes_per_step == linear
+    assert bf16.flops_per_token - fp8.flops_per_token == linear
+    assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token
+    moe = ModelConfig.from_hf(preset_config("qwen3-30b-a3b"), ())
+    assert ModelCosts.of(moe, fp8=True).expert_bytes == ModelCosts.of(moe).expert_bytes
+
+
 def _benchmark(name: str):
     """A script of benchmarks/, imported as a module."""
     import importlib.util

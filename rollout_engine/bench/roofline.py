@@ -53,21 +53,27 @@ class ModelCosts:
     top_k: int = 0
 
     @staticmethod
-    def of(mc: ModelConfig, dtype_bytes: int = 2) -> "ModelCosts":
+    def of(mc: ModelConfig, dtype_bytes: int = 2, fp8: bool = False) -> "ModelCosts":
+        """`fp8` (quantization="fp8"): the quantized linear layers (attention
+        projections, dense MLPs, the shared expert) read 1 byte a weight and
+        run at twice the bf16 matrix peak (BENCH.md), counted here as half
+        their FLOPs against the bf16 peak the device limits hold."""
         h, i = mc.hidden_size, mc.intermediate_size
-        attention = h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h + 2 * h
+        projections = h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h
         moe, sparse = mc.moe, 0 if mc.moe is None else len(mc.moe.sparse_layers)
-        dense = (mc.num_layers - sparse) * (attention + 3 * h * i) + sparse * attention + h
+        linear = (mc.num_layers - sparse) * (projections + 3 * h * i) + sparse * projections
+        other = mc.num_layers * 2 * h + h  # norms
         expert = active = 0
         if moe is not None:
-            dense += sparse * (moe.num_experts * h + 3 * h * moe.shared_expert_intermediate_size
-                               + h * bool(moe.shared_expert_intermediate_size))
+            linear += sparse * 3 * h * moe.shared_expert_intermediate_size
+            other += sparse * (moe.num_experts * h + h * bool(moe.shared_expert_intermediate_size))
             expert = sparse * 3 * h * moe.intermediate_size
             active = moe.top_k * expert
+        linear_bytes = 1 if fp8 else dtype_bytes
         return ModelCosts(
-            weight_bytes_per_step=dtype_bytes * (dense + mc.vocab_size * h),
+            weight_bytes_per_step=linear_bytes * linear + dtype_bytes * (other + mc.vocab_size * h),
             kv_bytes_per_token=2 * mc.num_layers * mc.kv_size * dtype_bytes,
-            flops_per_token=2 * (dense + active),
+            flops_per_token=2 * ((linear / 2 if fp8 else linear) + other + active),
             expert_bytes=dtype_bytes * expert,
             num_experts=0 if moe is None else moe.num_experts,
             top_k=0 if moe is None else moe.top_k,

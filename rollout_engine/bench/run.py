@@ -79,7 +79,7 @@ def bench_grpo(args) -> dict[str, Any]:
 def _add_roofline(res: dict, engine, limits, input_lens: list[int], output_lens: list[int],
                   prefill_tokens: int | None = None) -> None:
     """The run's share of its workload roofline (BENCH.md)."""
-    costs = ModelCosts.of(engine.model_config)
+    costs = ModelCosts.of(engine.model_config, fp8=engine.config.quantization == "fp8")
     roof = workload_roofline(costs, limits, input_lens, output_lens, engine.config.max_running_requests,
                              prefill_tokens)
     res.update(roofline_tok_per_s=round(roof, 1), pct_of_roofline=round(100 * res["output_tok_per_s"] / roof, 1),
@@ -143,7 +143,7 @@ def bench_decode(args) -> dict[str, Any]:
     modes = (False,) if args.no_cuda_graph else (True,) if getattr(args, "graphs_only", False) else (True, False)
     for graphs in modes:
         engine = make_engine(args, cuda_graph=graphs, enable_prefix_cache=False)
-        costs = ModelCosts.of(engine.model_config)
+        costs = ModelCosts.of(engine.model_config, fp8=engine.config.quantization == "fp8")
         _decode_step_times(engine, 2, 64, 4)  # warm-up
         for batch in args.batch_sizes:
             steps_before = engine.cache_stats()["steps"]
@@ -173,7 +173,7 @@ def bench_prefill(args) -> dict[str, Any]:
 
     limits = measure_device()
     engine = make_engine(args, enable_prefix_cache=False, max_prefill_tokens=args.num_prompts * args.prompt_max)
-    costs = ModelCosts.of(engine.model_config)
+    costs = ModelCosts.of(engine.model_config, fp8=engine.config.quantization == "fp8")
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_new_tokens=1, temperature=0)
     results = []
