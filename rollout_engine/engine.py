@@ -121,9 +121,7 @@ class RolloutEngine:
         return self._call("get_weight", name)
 
     def weights_checksum(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        """HF name -> digest of the full tensor in the engine's dtype (= fidelity.weights_checksum; with
-        quantization="fp8", of the values the quantized weights hold: fidelity.weights_checksum(...,
-        quantization="fp8"))."""
+        """HF name -> digest of the full tensor as held (= fidelity.weights_checksum(..., quantization))."""
         return self._call("weights_checksum", weight_name_list(names))
 
     def weight_names(self) -> list[str]:
