@@ -53,6 +53,7 @@ def test_an_empty_text_prompt_is_named(smol):
     assert len(smol.generate(prompts=["Hi"], sampling_params=SamplingParams(max_new_tokens=2))[0].output_token_ids)
 
 
+@pytest.mark.slow  # up to 200 tokens of real SmolLM2 (~20 s on 2 cores); run by .ci/run after the fast tests
 def test_eos_finishes_with_stop(smol):
     ids = smol.apply_chat_template([{"role": "user", "content": CHATS[3]}])
     out = smol.generate(input_ids=[ids], sampling_params=SamplingParams(max_new_tokens=200, temperature=0))[0]

@@ -144,6 +144,7 @@ def test_update_weights_reaches_every_rank(tmp_path_factory):
         engine.shutdown()
 
 
+@pytest.mark.slow  # trainer and engine ranks over gloo (~20 s); run by .ci/run after the fast tests
 def test_weight_sync_broadcast_reaches_every_rank(tmp_path_factory):
     from test_weight_sync import check_trainer_broadcast
 
