@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from rollout_engine.kernels.fp8 import dequantize_channels, quantize_channels
+from rollout_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 QUANTIZED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
@@ -29,8 +30,6 @@ def is_quantized(hf_name: str, quantization: str | None) -> bool:
 
 def quantize_model(model: nn.Module) -> None:
     """Switch every parallel linear layer to fp8 storage (before loading)."""
-    from rollout_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
-
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.quantize_fp8()
