@@ -266,3 +266,17 @@ def test_fp8_checkpoints_load_in_fp8_and_in_full_precision(fp8_models, tmp_path)
             _engine(bad)
     full.shutdown()
     fp8.shutdown()
+
+
+def test_the_memory_check_counts_fp8_weights_at_one_byte(monkeypatch):
+    """A model whose bf16 weights do not fit but whose fp8 weights do is
+    loaded in fp8, not refused (the check counts what fp8 holds)."""
+    from rollout_engine.distributed.comm import TPComm
+    from rollout_engine.models.config import ModelConfig
+    from rollout_engine.runner import model_loader
+
+    mc = ModelConfig.from_hf(*model_loader.read_hf_config("llama-3.1-8b"))
+    monkeypatch.setattr(model_loader, "available_bytes", lambda device: 9 * 2**30)
+    with pytest.raises(ValueError, match="needs 15.0 GiB"):
+        model_loader.check_fits("llama-3.1-8b", mc, TPComm(), torch.device("cpu"), torch.bfloat16)
+    model_loader.check_fits("llama-3.1-8b", mc, TPComm(), torch.device("cpu"), torch.bfloat16, "fp8")  # 8.5 GiB

@@ -13,6 +13,7 @@ from rollout_engine.distributed.comm import TPComm
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.decoder import DecoderForCausalLM
 from rollout_engine.models.presets import PRESETS, preset_config
+from rollout_engine.kernels.fp8 import FP8
 from rollout_engine.layers.weight_copy import quantize_into
 from rollout_engine.quantization import quantize_model
 from rollout_engine.weights.loader import WeightLoader
@@ -109,16 +110,22 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_fits(model: str, cfg: ModelConfig, comm: TPComm, device: torch.device, dtype: torch.dtype) -> None:
+def check_fits(model: str, cfg: ModelConfig, comm: TPComm, device: torch.device, dtype: torch.dtype,
+               quantization: str | None = None) -> None:
     """Refuse, with the sizes, a model whose weights cannot fit (instead of
     being killed by the kernel's OOM killer half-way through)."""
     with torch.device("meta"):
         shapes = DecoderForCausalLM(cfg, comm)
-    need = sum(p.numel() for p in shapes.parameters()) * dtype.itemsize
+        if quantization is not None:
+            quantize_model(shapes)
+    # fp8 weights 1 byte, their scales fp32, everything else `dtype`
+    need = sum(p.numel() * (4 if name.endswith(".weight_scale") else 1 if p.dtype == FP8 else dtype.itemsize)
+               for name, p in shapes.named_parameters())
     have = available_bytes(device)
     if have is not None and need > have:
         where = "free GPU memory" if device.type == "cuda" else "available host memory"
-        raise ValueError(f"model {model!r} needs {need / 2**30:.1f} GiB for its weights in {dtype}, "
+        held = f"{dtype}" + (f" with {quantization} linear layers" if quantization else "")
+        raise ValueError(f"model {model!r} needs {need / 2**30:.1f} GiB for its weights in {held}, "
                          f"but only {have / 2**30:.1f} GiB of {where} is left")
 
 
@@ -129,7 +136,7 @@ def load_model(model: str, load_format: str, comm: TPComm, device: torch.device,
     outside it (its temporaries must not land in the region)."""
     hf, eos = read_hf_config(model)
     cfg = ModelConfig.from_hf(hf, eos)
-    check_fits(model, cfg, comm, device, dtype)
+    check_fits(model, cfg, comm, device, dtype, quantization)
     with weights_region or contextlib.nullcontext():
         net = build_model(cfg, comm, device, dtype, quantization)
     move_buffers_out(net)
