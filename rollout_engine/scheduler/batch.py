@@ -57,6 +57,12 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(s.extend_len for s in self.seqs)
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Positions of the batch inside their prompts (prefill); the rest of
+        `num_tokens` are decode positions."""
+        return sum(max(0, min(s.end, len(s.req.prompt_ids)) - s.start) for s in self.seqs)
+
     def input_ids(self) -> np.ndarray:
         if self.is_decode:  # one token each
             return np.fromiter((s.req.token_at(s.start) for s in self.seqs), dtype=np.int64, count=len(self.seqs))

@@ -2,6 +2,8 @@
 and sent as one copy (routing capture; runner/routes.py does the copy)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from rollout_engine.plan import StepRunner
@@ -29,8 +31,20 @@ class RoutesKeeper:
     def send(self) -> None:
         """Start one copy of the routing kept since the last one. The
         scheduler calls it before every launch (a step may reuse the slots)
-        and at the end of every public entry (outputs wait on it)."""
+        and at the end of every public entry that may keep some
+        (`sends_routes`: outputs wait on it)."""
         if self._wanted:
             wanted, self._wanted = self._wanted, []
             for (req, _), part in zip(wanted, self.runner.routes_of([slots for _, slots in wanted])):
                 req.routes = part
+
+
+def sends_routes(method):
+    """A Scheduler entry that ends by starting the copy of the routing it kept."""
+    @functools.wraps(method)
+    def entry(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.routes.send()
+    return entry

@@ -21,7 +21,7 @@ from rollout_engine.request import PLACEHOLDER, Request
 from rollout_engine.scheduler.batch import Batch, ScheduledSeq
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.plan_builder import PlanIndex, SeqResult, build_plan, seq_results
-from rollout_engine.scheduler.routes_keeper import RoutesKeeper
+from rollout_engine.scheduler.routes_keeper import RoutesKeeper, sends_routes
 from rollout_engine.scheduler.stats import StepStats
 from rollout_engine.scheduler.stop import StopChecker
 
@@ -92,12 +92,11 @@ class Scheduler:
         self._abort_marked += marked
         return marked
 
+    @sends_routes
     def finish_aborted(self) -> list[Request]:
         """Apply marked aborts now, without running a batch (the step in
         flight, if any, is settled first)."""
-        done = self.settle() + self._apply_aborts()
-        self.routes.send()
-        return done
+        return self.settle() + self._apply_aborts()
 
     def _apply_aborts(self) -> list[Request]:
         if not self._abort_marked:
@@ -118,13 +117,13 @@ class Scheduler:
         return done
 
     # ---- one step ------------------------------------------------------------
+    @sends_routes
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that finished in it."""
         start = time.perf_counter()
         try:
             return self._step()
         finally:
-            self.routes.send()
             self.stats.on_step(time.perf_counter() - start)
 
     def _step(self) -> list[Request]:
@@ -159,11 +158,10 @@ class Scheduler:
         self.routes.send()  # before a step that may reuse the slots they were read from
         return batch, index, self.runner.launch(plan, prev[2] if prev is not None else None)
 
+    @sends_routes
     def settle(self) -> list[Request]:
         """Wait for the step in flight, if any, and apply it."""
-        done = self._collect_pending() if self._pending is not None else []
-        self.routes.send()
-        return done
+        return self._collect_pending() if self._pending is not None else []
 
     def _collect_pending(self) -> list[Request]:
         batch, index, handle = self._pending
@@ -309,6 +307,7 @@ class Scheduler:
                 return
             budget -= taken
 
+    @sends_routes
     def retract_all(self) -> None:
         """Every running request gives up its KV (into the prefix cache, where
         it may be reused) and waits at the front of the queue, in order; it
@@ -316,7 +315,6 @@ class Scheduler:
         self.settle()
         for req in reversed(list(self.running)):
             self._retract(req)
-        self.routes.send()
 
     def _retract(self, req: Request) -> None:
         """Take a running request back to the front of the queue. Its computed
@@ -333,14 +331,9 @@ class Scheduler:
 
     def _count(self, batch: Batch) -> None:
         self.num_steps += 1
-        prompt = total = 0
-        for s in batch.seqs:
-            total += s.extend_len
-            n = len(s.req.prompt_ids)
-            if s.start < n:
-                prompt += min(s.end, n) - s.start
+        prompt = batch.prompt_tokens
         self.prompt_tokens_computed += prompt
-        self.decode_tokens += total - prompt
+        self.decode_tokens += batch.num_tokens - prompt
 
     # ---- results ---------------------------------------------------------------
     def _apply(self, seq: ScheduledSeq, result: SeqResult, weight_version: int) -> bool:
