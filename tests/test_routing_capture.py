@@ -380,3 +380,30 @@ def test_a_request_finished_by_a_commands_settle_is_handed_out(moe_models, monke
     assert result[0][0].output_token_ids == greedy[: k + 1]
     assert result[0][0].routed_experts.shape[0] == len(PROMPTS[0]) + k
     engine.shutdown()
+
+
+def test_an_aborted_requests_row_refilled_in_the_same_step_keeps_its_routing(moe_models):
+    """An abort frees the request's table row at the start of a step; the
+    same step admits a waiting request into that row before the routing
+    copy starts. The aborted request must report its own slots' routing,
+    not the newcomer's."""
+    hf, folder = moe_models["qwen3_moe"]
+    top_k = 2
+    engine = _engine(folder, max_running_requests=1)
+    core = engine.core
+    core.set_manual(True)
+    params = SamplingParams(max_new_tokens=50, seed=1, ignore_eos=True, return_routed_experts=True)
+    first, = core.add_requests(None, [PROMPTS[3]], params)
+    while first.num_output_tokens < 4:
+        core.step_once()
+    second, = core.add_requests(None, [PROMPTS[2]], params)  # waits: one row only
+    core.call(lambda: core.scheduler.abort([first.request_id]))
+    core.step_once()  # the abort frees the row; the newcomer takes it in this step
+    assert first.finish_reason == "abort" and second.row is not None
+    rows = first.routes.result()
+    ids = PROMPTS[3] + first.output_ids
+    assert rows.shape[0] >= len(PROMPTS[3])
+    want = hf_routes(hf, ids[: rows.shape[0]], top_k)
+    assert (np.sort(rows.astype(np.int64), -1) == np.sort(want, -1)).all()
+    core.set_manual(False)
+    engine.shutdown()

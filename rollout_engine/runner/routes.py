@@ -18,10 +18,10 @@ import torch
 class RoutesCopy:
     def __init__(self, routes: torch.Tensor, slot_lists: list[np.ndarray]):
         """`routes` [slots, moe_layers, top_k] (the KV pool's buffer);
-        `slot_lists`: each request's KV slots, position by position."""
+        `slot_lists`: each request's KV slots (int64), position by position,
+        in arrays of their own (not views of the request table)."""
         self._bounds = np.cumsum([0] + [len(s) for s in slot_lists])
-        # its own copy (the table rows are reused), kept while copying
-        self._slots = np.concatenate(slot_lists).astype(np.int64) if slot_lists else np.zeros(0, np.int64)
+        self._slots = np.concatenate(slot_lists)  # kept while copying
         self._event = None
         self._array: np.ndarray | None = None
         index = torch.from_numpy(self._slots)

@@ -25,7 +25,8 @@ class RoutesKeeper:
         forked sample queued), so that ending while it waits still reports
         what was computed."""
         if req.params.return_routed_experts:
-            self._wanted.append((req, self.kv.computed_slots(req, kv_of)))
+            # a copy: the table row is freed right after and may be refilled before the send
+            self._wanted.append((req, np.array(self.kv.computed_slots(req, kv_of), dtype=np.int64)))
             req.routes = UNSENT
 
     def send(self) -> None:
