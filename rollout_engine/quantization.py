@@ -13,13 +13,14 @@ digests still mean the engine holds exactly the trainer's weights, as
 quantized."""
 from __future__ import annotations
 
+import contextlib
 import re
+from typing import Iterator
 
 import torch
-from torch import nn
 
 from rollout_engine.kernels.fp8 import dequantize_channels, quantize_channels
-from rollout_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from rollout_engine.layers.linear import FP8_LINEARS
 
 QUANTIZED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
@@ -28,11 +29,15 @@ def is_quantized(hf_name: str, quantization: str | None) -> bool:
     return quantization == "fp8" and ".experts." not in hf_name and bool(QUANTIZED.search(hf_name))
 
 
-def quantize_model(model: nn.Module) -> None:
-    """Switch every parallel linear layer to fp8 storage (before loading)."""
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            module.quantize_fp8()
+@contextlib.contextmanager
+def fp8_linears() -> Iterator[None]:
+    """Models built inside hold every parallel linear layer in fp8 storage
+    (layers/linear.py: FP8_LINEARS)."""
+    token = FP8_LINEARS.set(True)
+    try:
+        yield
+    finally:
+        FP8_LINEARS.reset(token)
 
 
 def as_held(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

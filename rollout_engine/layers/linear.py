@@ -7,6 +7,7 @@ parameter's storage is allocated once and never rebound.
 """
 from __future__ import annotations
 
+import contextvars
 from typing import Sequence
 
 import torch
@@ -32,9 +33,15 @@ def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
     return p
 
 
+# Set while a model is built with quantization="fp8" (quantization.py:
+# fp8_linears): the parallel linear layers allocate e4m3 weights and their
+# scales from the start, so the engine-dtype weights never exist.
+FP8_LINEARS: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8_linears", default=False)
+
+
 class _Linear(nn.Module):
     """What the parallel linear layers share: the product with this rank's
-    weight, in the engine dtype or fp8 (`quantize_fp8`), and the rows of a
+    weight, in the engine dtype or fp8 (`FP8_LINEARS`), and the rows of a
     parameter written from a source."""
 
     batch_invariant = False  # layers/invariant.py
@@ -43,14 +50,15 @@ class _Linear(nn.Module):
         super().__init__()
         self.register_parameter("weight_scale", None)  # fp8: one multiplier per output row [out, 1], fp32
 
-    def quantize_fp8(self) -> None:
-        """Hold the weight in e4m3 with per-row scales from now on (before
-        any weight is loaded: the values are not carried over)."""
-        w = self.weight
-        self.weight = nn.Parameter(torch.empty(w.shape, dtype=FP8, device=w.device), requires_grad=False)
-        self.weight.weight_loader = w.weight_loader  # type: ignore[attr-defined]
-        self.weight_scale = nn.Parameter(torch.ones(w.shape[0], 1, dtype=torch.float32, device=w.device),
-                                         requires_grad=False)
+    def _weight(self, shape: tuple[int, int]) -> nn.Parameter:
+        """The weight parameter, in the engine dtype, or in e4m3 with its
+        scales (filled by the first load)."""
+        if not FP8_LINEARS.get():
+            return _param(shape, self._load)
+        self.weight_scale = nn.Parameter(torch.ones(shape[0], 1, dtype=torch.float32), requires_grad=False)
+        weight = nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False)
+        weight.weight_loader = self._load  # type: ignore[attr-defined]
+        return weight
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) with this rank's W, no reduction."""
@@ -79,7 +87,7 @@ class ColumnParallelLinear(_Linear):
         super().__init__()
         self.comm = comm
         self.out_per_rank = divide(out_features, comm.tp_size)
-        self.weight = _param((self.out_per_rank, in_features), self._load)
+        self.weight = self._weight((self.out_per_rank, in_features))
         self.bias = _param((self.out_per_rank,), self._load) if bias else None
 
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
@@ -143,7 +151,7 @@ class RowParallelLinear(_Linear):
         super().__init__()
         self.comm = comm
         self.in_per_rank = divide(in_features, comm.tp_size)
-        self.weight = _param((out_features, self.in_per_rank), self._load)
+        self.weight = self._weight((out_features, self.in_per_rank))
         # The bias is added once, after the reduction.
         self.bias = _param((out_features,), self._load_bias) if bias else None
 

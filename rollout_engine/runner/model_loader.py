@@ -10,12 +10,11 @@ from typing import Any, ContextManager
 import torch
 
 from rollout_engine.distributed.comm import TPComm
+from rollout_engine.layers.weight_copy import quantize_into
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.decoder import DecoderForCausalLM
 from rollout_engine.models.presets import PRESETS, preset_config
-from rollout_engine.kernels.fp8 import FP8
-from rollout_engine.layers.weight_copy import quantize_into
-from rollout_engine.quantization import quantize_model
+from rollout_engine.quantization import fp8_linears
 from rollout_engine.weights.loader import WeightLoader
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -57,10 +56,8 @@ def build_model(cfg: ModelConfig, comm: TPComm, device: torch.device, dtype: tor
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), fp8_linears() if quantization == "fp8" else contextlib.nullcontext():
             model = DecoderForCausalLM(cfg, comm)
-            if quantization is not None:
-                quantize_model(model)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
@@ -114,13 +111,8 @@ def check_fits(model: str, cfg: ModelConfig, comm: TPComm, device: torch.device,
                quantization: str | None = None) -> None:
     """Refuse, with the sizes, a model whose weights cannot fit (instead of
     being killed by the kernel's OOM killer half-way through)."""
-    with torch.device("meta"):
-        shapes = DecoderForCausalLM(cfg, comm)
-        if quantization is not None:
-            quantize_model(shapes)
-    # fp8 weights 1 byte, their scales fp32, everything else `dtype`
-    need = sum(p.numel() * (4 if name.endswith(".weight_scale") else 1 if p.dtype == FP8 else dtype.itemsize)
-               for name, p in shapes.named_parameters())
+    shapes = build_model(cfg, comm, torch.device("meta"), dtype, quantization)
+    need = sum(p.numel() * p.element_size() for p in shapes.parameters())
     have = available_bytes(device)
     if have is not None and need > have:
         where = "free GPU memory" if device.type == "cuda" else "available host memory"
