@@ -19,7 +19,6 @@ import random
 import time
 
 import numpy as np
-import torch
 
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.cli_args import ScriptParser, positive_int

@@ -11,6 +11,7 @@ import time
 import torch
 
 from rollout_engine import RolloutEngine
+from rollout_engine.config import QUANTIZATIONS
 from rollout_engine.fidelity import weights_checksum
 
 
@@ -28,7 +29,7 @@ def timed(fn, rounds: int = 5) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b")
-    p.add_argument("--quantization", choices=["fp8"], default=None,
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="fp8: the updates quantize into the engine's fp8 storage")
     p.add_argument("--out")
     args = p.parse_args()

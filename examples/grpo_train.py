@@ -52,6 +52,7 @@ import time
 import torch
 
 from rollout_engine import RolloutEngine, SamplingParams
+from rollout_engine.config import QUANTIZATIONS
 from rollout_engine.integrations.fsdp import sync_to_engine
 from rollout_engine.integrations.wandb import RolloutLogger
 
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--routing-replay", action="store_true",
                    help="MoE models: the engine returns each token's experts and the trainer's forward replays "
                         "them; logs the routers' agreement and the mismatch without replay too")
-    p.add_argument("--rollout-quantization", choices=["fp8"], default=None,
+    p.add_argument("--rollout-quantization", choices=QUANTIZATIONS, default=None,
                    help="the engine rolls out with fp8 linear layers (the trainer stays in fp32); the logged "
                         "mismatch is then fp8 engine vs trainer")
     p.add_argument("--tis-cap", type=float, default=None, metavar="C",

@@ -129,9 +129,11 @@ def weights_checksum(named_tensors, dtype: torch.dtype | str, quantization: str 
     if not isinstance(resolved, torch.dtype):
         raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. torch.bfloat16 or 'bfloat16')")
     dtype = resolved
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+    from rollout_engine.config import QUANTIZATIONS
     from rollout_engine.quantization import as_held, is_quantized
+
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
 
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else pairs(named_tensors)
     sums: dict[str, torch.Tensor] = {}

@@ -107,6 +107,9 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     if cfg.deterministic and device.type == "cuda" and not triton_available():
         raise ValueError("deterministic=True on a GPU needs Triton (its batch-invariant kernels); "
                          "install triton or use device='cpu'")
+    if cfg.quantization == "fp8" and device.type == "cuda" and dtype != torch.bfloat16:
+        raise ValueError(f"dtype must be 'bfloat16' (or 'auto') with quantization='fp8' on a GPU: its fp8 products "
+                         f"write bf16, got {cfg.dtype!r}")
     comm = (comm or TPComm()).with_fast_all_reduce(dtype, device)
     free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     memory = MemoryManager(create_saver(cfg.enable_memory_saver, device))

@@ -36,8 +36,7 @@ class FiniteCheck:
 
     def flag_if_not_finite(self, x: torch.Tensor) -> None:
         """Flag the current tensor if `x` (derived from it) is not all finite."""
-        flag = self._flag(x.device, len(self.names) - 1)
-        flag.add_((~torch.isfinite(x)).any().to(flag.dtype))
+        check_finite(x, x.dtype, self._flag(x.device, len(self.names) - 1))
 
     def check(self, name: str, src: torch.Tensor, dtype: torch.dtype) -> None:
         """Flag tensor `name` if `src` cast to `dtype` is not finite (reads only)."""
