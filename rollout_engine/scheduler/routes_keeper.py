@@ -23,8 +23,9 @@ class RoutesKeeper:
         computed (or its fork leader `kv_of` for it) while they are still
         its: at its end, and when it gives them up to wait (retracted, or a
         forked sample queued), so that ending while it waits still reports
-        what was computed."""
-        if req.params.return_routed_experts:
+        what was computed (kept when it gave them up: nothing new since)."""
+        kept_while_waiting = req.row is None and kv_of is None and req.routes is not None
+        if req.params.return_routed_experts and not kept_while_waiting:
             # a copy: the table row is freed right after and may be refilled before the send
             self._wanted.append((req, np.array(self.kv.computed_slots(req, kv_of), dtype=np.int64)))
             req.routes = UNSENT

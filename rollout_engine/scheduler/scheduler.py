@@ -386,9 +386,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, kv_of: Request | None = None) -> None:
         try:
-            kept_while_waiting = req.row is None and kv_of is None and req.routes is not None
-            if not kept_while_waiting:
-                self.routes.keep(req, kv_of)
+            self.routes.keep(req, kv_of)
         finally:
             req.finish_reason = reason
             self.stats.on_finish(reason)
