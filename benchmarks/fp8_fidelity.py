@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from rollout_engine import RolloutEngine, SamplingParams
+from rollout_engine.bench import workloads
 from rollout_engine.cli_args import ScriptParser, positive_int
 from rollout_engine.fidelity import score
 from rollout_engine.model_zoo import resolve_model_path
@@ -35,8 +36,7 @@ def prompts(engine: RolloutEngine, count: int, length: int, seed: int) -> list[l
                  "numbers", "and", "write", "short", "answers", "in", "plain", "text"]
         texts = [" ".join(rng.choice(words) for _ in range(length)) for _ in range(count)]
         return [engine.tokenizer.encode(t)[:length] for t in texts]
-    vocab = engine.model_config.vocab_size
-    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(count)]
+    return [workloads._random_ids(rng, length, engine.model_config.vocab_size) for _ in range(count)]
 
 
 def main(argv: list[str] | None = None) -> dict:
