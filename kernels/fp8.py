@@ -3,8 +3,8 @@ that fp8 weights and activations are held to.
 
 A quantized tensor is e4m3 values `q` and fp32 multipliers `scale_inv`:
 x ~= q * scale_inv, each multiplier shared by one group of elements. Each
-group's scale maps its largest magnitude to E4M3_MAX (448), so that value
-is stored exactly and the others to e4m3's precision: 3 mantissa bits, a
+group's scale maps its largest magnitude to E4M3_MAX (448) (up to the last bit of
+the multiplier), so that value is stored near exactly and the others to e4m3's precision: 3 mantissa bits, a
 relative rounding error of at most 2^-4 for normal values, an absolute one
 of at most scale_inv * 2^-10 below the smallest normal (2^-6 * scale_inv).
 Layouts:
@@ -25,13 +25,18 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+# 1 / 448 rounded to fp32, so that amax * INV_E4M3_MAX is the same correctly rounded fp32 product on every
+# device and in the Triton kernels (a division by a Python number is a multiplication by its reciprocal on
+# CUDA and a true division on the CPU: their multipliers differed in the last bit).
+INV_E4M3_MAX = float(torch.tensor(1 / E4M3_MAX, dtype=torch.float32))
 BLOCK = 128
 
 
 def _scale_inv(amax: torch.Tensor) -> torch.Tensor:
-    """Per-group multipliers (fp32) from the groups' largest magnitudes."""
+    """Per-group multipliers (fp32) from the groups' largest magnitudes:
+    amax * (1 / 448), 1 for an all-zero group."""
     amax = amax.float()
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
 
 
 def _cast(x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from differential import Reference
 from models import MOE, make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.fidelity import weights_checksum
@@ -42,18 +43,6 @@ def fp8_oracle(hf, tp_size: int = 1):
     return model
 
 
-def greedy_reference(model, prompt, steps):
-    ids, logprobs = list(prompt), []
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-            lp = torch.log_softmax(logits, -1)
-            tok = int(lp.argmax())
-            ids.append(tok)
-            logprobs.append(float(lp[tok]))
-    return ids[len(prompt):], logprobs
-
-
 @pytest.fixture(scope="module")
 def fp8_models(tmp_path_factory):
     out = {}
@@ -71,24 +60,47 @@ def _engine(folder, **kw):
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0, logprobs=True, ignore_eos=True)
 
 
+# Engine against the fp8 oracle, per token (teacher-forced on the engine's tokens). Mostly equal to a
+# few ulps; where an fp32 rounding difference ahead of a per-token quantization moves one activation to the
+# neighbouring e4m3 value, up to 0.072 nats on these tiny models (measured). fp8 itself moves them
+# 0.08-0.2 nats on average from the unquantized model: the engine must be far nearer the oracle.
+FLIP_TOL = 0.15
+GREEDY_MARGIN = 0.05
+
+
+def assert_near_oracle(outs, prompts, oracle: Reference, plain: Reference, tag) -> None:
+    """Engine outputs (greedy, with logprobs) against the fp8 oracle,
+    teacher-forced on the engine's tokens: each token within FLIP_TOL,
+    each greedy choice within GREEDY_MARGIN of the oracle's best, and on
+    average a tenth as far from the oracle as from the unquantized model."""
+    pairs = [(p, o.output_token_ids) for p, o in zip(prompts, outs)]
+    to_oracle, to_plain = [], []
+    for out, want, unquantized in zip(outs, oracle.output_logprobs(pairs), plain.output_logprobs(pairs)):
+        ids = torch.tensor(out.output_token_ids)[:, None]
+        got = torch.tensor(out.output_logprobs)
+        chosen = want.gather(-1, ids).squeeze(1)
+        to_oracle.append((got - chosen).abs())
+        to_plain.append((got - unquantized.gather(-1, ids).squeeze(1)).abs())
+        assert float((want.max(-1).values - chosen).max()) < GREEDY_MARGIN, tag
+    to_oracle, to_plain = torch.cat(to_oracle), torch.cat(to_plain)
+    assert float(to_oracle.max()) < FLIP_TOL, (tag, float(to_oracle.max()))
+    assert float(to_oracle.mean()) < 0.1 * float(to_plain.mean()), (tag, float(to_oracle.mean()))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_fp8_engine_computes_what_fp8_holds(fp8_models, kind):
-    """Greedy tokens equal and logprobs within 1e-3 of the fp32 oracle (not
-    1e-4: an fp32 rounding difference ahead of a per-token quantization can
-    move one activation to the neighbouring e4m3 value), over
-    a cache hit, chunked prefill (chunk 16 < a 35-token prompt) and n > 1;
+    """The engine against the fp32 oracle (`assert_near_oracle`) over a
+    cache hit, chunked prefill (chunk 16 < a 35-token prompt) and n > 1;
     the quantized weights are e4m3 and the others stay in the engine dtype."""
     hf, folder = fp8_models[kind]
     engine = _engine(folder)
-    oracle = fp8_oracle(hf)
+    oracle, plain = Reference(fp8_oracle(hf), "cpu"), Reference(hf, "cpu")
+    params = SamplingParams(max_new_tokens=16, temperature=0, logprobs=True, ignore_eos=True)
     for rep in range(2):  # the second call hits the prefix cache
-        outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-        for prompt, out in zip(PROMPTS, outs):
-            tokens, logprobs = greedy_reference(oracle, prompt, 10)
-            assert out.output_token_ids == tokens, (kind, rep)
-            np.testing.assert_allclose(out.output_logprobs, logprobs, atol=1e-3)
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        assert_near_oracle(outs, PROMPTS, oracle, plain, (kind, rep))
     fork = engine.generate(input_ids=PROMPTS[:1], sampling_params=SamplingParams(
-        n=3, max_new_tokens=10, temperature=0, ignore_eos=True))
+        n=3, max_new_tokens=16, temperature=0, ignore_eos=True))
     assert all(o.output_token_ids == outs[0].output_token_ids for o in fork)
     params = dict(engine.core.parts.model.named_parameters())
     assert params["model.layers.0.self_attn.qkv_proj.weight"].dtype == FP8

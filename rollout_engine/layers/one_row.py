@@ -14,7 +14,7 @@ from torch import nn
 
 from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.fp8 import FP8
-from rollout_engine.kernels.gemv import linear, logits
+from rollout_engine.kernels.gemv import logits
 from rollout_engine.layers.embedding import ParallelLMHead
 from rollout_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -33,14 +33,15 @@ def compile_one_row_kernels(model: nn.Module) -> int:
             continue
         weight, bias = module.weight, getattr(module, "bias", None)
         key = (kind, tuple(weight.shape), weight.dtype, bias is not None)
-        if module.batch_invariant or key in seen or not use_kernel(weight) or weight.dtype == FP8:  # fp8: _scaled_mm
+        if module.batch_invariant or key in seen or not use_kernel(weight):
             continue
         seen.add(key)
-        x = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        dtype = torch.bfloat16 if weight.dtype == FP8 else weight.dtype  # fp8 runs with bf16 activations only
+        x = torch.zeros(1, weight.shape[1], dtype=dtype, device=weight.device)
         if kind == "logits":  # the local product: no collective here
             logits(x, weight)
             continue
-        linear(x, weight, bias)
+        module.product(x, bias)
     # The products with a norm, rotary embedding or activation inside (models/decoder.py): the layers
     # of a model share their shapes, so the first layer's variants are all of them.
     layer = next((m for m in model.modules() if hasattr(m, "compile_one_row")), None)
