@@ -46,13 +46,23 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     import triton
     import triton.language as tl
 
+    @triton.jit
+    def _scaled(acc, sx_ptr, sw_ptr, rm, rn, m_ok, n_ok):
+        """An fp8 tile's sums times its rows' and columns' multipliers, in
+        the reference's order ((sum * s_x) * s_w)."""
+        sx = tl.load(sx_ptr + rm, mask=m_ok, other=1.0)
+        sw = tl.load(sw_ptr + rn, mask=n_ok, other=1.0)
+        return acc * sx[:, None] * sw[None, :]
+
     @triton.jit(do_not_specialize=["M", "K_PER"])
-    def batch_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, K_PER, stride_xm, stride_wn,
-                          stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def batch_gemm_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, K_PER, stride_xm,
+                          stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
-                          PDL: tl.constexpr):
+                          FP8: tl.constexpr, PDL: tl.constexpr):
         """Program (tile, s): output tile `tile` summed over K in
-        [s * K_PER, (s + 1) * K_PER) (K_PER a multiple of BLOCK_K)."""
+        [s * K_PER, (s + 1) * K_PER) (K_PER a multiple of BLOCK_K). FP8: x and
+        W in e4m3, their fp32 multipliers per row at sx and sw; the sum is
+        scaled by both before the bias (y = (q_x . q_w) s_x s_w + b)."""
         tile = tl.program_id(0)
         s = tl.program_id(1)
         tiles_n = tl.cdiv(N, BLOCK_N)
@@ -80,10 +90,10 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             else:
                 a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
                 b = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-            if SWAP:
-                acc = tl.dot(b, tl.trans(a), acc)
+            if SWAP:  # fp8: each block's products summed by the tensor cores, then added to acc in fp32
+                acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=BLOCK_K if FP8 else None)
             else:
-                acc = tl.dot(a, tl.trans(b), acc)
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K if FP8 else None)
         if SWAP:
             acc = tl.trans(acc)
         if SPLIT > 1:
@@ -98,11 +108,15 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                 for j in range(SPLIT):
                     acc += tl.load(base + j * (BLOCK_M * BLOCK_N) + i, cache_modifier=".cg")
                 tl.store(cnt_ptr + tile, 0)
+                if FP8:
+                    acc = _scaled(acc, sx_ptr, sw_ptr, rm, rn, m_ok, n_ok)
                 if HAS_BIAS:
                     acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
                 tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                          mask=m_ok[:, None] & n_ok[None, :])
         else:
+            if FP8:
+                acc = _scaled(acc, sx_ptr, sw_ptr, rm, rn, m_ok, n_ok)
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -147,6 +161,25 @@ def pick(m: int, n: int, k: int, can_split: bool) -> GemmConfig:
     return GemmConfig(bm, bn, 128, split, 4, 4, swap=True)
 
 
+MAX_FP8_ROWS = 64  # fp8 from 2 rows to 64; more rows: cuBLAS's row-scaled fp8 products are as fast or faster
+
+
+def pick_fp8(m: int, n: int, k: int, can_split: bool) -> GemmConfig:
+    """`pick` for e4m3 operands up to MAX_FP8_ROWS rows, measured on H200
+    (benchmarks/fp8_gemm_configs.py, qwen2.5-7b's layers at 1 to 64 rows):
+    the same W x^T tiles, 256 columns of K a block, and K split (to about
+    two programs per SM, slices of at least 512) when the tiles are at most
+    half the SMs or K is long."""
+    bm = max(16, next_pow2(m))
+    bn = 32 if n <= 2048 else 64
+    tiles = cdiv(n, bn) * cdiv(m, bm)
+    split = 1
+    if can_split and (tiles <= SMS // 2 or k >= 4096):
+        while split < 8 and tiles * split * 2 <= 2 * SMS and k // (split * 2) >= 512:
+            split *= 2
+    return GemmConfig(bm, bn, 256, split, 4, 4, swap=True)
+
+
 def small_batch(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x W^T takes `batch_gemm`: 2 to MAX_ROWS contiguous
     half-precision rows on the GPU, a weight with unit column stride."""
@@ -157,11 +190,26 @@ def batch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                config: GemmConfig | None = None) -> torch.Tensor:
     """x [M, K] (unit column stride) @ weight [N, K]^T (+ bias [N]) in x's
     dtype, with the launch shape `config` (default: `pick`'s)."""
+    return _launch(x, weight, bias, config, x.dtype)
+
+
+def fp8_batch_gemm(q: torch.Tensor, scale_q: torch.Tensor, weight: torch.Tensor, scale_w: torch.Tensor,
+                   bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                   config: GemmConfig | None = None) -> torch.Tensor:
+    """The fp8 product for 2 to MAX_FP8_ROWS rows: q [M, K] e4m3 (unit column
+    stride) with fp32 multipliers scale_q [M, 1] (`kernels.fp8_quantize`),
+    weight [N, K] e4m3 with scale_w [N, 1] -> [M, N] in `out_dtype`, the
+    sums in fp32 (launch shape: `pick_fp8`'s)."""
+    return _launch(q, weight, bias, config, out_dtype, (scale_q, scale_w))
+
+
+def _launch(x, weight, bias, config, out_dtype, scales=None):
     m, k = x.shape
     n = weight.shape[0]
     counters = getattr(_local, "counters", None)
-    bm, bn, bk, split, warps, stages, swap = config or pick(m, n, k, counters is not None)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    choose = pick if scales is None else pick_fp8
+    bm, bn, bk, split, warps, stages, swap = config or choose(m, n, k, counters is not None)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     tiles = cdiv(m, bm) * cdiv(n, bn)
     k_per = cdiv(cdiv(k, split), bk) * bk
     split = cdiv(k, k_per)  # slices that hold any of K
@@ -172,8 +220,9 @@ def batch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         if tiles > MAX_TILES:
             raise ValueError(f"batch_gemm: {tiles} output tiles with a split of K, at most {MAX_TILES}")
         part, cnt = torch.empty(tiles * split * bm * bn, dtype=torch.float32, device=x.device), counters
-    batch_gemm_kernel[(tiles, split)](x, weight, bias if bias is not None else y, y, part, cnt, m, n, k, k_per,
-                                      x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+    sx, sw = scales if scales is not None else (y, y)
+    batch_gemm_kernel[(tiles, split)](x, weight, sx, sw, bias if bias is not None else y, y, part, cnt, m, n, k,
+                                      k_per, x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
                                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, SWAP=swap, EVEN_K=k % bk == 0,
-                                      num_warps=warps, num_stages=stages, **pdl_args(x))
+                                      FP8=scales is not None, num_warps=warps, num_stages=stages, **pdl_args(y))
     return y

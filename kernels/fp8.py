@@ -39,11 +39,13 @@ def _scale_inv(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
 
 
-def _cast(x: torch.Tensor) -> torch.Tensor:
-    """fp32 values already scaled into [-448, 448], to e4m3 (round to
-    nearest even; the clamp keeps a value a rounding of the division pushed
-    a hair past the largest finite e4m3)."""
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+def _cast(x: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """x in e4m3 units of `scale_inv` (broadcast): the fp32 product of x and
+    the multiplier's reciprocal (each correctly rounded, so equal on every
+    device and in the Triton kernels, which compute the reciprocal once per
+    group), clamped (a rounding can push a value a hair past the largest
+    finite e4m3) and cast round-to-nearest-even."""
+    return (x.float() * torch.reciprocal(scale_inv)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
 
 
 def _tiles(w: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int]:
@@ -58,7 +60,7 @@ def quantize_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
     """w [N, K] -> (q e4m3 [N, K], scale_inv fp32 [ceil(N / block), ceil(K / block)])."""
     tiles, n, k = _tiles(w, block)
     scale_inv = _scale_inv(tiles.abs().amax(dim=(1, 3)))
-    q = _cast(tiles / scale_inv[:, None, :, None])
+    q = _cast(tiles, scale_inv[:, None, :, None])
     return q.view(tiles.shape[0] * block, -1)[:n, :k].contiguous(), scale_inv
 
 
@@ -84,7 +86,7 @@ def quantize_channels(w: torch.Tensor, whole_rows: torch.Tensor | None = None, a
     if amax is None:
         amax = channel_amax(w if whole_rows is None else whole_rows)
     scale_inv = _scale_inv(amax)
-    return _cast(w.float() / scale_inv), scale_inv
+    return _cast(w, scale_inv), scale_inv
 
 
 def dequantize_channels(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -96,13 +98,13 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     """Activations x [T, K] -> (q e4m3 [T, K], scale_inv fp32 [T, groups]):
     one scale per token (`group` None) or per `group` columns of a token."""
     t, k = x.shape
-    if group is None or group >= k:  # one scale per token: no padding, one division (fp32 by promotion)
+    if group is None or group >= k:  # one scale per token: no padding
         scale_inv = _scale_inv(channel_amax(x))
-        return _cast(x / scale_inv), scale_inv
+        return _cast(x, scale_inv), scale_inv
     groups = -(-k // group)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(t, groups, group)
     scale_inv = _scale_inv(padded.abs().amax(dim=2))
-    q = _cast(padded / scale_inv[:, :, None]).view(t, groups * group)[:, :k].contiguous()
+    q = _cast(padded, scale_inv[:, :, None]).view(t, groups * group)[:, :k].contiguous()
     return q, scale_inv
 
 

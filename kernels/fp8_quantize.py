@@ -2,8 +2,9 @@
 program takes one row, finds its largest magnitude and writes the row in
 e4m3 with its fp32 multiplier. The values equal `kernels.fp8.quantize_rows`
 (one scale per token) bit for bit: the multiplier is amax * (1 / 448) in
-fp32, each element the correctly rounded quotient x / multiplier, cast to
-e4m3 round-to-nearest-even with saturation at +-448 (the reference's clamp).
+fp32, each element the fp32 product of x and the multiplier's reciprocal
+(correctly rounded, taken once per row), cast to e4m3 round-to-nearest-even
+with saturation at +-448 (the reference's clamp).
 Torch's own ops take eight launches for this, each a pass over the rows."""
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _kernel():
             x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.max(tl.abs(x), axis=0)
             s = tl.where(amax > 0, amax * INV_MAX, 1.0)
-            tl.store(q_row + cols, tl.fdiv(x, s, ieee_rounding=True).to(tl.float8e4nv), mask=cols < K)
+            tl.store(q_row + cols, (x * tl.fdiv(1.0, s, ieee_rounding=True)).to(tl.float8e4nv), mask=cols < K)
         else:
             amax = tl.max(tl.abs(tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)), axis=0)
             for k0 in range(BLOCK, K, BLOCK):
@@ -44,10 +45,11 @@ def _kernel():
                 amax = tl.maximum(amax, tl.max(tl.abs(tl.load(x_row + kb, mask=kb < K, other=0.0).to(tl.float32)),
                                                axis=0))
             s = tl.where(amax > 0, amax * INV_MAX, 1.0)
+            r = tl.fdiv(1.0, s, ieee_rounding=True)
             for k0 in range(0, K, BLOCK):
                 kb = k0 + cols
                 x = tl.load(x_row + kb, mask=kb < K, other=0.0).to(tl.float32)
-                tl.store(q_row + kb, tl.fdiv(x, s, ieee_rounding=True).to(tl.float8e4nv), mask=kb < K)
+                tl.store(q_row + kb, (x * r).to(tl.float8e4nv), mask=kb < K)
         tl.store(s_ptr + row, s)
 
     return quantize_rows_kernel

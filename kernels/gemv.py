@@ -113,11 +113,11 @@ def _kernel():
             tl.store(out + HALF + j, y2.to(vc_ptr.dtype.element_ty))
 
     @triton.jit
-    def _quantized(v, s_x, FP8: tl.constexpr):
+    def _quantized(v, r_x, FP8: tl.constexpr):
         """fp8: the input block as per-token quantization holds it (e4m3 of
-        the correctly rounded v / s_x, as `kernels.fp8.quantize_rows`)."""
+        v times the reciprocal of its multiplier, as `kernels.fp8.quantize_rows`)."""
         if FP8:
-            return tl.fdiv(v, s_x, ieee_rounding=True).to(tl.float8e4nv).to(tl.float32)
+            return (v * r_x).to(tl.float8e4nv).to(tl.float32)
         return v
 
     @triton.jit
@@ -157,6 +157,7 @@ def _kernel():
             rf = row.to(tl.float32)
             inv = tl.rsqrt(tl.sum(rf * rf, axis=0) / K + eps)
         s_x = 1.0
+        r_x = 1.0
         if FP8:  # the token's multiplier, from the largest magnitude of the whole (normed) input
             amax = tl.max(tl.abs(_input(x_ptr, r_ptr, g_ptr, k, k < K, inv, NORM, HAS_RES)), axis=0)
             for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -164,13 +165,14 @@ def _kernel():
                 amax = tl.maximum(amax, tl.max(tl.abs(_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)),
                                                axis=0))
             s_x = tl.where(amax > 0, amax * INV_MAX, 1.0)
-        x0 = _quantized(_input(x_ptr, r_ptr, g_ptr, k, k < K, inv, NORM, HAS_RES), s_x, FP8)
+            r_x = tl.fdiv(1.0, s_x, ieee_rounding=True)
+        x0 = _quantized(_input(x_ptr, r_ptr, g_ptr, k, k < K, inv, NORM, HAS_RES), r_x, FP8)
         acc = w0.to(tl.float32) * x0[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             kb = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_ptr + n[:, None] * stride_w + kb[None, :], mask=n_mask[:, None] & (kb < K)[None, :],
                         other=0.0)
-            xb = _quantized(_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES), s_x, FP8)
+            xb = _quantized(_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES), r_x, FP8)
             acc += w.to(tl.float32) * xb[None, :]
         y = tl.sum(acc, axis=1)
         if FP8:

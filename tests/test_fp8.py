@@ -3,7 +3,9 @@ model of e4m3 rounding: every stored value is the nearest e4m3 value (ties
 to even) of the element over its group's scale, each group's largest
 magnitude lands on 448 exactly, and the round trip is within e4m3's
 precision, for each scale layout, on ragged shapes, zero groups and
-magnitudes across the subnormal range."""
+magnitudes across the subnormal range. The multiplier is amax * fp32(1/448)
+and elements are multiplied by its reciprocal: both correctly rounded fp32
+operations, equal on every device and in the Triton kernels."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,10 +27,11 @@ def e4m3_round(v: np.ndarray) -> np.ndarray:
 
 
 def _check(w: torch.Tensor, q: torch.Tensor, full_scale: torch.Tensor) -> None:
-    """q is the e4m3 rounding of w / scale, and the round trip is within
+    """q is the e4m3 rounding of w times the scale's reciprocal (the fp32
+    product the cast sees: `kernels.fp8._cast`), and the round trip is within
     e4m3's precision (relative 2^-4, or 2^-10 of the scale below normals)."""
     w64, s64 = w.double().numpy(), full_scale.double().numpy()
-    want = e4m3_round((w.float() / full_scale).double().numpy())  # the fp32 quotient the cast sees
+    want = e4m3_round((w.float() * torch.reciprocal(full_scale)).double().numpy())
     assert np.array_equal(q.double().numpy(), want)
     err = np.abs(q.double().numpy() * s64 - w64)
     assert (err <= np.maximum(np.abs(w64) * 2 ** -4, s64 * 2 ** -10) * (1 + 1e-6) + 1e-30).all()
@@ -55,7 +58,7 @@ def test_block_scales_map_each_tiles_largest_value_to_448(n, k, block):
         for j in range(scale_inv.shape[1]):
             tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
             if tile.abs().max() > 0:
-                assert scale_inv[i, j] == tile.abs().max() / fp8.E4M3_MAX
+                assert scale_inv[i, j] == tile.abs().max() * fp8.INV_E4M3_MAX  # the fp32 product
                 assert q[i * block:(i + 1) * block, j * block:(j + 1) * block].float().abs().max() == 448.0
     torch.testing.assert_close(fp8.dequantize_blocks(q, scale_inv, block), q.float() * full, rtol=0, atol=0)
 

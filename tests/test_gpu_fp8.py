@@ -13,29 +13,105 @@ import torch
 
 from differential import Reference, WorkloadGenerator, stress
 from test_fp8_engine import fp8_oracle
-from test_gpu_differential import LOGPROB_TOL, MARGIN, MEAN_TOL, model  # noqa: F401 - the fixture
+from test_gpu_differential import model  # noqa: F401 - the fixture
 from rollout_engine import RolloutEngine, SamplingParams
-from rollout_engine.kernels.fp8 import quantize_channels
+from rollout_engine.kernels.fp8 import quantize_channels, quantize_rows
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 200])
-@pytest.mark.parametrize("n,k", [(256, 512), (1024, 4096), (96, 128)])
-def test_scaled_mm_product_equals_the_reference(rows, n, k):
-    """Both take the same e4m3 operands and scales and accumulate in fp32:
-    they differ by the accumulation order and the bf16 rounding of the
-    output only."""
+@pytest.mark.parametrize("k", [128, 896, 4096, 18944])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_quantize_kernel_equals_the_reference(rows, k):
+    """One launch (kernels/fp8_quantize.py) = the torch reference, on the
+    GPU and against the CPU (one or two passes over a row): the multipliers
+    bit for bit, the values but for rare subnormal ties."""
+    from rollout_engine.kernels.fp8_quantize import quantize_rows_gpu
+
+    g = torch.Generator(device="cuda").manual_seed(rows * k)
+    x = (torch.randn(rows, k, device="cuda", generator=g) * torch.rand(rows, 1, device="cuda", generator=g) * 8)
+    x = x.to(torch.bfloat16)
+    x[0, :] = 0  # an all-zero row: multiplier 1
+    q, s = quantize_rows_gpu(x)
+    for want_q, want_s in (quantize_rows(x), quantize_rows(x.cpu().float())):
+        assert torch.equal(s.cpu(), want_s.cpu())
+        got, want = q.cpu().float(), want_q.cpu().float()
+        differ = (got != want).nonzero()
+        # The GPU's conversion and torch's differ on rare exact ties between e4m3 subnormals (seen: 1 element
+        # in 5.7M, 3 or 4 x 2^-9): one subnormal step, 2^-9 of the row's multiplier.
+        assert len(differ) <= x.numel() // 100_000, len(differ)
+        assert bool(((got - want).abs() <= 2 ** -9).all()), [(tuple(i), float(got[tuple(i)]), float(want[tuple(i)]))
+                                                             for i in differ[:5].tolist()]
+
+
+def _reference(x, q, scale, bias=None):
+    """The CPU path of fp8_linear: the reference arithmetic in fp32."""
+    from rollout_engine.layers.fp8_linear import fp8_linear
+
+    return fp8_linear(x.cpu().float(), q.cpu(), scale.cpu(), None if bias is None else bias.cpu().float()).cuda()
+
+
+def _close(got, want, rtol):
+    """Within `rtol` (the bf16 rounding of the output) and the fp32
+    accumulation order."""
+    err = (got.float() - want).abs()
+    assert bool((err <= rtol * want.abs() + 1e-4 * want.abs().max()).all()), float(err.max())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])
+@pytest.mark.parametrize("n,k,bias", [(256, 512, False), (1024, 4096, True), (96, 128, False), (4608, 18944, False)])
+def test_products_equal_the_reference(rows, n, k, bias):
+    """fp8_linear on the GPU (one row: the gemv kernel quantizing inside it;
+    up to 64: the quantize kernel and the fp8 batch_gemm; more:
+    `torch._scaled_mm`) takes the same e4m3
+    operands and scales as the reference and accumulates in fp32: they
+    differ by the accumulation order and the bf16 rounding of the output:
+    half an ulp for the gemv's, one for the tensor cores' (their fp8 sums
+    are kept to fewer bits within a block; `_scaled_mm`'s row-wise
+    epilogue rounds more than once)."""
+    from rollout_engine.kernels.batch_gemm import new_counters, use_counters
     from rollout_engine.layers.fp8_linear import fp8_linear, scaled_mm_fits
 
     g = torch.Generator(device="cuda").manual_seed(rows * n + k)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.05
     x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16) if bias else None
     q, scale = quantize_channels(w)
     assert scaled_mm_fits(q)
-    got = fp8_linear(x, q, scale).float()
-    want = fp8_linear(x.cpu().float(), q.cpu(), scale.cpu()).cuda()  # the CPU path: the reference arithmetic
-    assert torch.allclose(got, want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
+    with use_counters(new_counters(x.device)):  # the split reductions of the batch kernel, as the engine's runner
+        got = fp8_linear(x, q, scale, b)
+    _close(got, _reference(x, q, scale, b), 2 ** -8 if rows == 1 else 2 ** -7)
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (896, 896)])
+def test_one_row_fusions_in_fp8(n, k):
+    """The one-row gemv with the RMSNorm (and residual) inside it, and with
+    SiLU * mul, on e4m3 weights: the reference is the norm kernel, then
+    the reference product. The norm's sum of squares may be added in
+    another order, which can move a normed value one bf16 ulp and then one
+    activation one e4m3 step: a few outputs by ~1e-3 of the largest."""
+    from rollout_engine.kernels.activation import silu_and_mul
+    from rollout_engine.kernels.gemv import norm_gemv
+    from rollout_engine.kernels.rmsnorm import rmsnorm
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+    x = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16)
+    r = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).to(torch.bfloat16)
+    q, scale = quantize_channels(w)
+    h, res = rmsnorm(x, nw, 1e-6, r)
+    want = _reference(h, q, scale)
+    got, got_res = norm_gemv(x, r, nw, 1e-6, q, scale=scale)
+    assert torch.equal(got_res, res)
+    err = (got.float() - want).abs()
+    assert float(err.max()) < 2e-2 * float(want.abs().max()) and float(err.mean()) < 2e-3 * float(want.abs().max())
+    gated, _ = norm_gemv(x, r, nw, 1e-6, q, gated=True, scale=scale)
+    want_act = silu_and_mul(want.to(torch.bfloat16)).float()
+    err = (gated.float() - want_act).abs()
+    assert float(err.max()) < 2e-2 * float(want_act.abs().max())
+    with pytest.raises(ValueError, match="scale"):
+        norm_gemv(x, r, nw, 1e-6, q)  # an e4m3 weight without its scales
 
 
 @pytest.fixture(scope="module")
@@ -43,20 +119,32 @@ def fp8_reference(model):
     return Reference(fp8_oracle(model[1]), "cuda")
 
 
+# (greedy margin, per-token, per-request mean) against the fp8 oracle, in nats. bf16 rounding ahead of a
+# per-token quantization sometimes moves an activation a whole e4m3 step, so the engine (bf16) sits ~5x
+# further from its fp32 oracle than bf16 does without fp8. Measured on the H200 on fresh single calls
+# (BENCHMARKS.md, "FP8 on the GPU"): SmolLM2 largest token 1.47, greedy gap 1.56, request mean 0.14
+# (bf16 without fp8: 0.19, 0.14, 0.03); the random fallback model 2.8, 3.7, 0.65. Another request's KV
+# puts SmolLM2's tokens 13-27 nats off.
+FP8_TOLERANCES = {"smollm2": (3.0, 4.0, 0.5), "random": (6.0, 6.0, 1.5)}
+
+
 @pytest.mark.parametrize("backend,page_size", [("flashinfer", 16), ("triton", 1)])
 def test_differential_stress_in_fp8(model, fp8_reference, backend, page_size):
     """Graphs, overlap, the prefix cache, retraction and aborts in fp8,
     teacher-forced against the fp8 oracle: a completion answering another
-    request's prompt is nats off; fp8's own rounding is in the oracle, and
-    what is left is bf16's (the dense tolerances)."""
+    request's prompt is many nats off; fp8's own rounding is in the oracle,
+    and what is left is bf16's, amplified by the quantization (FP8_TOLERANCES)."""
+    from rollout_engine.model_zoo import model_dir
+
     folder, _, prompts, token_range = model
+    margin, logprob_tol, mean_tol = FP8_TOLERANCES["smollm2" if folder == model_dir("smollm2-135m") else "random"]
     calls = int(os.environ.get("STRESS_CALLS", "40"))
     engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", attention_backend=backend,
                            page_size=page_size, max_total_tokens=1280, max_prefill_tokens=256,
                            cuda_graph_max_batch_size=32, max_running_requests=96, quantization="fp8")
     gen = WorkloadGenerator(seed=page_size, token_range=token_range, base_prompts=prompts, max_prompt_len=96,
                             max_new_tokens=48, max_batch=40)
-    report = stress(engine, fp8_reference, gen, calls, MARGIN, LOGPROB_TOL, MEAN_TOL)
+    report = stress(engine, fp8_reference, gen, calls, margin, logprob_tol, mean_tol)
     stats = engine.cache_stats()
     print(f"fp8 {backend} page_size={page_size}: {report.summary()}; retractions {stats['retractions']}")
     assert not report.violations, report.violations[:5]
@@ -95,8 +183,9 @@ def test_an_update_equals_a_fresh_engine_bitwise(model, tmp_path):
 # (model, load format, bound on the mean per-token gap, bound on k1 KL per token). SmolLM2: measured on
 # the CPU (the reference arithmetic, fp32) 0.205 nats and 0.029 (BENCHMARKS.md, "FP8 fidelity"): a
 # 135M model loses that much to e4m3 weights alone (weights-only fp8: 0.172); bf16 adds its own rounding.
-# Random 7B shapes: near-flat logits, small gaps; the bound is provisional until measured on the GPU.
-FIDELITY = [("smollm2-135m", "auto", 0.3, 0.05), ("qwen2.5-7b", "dummy", 0.05, 0.01)]
+# Random 7B shapes (dummy weights): 0.54 nats and 0.21 measured on the H200: 28 layers of random
+# matrices amplify each rounding (no trained structure absorbs it).
+FIDELITY = [("smollm2-135m", "auto", 0.3, 0.05), ("qwen2.5-7b", "dummy", 0.75, 0.3)]
 
 
 @pytest.mark.parametrize("model_name,load_format,gap_bound,kl_bound", FIDELITY)

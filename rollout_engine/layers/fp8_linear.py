@@ -3,9 +3,11 @@ scale per output row. The activations are quantized per token on the fly
 (kernels/fp8.py: quantize_rows), so y = (q_x q_W^T) * s_x * s_W. On a GPU:
 one row takes the gemv kernel, which quantizes the row inside it
 (kernels/gemv.py); more rows are quantized in one launch
-(kernels/fp8_quantize.py) and multiplied by one `torch._scaled_mm`
-(row-wise scales, fp32 accumulation, output in x's dtype) where its shape
-rules allow (both dimensions of W multiples of 16). Elsewhere, and on the
+(kernels/fp8_quantize.py), then multiplied by the tensor cores in fp8 with
+fp32 sums: small decode batches (up to MAX_FP8_ROWS rows) by
+`kernels.batch_gemm` (tiles and split reductions that fill the GPU),
+more rows by `torch._scaled_mm` (row-wise scales, the bias in its
+epilogue, output in x's dtype), where the shapes allow (both dimensions of W multiples of 16). Elsewhere, and on the
 CPU, the same arithmetic in fp32 from the dequantized operands: the
 reference the GPU paths are held to."""
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from rollout_engine.kernels._triton import use_kernel
+from rollout_engine.kernels.batch_gemm import MAX_FP8_ROWS, fp8_batch_gemm
 from rollout_engine.kernels.fp8 import quantize_rows
 from rollout_engine.kernels.fp8_quantize import quantize_rows_gpu
 from rollout_engine.kernels.gemv import gemv, one_row
@@ -32,8 +35,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         y = gemv(rows, weight, bias, scale=scale_inv)
     elif scaled_mm_fits(weight) and x.dtype == torch.bfloat16:  # row-wise scales: bf16 output only
         q, s = quantize_rows_gpu(rows) if use_kernel(rows) and rows.stride(1) == 1 else quantize_rows(rows)
-        y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale_inv.view(1, -1), out_dtype=x.dtype)
-        y = y if bias is None else y + bias
+        if rows.shape[0] <= MAX_FP8_ROWS and use_kernel(rows):  # decode batches: tiles that fill the GPU
+            return fp8_batch_gemm(q, s, weight, scale_inv, bias, x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale_inv.view(1, -1), bias=bias, out_dtype=x.dtype)
     else:
         q, s = quantize_rows(rows)
         y = ((q.float() @ weight.float().t()) * s * scale_inv.t())
