@@ -1,11 +1,16 @@
-"""Per-token fp8 quantization of activations on the GPU in one launch: each
-program takes one row, finds its largest magnitude and writes the row in
-e4m3 with its fp32 multiplier. The values equal `kernels.fp8.quantize_rows`
-(one scale per token) bit for bit: the multiplier is amax * (1 / 448) in
-fp32, each element the fp32 product of x and the multiplier's reciprocal
-(correctly rounded, taken once per row), cast to e4m3 round-to-nearest-even
-with saturation at +-448 (the reference's clamp).
-Torch's own ops take eight launches for this, each a pass over the rows."""
+"""Per-row fp8 quantization on the GPU in one launch: each program takes one
+row, finds its largest magnitude (or takes the one given: a tensor-parallel
+slice scaled over its whole row) and writes the row in e4m3 with its fp32
+multiplier. Activations (one scale per token) and weights (one per output
+row) both take it. The result equals `kernels.fp8.quantize_rows` /
+`quantize_channels` bit for bit: the multiplier is amax * fp32(1 / 448),
+each element the fp32 product of x and the multiplier's reciprocal (taken
+once per row), rounded to e4m3 to nearest-even here in fp32 arithmetic, as
+torch's conversion rounds (the GPU's own conversion instruction differs from
+it on rare ties between subnormals), with the reference's clamp at +-448.
+A row holding NaN or an infinity gets an infinite multiplier, so that a
+finiteness check of the multipliers finds it. Torch's own ops take eight
+launches for this, each a pass over the rows (with fp32 temporaries)."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +18,7 @@ import functools
 import torch
 
 from rollout_engine.kernels._triton import next_pow2, pdl_args
-from rollout_engine.kernels.fp8 import FP8, INV_E4M3_MAX
+from rollout_engine.kernels.fp8 import E4M3_MAX, FP8, INV_E4M3_MAX
 
 ONE_PASS_MAX = 8192  # widest row held in registers once; wider rows are read twice (the second from L2)
 
@@ -24,46 +29,68 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, INV_MAX: tl.constexpr, BLOCK: tl.constexpr,
-                             ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+    def e4m3_value(y, MAX: tl.constexpr):
+        """fp32 y rounded to the nearest e4m3 value (ties to even), as fp32:
+        normal magnitudes keep 3 mantissa bits (the integer form of
+        round-to-nearest-even on the fp32 bits), those below 2^-6 become
+        multiples of 2^-9 (the fp32 adder rounds them so), and magnitudes
+        past MAX (448) saturate. The sign is y's, -0 included."""
+        bits = y.to(tl.int32, bitcast=True)
+        a = tl.abs(y)
+        ab = a.to(tl.int32, bitcast=True)
+        normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # -1048576: ~0xFFFFF
+        sub = (a + 16384.0) - 16384.0
+        r = tl.minimum(tl.where(a < 0.015625, sub, normal), MAX)
+        return tl.where(bits < 0, -r, r)
+
+    @triton.jit
+    def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, a_ptr, K, stride_x, stride_q, INV_MAX: tl.constexpr,
+                             MAX: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                             PDL: tl.constexpr):
         if PDL:  # programmatic dependent launch: wait for the kernel that wrote x
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         x_row = x_ptr + row.to(tl.int64) * stride_x
-        q_row = q_ptr + row.to(tl.int64) * K
+        q_row = q_ptr + row.to(tl.int64) * stride_q
         cols = tl.arange(0, BLOCK)
-        if ONE_PASS:
-            x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-            amax = tl.max(tl.abs(x), axis=0)
-            s = tl.where(amax > 0, amax * INV_MAX, 1.0)
-            tl.store(q_row + cols, (x * tl.fdiv(1.0, s, ieee_rounding=True)).to(tl.float8e4nv), mask=cols < K)
-        else:
-            amax = tl.max(tl.abs(tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)), axis=0)
+        x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        if HAS_AMAX:
+            amax = tl.load(a_ptr + row).to(tl.float32)
+        else:  # NaN counts as infinite: the row's multiplier is not finite
+            amax = tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=0)
+            if not ONE_PASS:
+                for k0 in range(BLOCK, K, BLOCK):
+                    xb = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.max(tl.where(xb == xb, tl.abs(xb), float("inf")), axis=0))
+        s = tl.where(amax > 0, amax * INV_MAX, 1.0)
+        s = tl.where(amax == amax, s, amax)
+        r = tl.fdiv(1.0, s, ieee_rounding=True)
+        tl.store(q_row + cols, e4m3_value(x * r, MAX).to(tl.float8e4nv), mask=cols < K)
+        if not ONE_PASS:
             for k0 in range(BLOCK, K, BLOCK):
-                kb = k0 + cols
-                amax = tl.maximum(amax, tl.max(tl.abs(tl.load(x_row + kb, mask=kb < K, other=0.0).to(tl.float32)),
-                                               axis=0))
-            s = tl.where(amax > 0, amax * INV_MAX, 1.0)
-            r = tl.fdiv(1.0, s, ieee_rounding=True)
-            for k0 in range(0, K, BLOCK):
-                kb = k0 + cols
-                x = tl.load(x_row + kb, mask=kb < K, other=0.0).to(tl.float32)
-                tl.store(q_row + kb, (x * r).to(tl.float8e4nv), mask=kb < K)
+                xb = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+                tl.store(q_row + k0 + cols, e4m3_value(xb * r, MAX).to(tl.float8e4nv), mask=k0 + cols < K)
         tl.store(s_ptr + row, s)
 
     return quantize_rows_kernel
 
 
-def quantize_rows_gpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] (unit column stride, on a GPU with Triton) -> (q e4m3 [T, K]
-    contiguous, scale_inv fp32 [T, 1]), equal to `quantize_rows(x)`."""
+def quantize_rows_gpu(x: torch.Tensor, out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                      amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (unit column stride, on a GPU with Triton) -> (q e4m3 [T, K],
+    scale_inv fp32 [T, 1]), equal to `quantize_rows(x)` (and, for a weight,
+    to `quantize_channels(x, amax=amax)`). `out` / `scale_out`: where to
+    write them (rows with unit column stride; a contiguous [T, 1]);
+    `amax` [T, 1]: the rows' largest magnitudes when they come from
+    elsewhere (whole rows that x is a column slice of)."""
     t, k = x.shape
-    q = torch.empty((t, k), dtype=FP8, device=x.device)
-    s = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    q = torch.empty((t, k), dtype=FP8, device=x.device) if out is None else out
+    s = torch.empty((t, 1), dtype=torch.float32, device=x.device) if scale_out is None else scale_out
     if t:
         one_pass = k <= ONE_PASS_MAX
         block = next_pow2(k) if one_pass else 2048
-        _kernel()[(t,)](x, q, s, k, x.stride(0), INV_MAX=INV_E4M3_MAX, BLOCK=block, ONE_PASS=one_pass,
+        _kernel()[(t,)](x, q, s, amax if amax is not None else s, k, x.stride(0), q.stride(0), INV_MAX=INV_E4M3_MAX,
+                        MAX=E4M3_MAX, HAS_AMAX=amax is not None, BLOCK=block, ONE_PASS=one_pass,
                         num_warps=8 if block >= 4096 else 4, **pdl_args(x))
     return q, s

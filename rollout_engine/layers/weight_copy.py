@@ -12,8 +12,10 @@ import contextvars
 
 import torch
 
+from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.copy_check import check_finite, copy_and_check
 from rollout_engine.kernels.fp8 import channel_amax, quantize_channels
+from rollout_engine.kernels.fp8_quantize import quantize_rows_gpu
 
 FLAGS_PER_BUFFER = 1024
 
@@ -101,8 +103,15 @@ def quantize_into(dst: torch.Tensor, scale_inv: torch.Tensor, src: torch.Tensor,
     _check_shape(dst, src, name)
     if VALIDATE_ONLY.get():
         return
-    amax = channel_amax(src if whole_rows is None else whole_rows)
     check = FINITE_CHECK.get()
+    if use_kernel(dst):  # one pass on the device (kernels/fp8_quantize.py), equal to the reference below
+        amax = None if whole_rows is None else channel_amax(whole_rows).to(dst.device)
+        rows = src.to(dst.device, non_blocking=True)
+        quantize_rows_gpu(rows if rows.stride(-1) == 1 else rows.contiguous(), dst, scale_inv, amax)
+        if check is not None:  # a row with NaN or an infinity has a non-finite multiplier
+            check.flag_if_not_finite(scale_inv if amax is None else amax)
+        return
+    amax = channel_amax(src if whole_rows is None else whole_rows)
     if check is not None:
         check.flag_if_not_finite(amax)
     q, scales = quantize_channels(src, amax=amax)
