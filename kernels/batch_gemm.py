@@ -90,10 +90,11 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             else:
                 a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
                 b = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-            if SWAP:  # fp8: each block's products summed by the tensor cores, then added to acc in fp32
-                acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=BLOCK_K if FP8 else None)
+            # fp8: the tensor cores keep fewer bits in their own sums; every 128 products go to acc in fp32
+            if SWAP:
+                acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=128 if FP8 else None)
             else:
-                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K if FP8 else None)
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=128 if FP8 else None)
         if SWAP:
             acc = tl.trans(acc)
         if SPLIT > 1:

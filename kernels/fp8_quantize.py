@@ -41,7 +41,8 @@ def _kernel():
         normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # -1048576: ~0xFFFFF
         sub = (a + 16384.0) - 16384.0
         r = tl.minimum(tl.where(a < 0.015625, sub, normal), MAX)
-        return tl.where(bits < 0, -r, r)
+        # y's sign bit onto r (bit 31; -r would be 0 - r, which is +0 for r = 0)
+        return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, a_ptr, K, stride_x, stride_q, INV_MAX: tl.constexpr,

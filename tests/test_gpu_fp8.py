@@ -81,10 +81,10 @@ def _reference(x, q, scale, bias=None):
 
 
 def _close(got, want, rtol):
-    """Within `rtol` (the bf16 rounding of the output) and the fp32
-    accumulation order."""
+    """Within `rtol` (the bf16 rounding of the output) and the accumulation
+    (fp32 in another order; the tensor cores' shorter sums of 128)."""
     err = (got.float() - want).abs()
-    assert bool((err <= rtol * want.abs() + 1e-4 * want.abs().max()).all()), float(err.max())
+    assert bool((err <= rtol * want.abs() + 1e-3 * want.abs().max()).all()), float(err.max())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])
@@ -99,7 +99,7 @@ def test_products_equal_the_reference(rows, n, k, bias):
     are kept to fewer bits within a block; `_scaled_mm`'s row-wise
     epilogue rounds more than once)."""
     from rollout_engine.kernels.batch_gemm import new_counters, use_counters
-    from rollout_engine.layers.fp8_linear import fp8_linear, scaled_mm_fits
+    from rollout_engine.layers.fp8_linear import GEMV_MAX, fp8_linear, scaled_mm_fits
 
     g = torch.Generator(device="cuda").manual_seed(rows * n + k)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.05
@@ -109,7 +109,7 @@ def test_products_equal_the_reference(rows, n, k, bias):
     assert scaled_mm_fits(q)
     with use_counters(new_counters(x.device)):  # the split reductions of the batch kernel, as the engine's runner
         got = fp8_linear(x, q, scale, b)
-    _close(got, _reference(x, q, scale, b), 2 ** -8 if rows == 1 else 2 ** -7)
+    _close(got, _reference(x, q, scale, b), 2 ** -8 if rows == 1 and n * k <= GEMV_MAX else 2 ** -7)
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (896, 896)])
@@ -157,8 +157,8 @@ def fp8_reference(model):
 FP8_TOLERANCES = {"smollm2": (3.0, 4.0, 0.5), "random": (6.0, 6.0, 1.5)}
 
 
-@pytest.mark.parametrize("backend,page_size", [("flashinfer", 16), ("triton", 1)])
-def test_differential_stress_in_fp8(model, fp8_reference, backend, page_size):
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_differential_stress_in_fp8(model, fp8_reference, backend):
     """Graphs, overlap, the prefix cache, retraction and aborts in fp8,
     teacher-forced against the fp8 oracle: a completion answering another
     request's prompt is many nats off; fp8's own rounding is in the oracle,
@@ -166,6 +166,7 @@ def test_differential_stress_in_fp8(model, fp8_reference, backend, page_size):
     from rollout_engine.model_zoo import model_dir
 
     folder, _, prompts, token_range = model
+    page_size = 16  # the fp8 products do not touch the page layout; page size 1 is the dense suite's
     margin, logprob_tol, mean_tol = FP8_TOLERANCES["smollm2" if folder == model_dir("smollm2-135m") else "random"]
     calls = int(os.environ.get("STRESS_CALLS", "40"))
     engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", attention_backend=backend,

@@ -23,8 +23,10 @@ from rollout_engine.kernels.gemv import gemv, one_row
 
 
 # One row: the gemv (the row quantized inside it) up to this many weights; beyond, the quantize launch and
-# the tensor cores' product are faster (H200, qwen2.5-7b: o_proj 6.8 vs 7.7 us, gate_up 45.6 vs 35.6,
-# down 33.7 vs 26.4; benchmarks/fp8_gemm_configs.py).
+# the tensor cores' product are faster (H200, qwen2.5-7b: o_proj 6.8 vs 7.7 us, down 33.7 vs 26.4;
+# benchmarks/fp8_gemm_configs.py). The qkv and gate_up products of a decoder layer's one-row step keep the
+# gemv with the norm, rotary embedding or SiLU * mul inside it (models/decoder.py): measured faster there
+# than the separate launches.
 GEMV_MAX = 1 << 24
 
 

@@ -119,12 +119,8 @@ class DecoderMLP(nn.Module):
     def one_row_act(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """One row (`DecoderLayer.norms_in_products`): RMSNorm(x + residual)
         inside the gate_up product, and SiLU(gate) * up too when its rows pair
-        up (fp8 weights: the norm, the product and SiLU * mul apart). Returns
-        (the down product's input, residual)."""
+        up. Returns (the down product's input, residual)."""
         w, scale = self.gate_up_proj.weight, self.gate_up_proj.weight_scale
-        if scale is not None:  # fp8: the tensor cores' product (kernels.batch_gemm) outruns the fused gemv here
-            h, residual = norm(x, residual)
-            return silu_and_mul(self.gate_up_proj(h)), residual
         if self.gated_in_product:
             return norm_gemv(x, residual, norm.weight, norm.eps, w, gated=True, scale=scale)
         gate_up, residual = norm_gemv(x, residual, norm.weight, norm.eps, w, scale=scale)
