@@ -3,11 +3,12 @@ scale per output row. The activations are quantized per token on the fly
 (kernels/fp8.py: quantize_rows), so y = (q_x q_W^T) * s_x * s_W.
 
 On a GPU, where the shapes allow (both dimensions of W multiples of 16):
-one row and a narrow weight (GEMV_MAX) take the gemv kernel, which
-quantizes the row inside it (kernels/gemv.py); other rows are quantized in
-one launch (kernels/fp8_quantize.py) and multiplied on the tensor cores in
-fp8 with fp32 sums, up to MAX_FP8_ROWS rows by `kernels.batch_gemm` (tiles
-and split reductions that fill the GPU), more by `torch._scaled_mm`
+one row takes the gemv kernel, which quantizes the row inside it
+(kernels/gemv.py; in a decoder layer with the norm, rotary embedding or
+SiLU * mul inside it as well); more rows are quantized in one launch
+(kernels/fp8_quantize.py) and multiplied on the tensor cores in fp8 with
+fp32 sums, up to MAX_FP8_ROWS rows by `kernels.batch_gemm` (tiles and
+split reductions that fill the GPU), more by `torch._scaled_mm`
 (row-wise scales, the bias in its epilogue, output in x's dtype).
 Elsewhere, and on the CPU, the same arithmetic in fp32 from the dequantized
 operands: the reference the GPU paths are held to."""
@@ -22,12 +23,6 @@ from rollout_engine.kernels.fp8_quantize import quantize_rows_gpu
 from rollout_engine.kernels.gemv import gemv, one_row
 
 
-# One row: the gemv (the row quantized inside it) up to this many weights; beyond, the quantize launch and
-# the tensor cores' product are faster (H200, qwen2.5-7b: o_proj 6.8 vs 7.7 us, down 33.7 vs 26.4;
-# benchmarks/fp8_gemm_configs.py). The qkv and gate_up products of a decoder layer's one-row step keep the
-# gemv with the norm, rotary embedding or SiLU * mul inside it (models/decoder.py): measured faster there
-# than the separate launches.
-GEMV_MAX = 1 << 24
 
 
 def scaled_mm_fits(weight: torch.Tensor) -> bool:
@@ -40,7 +35,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     """x [..., K] in the engine dtype, weight e4m3 [N, K], scale_inv fp32
     [N, 1] -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    if one_row(rows, weight) and weight.numel() <= GEMV_MAX:
+    if one_row(rows, weight):
         y = gemv(rows, weight, bias, scale=scale_inv)
     elif scaled_mm_fits(weight) and x.dtype == torch.bfloat16:  # row-wise scales: bf16 output only
         q, s = quantize_rows_gpu(rows) if use_kernel(rows) and rows.stride(1) == 1 else quantize_rows(rows)
