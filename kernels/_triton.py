@@ -51,13 +51,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def half_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor, e4m3: bool = False) -> bool:
+def half_rows_on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x W^T can take one of the engine's product kernels: x 2-D,
-    contiguous, bf16 or fp16 on a GPU with Triton; W of x's dtype (or, for a
-    kernel taking them, `e4m3`, float8_e4m3fn) with unit column stride."""
-    held = weight.dtype == x.dtype or (e4m3 and weight.dtype == torch.float8_e4m3fn)
+    contiguous, bf16 or fp16 on a GPU with Triton; W of x's dtype with unit
+    column stride."""
     return (x.dim() == 2 and x.is_contiguous() and weight.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and held and use_kernel(x))
+            and weight.dtype == x.dtype and use_kernel(x))
 
 
 def next_pow2(n: int) -> int:

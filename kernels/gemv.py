@@ -22,19 +22,12 @@ import torch.nn.functional as F
 
 from rollout_engine.kernels._triton import half_rows_on_gpu, next_pow2, pdl_args
 from rollout_engine.kernels.batch_gemm import batch_gemm, small_batch
-from rollout_engine.kernels.fp8 import FP8, INV_E4M3_MAX
 
 
-def _config(n: int, k: int, fp8: bool = False) -> tuple[int, int, int]:
+def _config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps), measured on H200 for 8B-sized layers
     (benchmarks/gemv_configs.py; llama-3.1-8b's qkv, 6144 x 4096, launched with
-    programmatic dependent launch: 3.36 TB/s with 4 warps, 3.99 with 8). An
-    e4m3 weight takes blocks of the same bytes: twice the columns."""
-    bn, bk, warps = _half_config(n, k)
-    return (bn, 2 * bk, warps) if fp8 else (bn, bk, warps)
-
-
-def _half_config(n: int, k: int) -> tuple[int, int, int]:
+    programmatic dependent launch: 3.36 TB/s with 4 warps, 3.99 with 8)."""
     if k >= 8192:
         return 16, 1024, 8
     if n <= 4096:
@@ -113,31 +106,19 @@ def _kernel():
             tl.store(out + HALF + j, y2.to(vc_ptr.dtype.element_ty))
 
     @triton.jit
-    def _quantized(v, r_x, FP8: tl.constexpr):
-        """fp8: the input block as per-token quantization holds it (e4m3 of
-        v times the reciprocal of its multiplier, as `kernels.fp8.quantize_rows`)."""
-        if FP8:
-            return (v * r_x).to(tl.float8e4nv).to(tl.float32)
-        return v
-
-    @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, N, K, stride_w, eps,
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, N, K, stride_w, eps,
                     pos_ptr, loc_ptr, cos_ptr, sin_ptr, cs_stride, kc_ptr, vc_ptr,
                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, K_P2: tl.constexpr,
                     GATED: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, NQ: tl.constexpr,
-                    NK: tl.constexpr, FP8: tl.constexpr, INV_MAX: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    NK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """y = x W^T (+ b). NORM: y = RMSNorm(x (+ r)) W^T (+ b), the norm's
         weight at g; with HAS_RES, x + r is the new residual stream, written
         to r_out by the first program. GATED (W: gate rows then up rows,
         HALF of each): y = SiLU(gate) * up, rounded as `kernels.activation`
         rounds. ROPE (a qkv product, NQ and NK heads of 2 * HALF): q rotated into y,
-        k rotated and v written to the caches at the token's slot. FP8 (an
-        e4m3 weight with one fp32 multiplier per row at ws): the input is
-        quantized per token as `layers.fp8_linear` does, its largest
-        magnitude found by a first pass over it, and y = (q_x . q_w) s_x s_w.
-        PDL: the first weight block is read before waiting for the kernel
-        before (no kernel writes weights); x and r only after."""
+        k rotated and v written to the caches at the token's slot. PDL: the
+        first weight block is read before waiting for the kernel before (no
+        kernel writes weights); x and r only after."""
         pid = tl.program_id(0)
         n = _rows(pid, BLOCK_N, ROPE or GATED, HALF)
         n_mask = n < N
@@ -156,27 +137,13 @@ def _kernel():
                     tl.store(r_out_ptr + kk, row, mask=kk < K)
             rf = row.to(tl.float32)
             inv = tl.rsqrt(tl.sum(rf * rf, axis=0) / K + eps)
-        s_x = 1.0
-        r_x = 1.0
-        if FP8:  # the token's multiplier, from the largest magnitude of the whole (normed) input
-            amax = tl.max(tl.abs(_input(x_ptr, r_ptr, g_ptr, k, k < K, inv, NORM, HAS_RES)), axis=0)
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                kb = k0 + tl.arange(0, BLOCK_K)
-                amax = tl.maximum(amax, tl.max(tl.abs(_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)),
-                                               axis=0))
-            s_x = tl.where(amax > 0, amax * INV_MAX, 1.0)
-            r_x = tl.fdiv(1.0, s_x, ieee_rounding=True)
-        x0 = _quantized(_input(x_ptr, r_ptr, g_ptr, k, k < K, inv, NORM, HAS_RES), r_x, FP8)
-        acc = w0.to(tl.float32) * x0[None, :]
+        acc = w0.to(tl.float32) * _input(x_ptr, r_ptr, g_ptr, k, k < K, inv, NORM, HAS_RES)[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             kb = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_ptr + n[:, None] * stride_w + kb[None, :], mask=n_mask[:, None] & (kb < K)[None, :],
                         other=0.0)
-            xb = _quantized(_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES), r_x, FP8)
-            acc += w.to(tl.float32) * xb[None, :]
+            acc += w.to(tl.float32) * _input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :]
         y = tl.sum(acc, axis=1)
-        if FP8:
-            y = y * s_x * tl.load(ws_ptr + n, mask=n_mask, other=1.0)
         if HAS_BIAS:
             y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
         if ROPE:
@@ -195,14 +162,11 @@ def _kernel():
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, config: tuple[int, ...] | None = None,
-         scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [1, K] contiguous; weight: [N, K] with unit column stride, in x's
-    dtype, or e4m3 with `scale` its fp32 multipliers [N, 1] (x quantized
-    per token, as `layers.fp8_linear`). The result is in `out_dtype`
-    (default: x's). `config` overrides the launch shape, (BLOCK_N, BLOCK_K,
-    warps[, stages]) (benchmarks/gemv_configs.py)."""
-    return _launch(x, weight, bias, out_dtype, config, scale=scale)[0]
+         out_dtype: torch.dtype | None = None, config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """x: [1, K] contiguous; weight: [N, K] with unit column stride. The
+    result is in `out_dtype` (default: x's). `config` overrides the launch
+    shape, (BLOCK_N, BLOCK_K, warps[, stages]) (benchmarks/gemv_configs.py)."""
+    return _launch(x, weight, bias, out_dtype, config)[0]
 
 
 class RopeStore(NamedTuple):
@@ -219,13 +183,9 @@ class RopeStore(NamedTuple):
     num_kv_heads: int
 
 
-def _launch(x, weight, bias=None, out_dtype=None, config=None, norm=None, residual=None, gated=False, rope=None,
-            scale=None):
+def _launch(x, weight, bias=None, out_dtype=None, config=None, norm=None, residual=None, gated=False, rope=None):
     n, k = weight.shape
-    fp8 = weight.dtype == FP8
-    if fp8 and (scale is None or scale.dtype != torch.float32 or scale.numel() != n):
-        raise ValueError(f"an e4m3 weight of shape {tuple(weight.shape)} needs its fp32 scale, one per row")
-    bn, bk, warps, *stages = config or _config(n, k, fp8)
+    bn, bk, warps, *stages = config or _config(n, k)
     r_out = torch.empty_like(x) if residual is not None else x
     g, eps = norm if norm is not None else (weight, 0.0)
     nq = nk = half = 1
@@ -244,12 +204,11 @@ def _launch(x, weight, bias=None, out_dtype=None, config=None, norm=None, residu
             raise ValueError(f"gated: a gate_up weight of shape {tuple(weight.shape)} does not split in pairs")
         n_out = half = n // 2
     y = torch.empty((1, n_out), dtype=out_dtype or x.dtype, device=x.device)
-    _kernel()[(-(-n // bn),)](x, weight, scale if fp8 else weight, bias if bias is not None else weight, y,
+    _kernel()[(-(-n // bn),)](x, weight, bias if bias is not None else weight, y,
                               residual if residual is not None else x, g, r_out, n, k, weight.stride(0), eps, *ptrs,
                               HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RES=residual is not None,
                               K_P2=next_pow2(k) if norm is not None else 1, GATED=gated, ROPE=rope is not None,
-                              HALF=half, NQ=nq, NK=nk, FP8=fp8, INV_MAX=INV_E4M3_MAX, BLOCK_N=bn, BLOCK_K=bk,
-                              num_warps=warps,
+                              HALF=half, NQ=nq, NK=nk, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                               **pdl_args(x), **({"num_stages": stages[0]} if stages else {}))
     return y, r_out
 
@@ -259,7 +218,7 @@ NORM_MAX_K = 8192  # widest input normalised inside the product (the row is held
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
               weight: torch.Tensor, bias: torch.Tensor | None = None, rope: RopeStore | None = None,
-              gated: bool = False, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x + residual) W^T (+ b) for one row in one launch (the norm
     rounded as `kernels.rmsnorm` rounds it, its sum of squares possibly added
     in another order; then the product as `gemv`). Returns
@@ -268,10 +227,8 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     compute pairs of rows and finish them (`pairs_fit`): with `rope` (a qkv
     product) the result is q after the rotary embedding, and k and v are
     written to the caches, as `kernels.rope.rope_and_store` does; `gated` (a
-    gate_up product) gives SiLU(gate) * up, as `kernels.activation.silu_and_mul`.
-    An e4m3 weight takes its `scale` (as `gemv`)."""
-    return _launch(x, weight, bias, norm=(norm_weight, eps), residual=residual, gated=gated, rope=rope,
-                   scale=scale)
+    gate_up product) gives SiLU(gate) * up, as `kernels.activation.silu_and_mul`."""
+    return _launch(x, weight, bias, norm=(norm_weight, eps), residual=residual, gated=gated, rope=rope)
 
 
 def pairs_fit(n: int, k: int, segment: int) -> bool:
@@ -284,9 +241,8 @@ def pairs_fit(n: int, k: int, segment: int) -> bool:
 
 
 def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x W^T takes the gemv kernel: one contiguous half-precision
-    row, on the GPU, and a weight in its dtype or e4m3."""
-    return x.shape[0] == 1 and half_rows_on_gpu(x, weight, e4m3=True)
+    """Whether x W^T takes the gemv kernel: one contiguous half-precision row, on the GPU."""
+    return half_rows_on_gpu(x, weight) and x.shape[0] == 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,13 +2,12 @@
 scale per output row. The activations are quantized per token on the fly
 (kernels/fp8.py: quantize_rows), so y = (q_x q_W^T) * s_x * s_W.
 
-On a GPU, where the shapes allow (both dimensions of W multiples of 16):
-one row takes the gemv kernel, which quantizes the row inside it
-(kernels/gemv.py; in a decoder layer with the norm, rotary embedding or
-SiLU * mul inside it as well); more rows are quantized in one launch
-(kernels/fp8_quantize.py) and multiplied on the tensor cores in fp8 with
-fp32 sums, up to MAX_FP8_ROWS rows by `kernels.batch_gemm` (tiles and
-split reductions that fill the GPU), more by `torch._scaled_mm`
+On a GPU, where the shapes allow (both dimensions of W multiples of 16), the
+rows are quantized in one launch (kernels/fp8_quantize.py) and multiplied
+on the tensor cores in fp8 with fp32 sums: up to MAX_FP8_ROWS rows (one-row
+decode included: measured faster in the step than a gemv on CUDA cores
+with the norm and rotary embedding inside it) by `kernels.batch_gemm`
+(tiles and split reductions that fill the GPU), more by `torch._scaled_mm`
 (row-wise scales, the bias in its epilogue, output in x's dtype).
 Elsewhere, and on the CPU, the same arithmetic in fp32 from the dequantized
 operands: the reference the GPU paths are held to."""
@@ -20,7 +19,6 @@ from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.batch_gemm import MAX_FP8_ROWS, fp8_batch_gemm
 from rollout_engine.kernels.fp8 import quantize_rows
 from rollout_engine.kernels.fp8_quantize import quantize_rows_gpu
-from rollout_engine.kernels.gemv import gemv, one_row
 
 
 
@@ -35,9 +33,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     """x [..., K] in the engine dtype, weight e4m3 [N, K], scale_inv fp32
     [N, 1] -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    if one_row(rows, weight):
-        y = gemv(rows, weight, bias, scale=scale_inv)
-    elif scaled_mm_fits(weight) and x.dtype == torch.bfloat16:  # row-wise scales: bf16 output only
+    if scaled_mm_fits(weight) and x.dtype == torch.bfloat16:  # row-wise scales: bf16 output only
         q, s = quantize_rows_gpu(rows) if use_kernel(rows) and rows.stride(1) == 1 else quantize_rows(rows)
         if rows.shape[0] <= MAX_FP8_ROWS and use_kernel(rows):  # decode batches: tiles that fill the GPU
             return fp8_batch_gemm(q, s, weight, scale_inv, bias, x.dtype).reshape(*x.shape[:-1], weight.shape[0])

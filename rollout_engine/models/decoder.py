@@ -90,8 +90,8 @@ class DecoderAttention(nn.Module):
         p, i = self.qkv_proj, self.attn.layer_id
         if self.rope_in_product:
             rope = self.rope_store(positions, fb.kv_pool.k[i], fb.kv_pool.v[i], fb.out_cache_loc)
-            return norm_gemv(x, residual, norm.weight, norm.eps, p.weight, p.bias, rope=rope, scale=p.weight_scale)
-        qkv, residual = norm_gemv(x, residual, norm.weight, norm.eps, p.weight, p.bias, scale=p.weight_scale)
+            return norm_gemv(x, residual, norm.weight, norm.eps, p.weight, p.bias, rope=rope)
+        qkv, residual = norm_gemv(x, residual, norm.weight, norm.eps, p.weight, p.bias)
         return self._rotate_and_store(positions, qkv, fb), residual
 
     def rope_store(self, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -120,10 +120,10 @@ class DecoderMLP(nn.Module):
         """One row (`DecoderLayer.norms_in_products`): RMSNorm(x + residual)
         inside the gate_up product, and SiLU(gate) * up too when its rows pair
         up. Returns (the down product's input, residual)."""
-        w, scale = self.gate_up_proj.weight, self.gate_up_proj.weight_scale
+        w = self.gate_up_proj.weight
         if self.gated_in_product:
-            return norm_gemv(x, residual, norm.weight, norm.eps, w, gated=True, scale=scale)
-        gate_up, residual = norm_gemv(x, residual, norm.weight, norm.eps, w, scale=scale)
+            return norm_gemv(x, residual, norm.weight, norm.eps, w, gated=True)
+        gate_up, residual = norm_gemv(x, residual, norm.weight, norm.eps, w)
         return silu_and_mul(gate_up), residual
 
 
@@ -167,16 +167,16 @@ class DecoderLayer(nn.Module):
         variant `_forward_one_row` takes), so none compiles mid-run."""
         attn, mlp = self.self_attn, self.mlp
         p, w, norm = attn.qkv_proj, attn.qkv_proj.weight, self.input_layernorm
-        x = torch.zeros(1, w.shape[1], dtype=norm.weight.dtype, device=w.device)  # the engine dtype (w: maybe fp8)
+        x = torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)
         if not self.norms_in_products(x, None):
             return
         rope = None
         if attn.rope_in_product:
-            cache = torch.zeros(1, p.num_kv_heads, p.head_dim, dtype=x.dtype, device=w.device)
+            cache = torch.zeros(1, p.num_kv_heads, p.head_dim, dtype=w.dtype, device=w.device)
             slot = torch.zeros(1, dtype=torch.int64, device=w.device)
             rope = attn.rope_store(slot, cache, cache.clone(), slot)
         for residual in (None, x):  # the first layer's qkv has no residual to add
-            norm_gemv(x, residual, norm.weight, norm.eps, w, p.bias, rope=rope, scale=p.weight_scale)
+            norm_gemv(x, residual, norm.weight, norm.eps, w, p.bias, rope=rope)
         if isinstance(mlp, DecoderMLP):
             mlp.one_row_act(x, x, self.post_attention_layernorm)
 
