@@ -162,7 +162,7 @@ def pick(m: int, n: int, k: int, can_split: bool) -> GemmConfig:
     return GemmConfig(bm, bn, 128, split, 4, 4, swap=True)
 
 
-MAX_FP8_ROWS = 64  # fp8 from 2 rows to 64; more rows: cuBLAS's row-scaled fp8 products are as fast or faster
+MAX_FP8_ROWS = 64  # fp8 from 1 row to 64; more rows: cuBLAS's row-scaled fp8 products are as fast or faster
 
 
 def pick_fp8(m: int, n: int, k: int, can_split: bool) -> GemmConfig:
@@ -197,7 +197,7 @@ def batch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def fp8_batch_gemm(q: torch.Tensor, scale_q: torch.Tensor, weight: torch.Tensor, scale_w: torch.Tensor,
                    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                    config: GemmConfig | None = None) -> torch.Tensor:
-    """The fp8 product for 2 to MAX_FP8_ROWS rows: q [M, K] e4m3 (unit column
+    """The fp8 product for 1 to MAX_FP8_ROWS rows: q [M, K] e4m3 (unit column
     stride) with fp32 multipliers scale_q [M, 1] (`kernels.fp8_quantize`),
     weight [N, K] e4m3 with scale_w [N, 1] -> [M, N] in `out_dtype`, the
     sums in fp32 (launch shape: `pick_fp8`'s)."""
@@ -212,6 +212,8 @@ def _launch(x, weight, bias, config, out_dtype, scales=None):
     bm, bn, bk, split, warps, stages, swap = config or choose(m, n, k, counters is not None)
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     tiles = cdiv(m, bm) * cdiv(n, bn)
+    if not tiles:
+        return y
     k_per = cdiv(cdiv(k, split), bk) * bk
     split = cdiv(k, k_per)  # slices that hold any of K
     part = cnt = y

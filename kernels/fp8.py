@@ -3,10 +3,11 @@ that fp8 weights and activations are held to.
 
 A quantized tensor is e4m3 values `q` and fp32 multipliers `scale_inv`:
 x ~= q * scale_inv, each multiplier shared by one group of elements. Each
-group's scale maps its largest magnitude to E4M3_MAX (448) (up to the last bit of
-the multiplier), so that value is stored near exactly and the others to e4m3's precision: 3 mantissa bits, a
-relative rounding error of at most 2^-4 for normal values, an absolute one
-of at most scale_inv * 2^-10 below the smallest normal (2^-6 * scale_inv).
+group's scale maps its largest magnitude to E4M3_MAX (448, up to the last
+bit of the multiplier), so that value is stored as 448 and the others to
+e4m3's precision: 3 mantissa bits, a relative rounding error of at most
+2^-4 for normal values, an absolute one of at most scale_inv * 2^-10 below
+the smallest normal (2^-6 * scale_inv).
 Layouts:
 
 - `quantize_blocks`: weights [N, K] in tiles of BLOCK x BLOCK (the

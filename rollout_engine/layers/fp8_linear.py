@@ -21,8 +21,6 @@ from rollout_engine.kernels.fp8 import quantize_rows
 from rollout_engine.kernels.fp8_quantize import quantize_rows_gpu
 
 
-
-
 def scaled_mm_fits(weight: torch.Tensor) -> bool:
     n, k = weight.shape
     return weight.is_cuda and n % 16 == 0 and k % 16 == 0
