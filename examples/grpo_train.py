@@ -249,8 +249,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="learning rate (default: 1e-5 for arithmetic, a pretrained model; 3e-4 for token, "
                         "which starts from random weights)")
     p.add_argument("--clip", type=float, default=0.2)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="the engine's dtype; the trainer keeps float32 weights (its optimizer's master copy)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="the engine's dtype (default: float32; bfloat16 for fp8 rollouts on a GPU, which need it); "
+                        "the trainer keeps float32 weights (its optimizer's master copy)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wandb", action="store_true", help="log to wandb (WANDB_MODE=offline works without network)")
@@ -295,37 +296,46 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         p.error(f"--model: {e}")
     gpu = torch.cuda.is_available() and args.device != "cpu"
+    if args.dtype is None:
+        args.dtype = "bfloat16" if gpu and args.rollout_quantization else "float32"
     rank, world, engine_device = 0, 1, args.device
     if args.fsdp:
         if "RANK" not in os.environ:
             p.error("--fsdp runs under torchrun: torchrun --nproc-per-node K examples/grpo_train.py --fsdp ...")
         rank, world, engine_device = init_ranks(gpu)
-    try:
-        engine = RolloutEngine(folder, load_format=args.load_format, device=engine_device, dtype=args.dtype,
-                               seed=args.seed, enable_memory_saver=gpu, weights_cpu_backup=False,
-                               max_total_tokens=16384, enable_return_routed_experts=args.routing_replay,
-                               quantization=args.rollout_quantization)
-    except ValueError as e:
-        if not args.routing_replay or "enable_return_routed_experts" not in str(e):
-            raise
-        p.error(f"--routing-replay: {e} (e.g. --model qwen3-moe-mini --load-format dummy --task token)")
-    device = engine.device
-    if args.task == "arithmetic" and engine.tokenizer is None:
-        p.error("--task arithmetic needs a model with a tokenizer; use --task token")
-    trainer = load_trainer(args, folder, torch.float32, device)
-    targets = target_tokens(trainer, args.seed) if args.task == "token" else set()
-    if args.fsdp:
-        shard(trainer)
-    if args.load_format == "dummy":
-        with torch.no_grad():
-            sync_to_engine(trainer, engine, version=0)
-    optimizer = torch.optim.AdamW(trainer.parameters(), lr=args.lr)
-    run = None
-    if args.wandb:
-        import wandb
+    engine = None
+    try:  # Ctrl-C while the engine or the trainer loads: a clean exit too
+        try:
+            engine = RolloutEngine(folder, load_format=args.load_format, device=engine_device, dtype=args.dtype,
+                                   seed=args.seed, enable_memory_saver=gpu, weights_cpu_backup=False,
+                                   max_total_tokens=16384, enable_return_routed_experts=args.routing_replay,
+                                   quantization=args.rollout_quantization)
+        except ValueError as e:
+            if args.routing_replay and "enable_return_routed_experts" in str(e):
+                p.error(f"--routing-replay: {e} (e.g. --model qwen3-moe-mini --load-format dummy --task token)")
+            p.error(str(e))  # a combination the engine refuses (e.g. --dtype float32 with fp8 on a GPU)
+        device = engine.device
+        if args.task == "arithmetic" and engine.tokenizer is None:
+            p.error("--task arithmetic needs a model with a tokenizer; use --task token")
+        trainer = load_trainer(args, folder, torch.float32, device)
+        targets = target_tokens(trainer, args.seed) if args.task == "token" else set()
+        if args.fsdp:
+            shard(trainer)
+        if args.load_format == "dummy":
+            with torch.no_grad():
+                sync_to_engine(trainer, engine, version=0)
+        optimizer = torch.optim.AdamW(trainer.parameters(), lr=args.lr)
+        run = None
+        if args.wandb:
+            import wandb
 
-        run = wandb.init(project="rollout-engine-grpo", config=vars(args)) if rank == 0 else None
-    logger = RolloutLogger(run)
+            run = wandb.init(project="rollout-engine-grpo", config=vars(args)) if rank == 0 else None
+        logger = RolloutLogger(run)
+    except KeyboardInterrupt:
+        if engine is not None:
+            engine.shutdown()
+        print("interrupted while starting", file=sys.stderr)
+        raise SystemExit(130) from None
     rng = random.Random(args.seed + 7919 * rank)  # each rank its own prompts
     rows = []
     from tqdm import tqdm
