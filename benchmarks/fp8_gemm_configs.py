@@ -1,10 +1,9 @@
 """The fp8 products of decode batches by launch shape: for each linear
 layer of a preset and each row count, the bf16 product (F.linear, or the
 engine's one-row gemv), fp8 through `torch._scaled_mm` (row-wise scales),
-the fp8 `kernels.batch_gemm` at the shape the engine picks and over a grid,
-and at one row the fp8 gemv over a grid; each over weight copies that spill
-the L2 cache, in CUDA graphs, plus the per-token quantize launch the fp8
-products need (timed alone). Reports the fastest of each and its largest
+and the fp8 `kernels.batch_gemm` at the shape the engine picks and over a
+grid; each over weight copies that spill the L2 cache, in CUDA graphs, plus
+the per-token quantize launch the fp8 products need (timed alone). Reports the fastest of each and its largest
 difference from the reference arithmetic. On a CUDA GPU:
 
     python3 benchmarks/fp8_gemm_configs.py --model qwen2.5-7b --rows 1 8 64 256 --out /tmp/fp8_gemm.json
@@ -19,11 +18,11 @@ import torch.nn.functional as F
 
 from gemm_shapes import graph_time_us, shapes, write_out  # benchmarks/, the script's own folder
 from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
-from rollout_engine.kernels.batch_gemm import (MAX_FP8_ROWS, GemmConfig, fp8_batch_gemm, new_counters, pick_fp8,
+from rollout_engine.kernels.batch_gemm import (MAX_FP8_ROWS, GemmConfig, fp8_batch_gemm, new_counters, pick,
                                                use_counters)
 from rollout_engine.kernels.fp8 import quantize_channels
 from rollout_engine.kernels.fp8_quantize import quantize_rows_gpu
-from rollout_engine.kernels.gemv import _config, gemv, linear
+from rollout_engine.kernels.gemv import linear
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS, PresetConfig
 
@@ -35,10 +34,6 @@ def gemm_grid(m: int) -> list[GemmConfig]:
     return [GemmConfig(bm, bn, bk, split, warps, stages, swap=True)
             for bn, bk, split, warps, stages in itertools.product((32, 64, 128), (128, 256), (1, 2, 4), (4,), (3, 4))
             if bn * bk <= 128 * 256]
-
-
-GEMV_GRID = [(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16, 32), (1024, 2048, 4096), (4, 8))
-             if bn * bk <= 32768]
 
 
 def run(model: str, rows: list[int], only: list[str] | None) -> dict:
@@ -64,17 +59,8 @@ def run(model: str, rows: list[int], only: list[str] | None) -> dict:
             row["scaled_mm_us"] = timed(lambda w: torch._scaled_mm(qx, w[0].t(), scale_a=sx, scale_b=w[1].view(1, -1),
                                                                   out_dtype=torch.bfloat16), held)
             results = {}
-            if m == 1:
-                for cfg in [None] + GEMV_GRID:
-                    key = "gemv " + ("engine" if cfg is None else "x".join(map(str, cfg)))
-                    try:
-                        err = (gemv(x, held[0][0], scale=held[0][1], config=cfg).float() - ref).abs().max().item()
-                        results[key] = (timed(lambda w: gemv(x, w[0], scale=w[1], config=cfg), held), err)
-                    except Exception as e:  # noqa: BLE001 - a shape Triton cannot build: skipped
-                        print(key, str(e).splitlines()[0][:100])
-                row["gemv_engine_config"] = list(_config(n, k, True))
-            if 1 <= m <= MAX_FP8_ROWS:
-                for cfg in [pick_fp8(m, n, k, True)] + gemm_grid(m):
+            if m <= MAX_FP8_ROWS:
+                for cfg in [pick(m, n, k, True, fp8=True)] + gemm_grid(m):
                     key = "gemm " + ",".join(map(str, cfg))
                     if key in results:
                         continue
@@ -83,11 +69,11 @@ def run(model: str, rows: list[int], only: list[str] | None) -> dict:
                         results[key] = (timed(lambda w: fp8_batch_gemm(qx, sx, w[0], w[1], config=cfg), held), err)
                     except Exception as e:  # noqa: BLE001
                         results[key] = (float("inf"), str(e).splitlines()[0][:80])
-                row["gemm_pick"] = "gemm " + ",".join(map(str, pick_fp8(m, n, k, True)))
+                row["gemm_pick"] = "gemm " + ",".join(map(str, pick(m, n, k, True, fp8=True)))
             ok = {key: v for key, v in results.items() if v[0] != float("inf")}
             top = sorted(ok, key=lambda c: ok[c][0])[:6]
             row["best"] = {c: ok[c] for c in top}
-            row["engine"] = {c: ok[c] for c in ok if c in ("gemv engine", row.get("gemm_pick"))}
+            row["engine"] = {c: ok[c] for c in ok if c == row.get("gemm_pick")}
             row["ref_max"] = ref.abs().max().item()
             out["rows"].append(row)
             print(json.dumps(row), flush=True)

@@ -147,38 +147,37 @@ def use_counters(counters: torch.Tensor | None) -> Iterator[None]:
         _local.counters = prior
 
 
-def pick(m: int, n: int, k: int, can_split: bool) -> GemmConfig:
-    """The launch shape for x [m, K] W [n, K]^T, m <= MAX_ROWS: W x^T tiles
-    of 32 (narrow weights) or 64 weight rows; K split in two to eight slices
-    when the tiles are few (a quarter of the SMs) or K is long, up to about
-    one program per SM and slices of at least 256."""
+class _SplitRule(NamedTuple):
+    block_k: int
+    few_tiles: int  # split K when the tiles are at most this many (or K is long) ...
+    programs: int  # ... up to about this many programs ...
+    min_slice: int  # ... and slices of at least this many columns of K
+
+
+# bf16 / fp16: one program per SM; e4m3 (measured on H200, benchmarks/fp8_gemm_configs.py, qwen2.5-7b's
+# layers at 1 to 64 rows): blocks of 256 columns, about two programs per SM.
+_HALF_RULE = _SplitRule(128, SMS // 4, SMS, 256)
+_FP8_RULE = _SplitRule(256, SMS // 2, 2 * SMS, 512)
+
+
+def pick(m: int, n: int, k: int, can_split: bool, fp8: bool = False) -> GemmConfig:
+    """The launch shape for x [m, K] W [n, K]^T, m <= MAX_ROWS (`fp8`: e4m3
+    operands, m <= MAX_FP8_ROWS): W x^T tiles of 32 (narrow weights) or 64
+    weight rows; K split in two to eight slices when the tiles are few or K
+    is long, up to about one program per SM (fp8: two) and slices of at
+    least 256 (fp8: 512)."""
+    rule = _FP8_RULE if fp8 else _HALF_RULE
     bm = max(16, next_pow2(m))
     bn = 32 if n <= 2048 else 64
     tiles = cdiv(n, bn) * cdiv(m, bm)
     split = 1
-    if can_split and (tiles <= SMS // 4 or k >= 4096):
-        while split < 8 and tiles * split * 2 <= SMS and k // (split * 2) >= 256:
+    if can_split and (tiles <= rule.few_tiles or k >= 4096):
+        while split < 8 and tiles * split * 2 <= rule.programs and k // (split * 2) >= rule.min_slice:
             split *= 2
-    return GemmConfig(bm, bn, 128, split, 4, 4, swap=True)
+    return GemmConfig(bm, bn, rule.block_k, split, 4, 4, swap=True)
 
 
 MAX_FP8_ROWS = 64  # fp8 from 1 row to 64; more rows: cuBLAS's row-scaled fp8 products are as fast or faster
-
-
-def pick_fp8(m: int, n: int, k: int, can_split: bool) -> GemmConfig:
-    """`pick` for e4m3 operands up to MAX_FP8_ROWS rows, measured on H200
-    (benchmarks/fp8_gemm_configs.py, qwen2.5-7b's layers at 1 to 64 rows):
-    the same W x^T tiles, 256 columns of K a block, and K split (to about
-    two programs per SM, slices of at least 512) when the tiles are at most
-    half the SMs or K is long."""
-    bm = max(16, next_pow2(m))
-    bn = 32 if n <= 2048 else 64
-    tiles = cdiv(n, bn) * cdiv(m, bm)
-    split = 1
-    if can_split and (tiles <= SMS // 2 or k >= 4096):
-        while split < 8 and tiles * split * 2 <= 2 * SMS and k // (split * 2) >= 512:
-            split *= 2
-    return GemmConfig(bm, bn, 256, split, 4, 4, swap=True)
 
 
 def small_batch(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -200,7 +199,7 @@ def fp8_batch_gemm(q: torch.Tensor, scale_q: torch.Tensor, weight: torch.Tensor,
     """The fp8 product for 1 to MAX_FP8_ROWS rows: q [M, K] e4m3 (unit column
     stride) with fp32 multipliers scale_q [M, 1] (`kernels.fp8_quantize`),
     weight [N, K] e4m3 with scale_w [N, 1] -> [M, N] in `out_dtype`, the
-    sums in fp32 (launch shape: `pick_fp8`'s)."""
+    sums in fp32 (launch shape: `pick(..., fp8=True)`'s)."""
     return _launch(q, weight, bias, config, out_dtype, (scale_q, scale_w))
 
 
@@ -208,8 +207,7 @@ def _launch(x, weight, bias, config, out_dtype, scales=None):
     m, k = x.shape
     n = weight.shape[0]
     counters = getattr(_local, "counters", None)
-    choose = pick if scales is None else pick_fp8
-    bm, bn, bk, split, warps, stages, swap = config or choose(m, n, k, counters is not None)
+    bm, bn, bk, split, warps, stages, swap = config or pick(m, n, k, counters is not None, fp8=scales is not None)
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     tiles = cdiv(m, bm) * cdiv(n, bn)
     if not tiles:

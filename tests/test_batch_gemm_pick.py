@@ -20,6 +20,17 @@ def test_narrow_products_split_the_reduction_and_wide_ones_do_not():
     assert pick(8, 6144, 4096, True).split == 1  # 96 tiles: twice that would pass the SM count
 
 
+def test_fp8_products_take_the_measured_shapes():
+    # qwen2.5-7b at 1 to 64 rows (benchmarks/fp8_gemm_configs.py, H200): blocks of 256 columns; qkv and
+    # gate_up unsplit, down (K = 18944) in four, o (56 tiles) split; the grid's best within 0.3-1.2 us
+    assert pick(1, 4608, 3584, True, fp8=True) == (16, 64, 256, 1, 4, 4, True)
+    assert pick(1, 37888, 3584, True, fp8=True).split == 1
+    assert pick(1, 3584, 18944, True, fp8=True).split == 4
+    assert pick(64, 3584, 18944, True, fp8=True).block_m == 64
+    assert pick(16, 3584, 3584, True, fp8=True).split > 1
+    assert pick(1, 3584, 18944, False, fp8=True).split == 1
+
+
 def test_programs_stay_about_one_per_sm_and_slices_long():
     for m in (2, 7, 16, 32):
         for n in (128, 1000, 1024, 4096, 6144, 28672, 151936):

@@ -32,10 +32,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     [N, 1] -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
     if scaled_mm_fits(weight) and x.dtype == torch.bfloat16:  # row-wise scales: bf16 output only
-        q, s = quantize_rows_gpu(rows) if use_kernel(rows) and rows.stride(1) == 1 else quantize_rows(rows)
-        if rows.shape[0] <= MAX_FP8_ROWS and use_kernel(rows):  # decode batches: tiles that fill the GPU
-            return fp8_batch_gemm(q, s, weight, scale_inv, bias, x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-        y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale_inv.view(1, -1), bias=bias, out_dtype=x.dtype)
+        kernels = use_kernel(rows) and rows.stride(1) == 1
+        q, s = quantize_rows_gpu(rows) if kernels else quantize_rows(rows)
+        if kernels and rows.shape[0] <= MAX_FP8_ROWS:  # decode batches: tiles that fill the GPU
+            y = fp8_batch_gemm(q, s, weight, scale_inv, bias, x.dtype)
+        else:
+            y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale_inv.view(1, -1), bias=bias,
+                                 out_dtype=x.dtype)
     else:
         q, s = quantize_rows(rows)
         y = ((q.float() @ weight.float().t()) * s * scale_inv.t())

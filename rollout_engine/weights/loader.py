@@ -251,11 +251,12 @@ class WeightLoader:
             expert, part = target.shard_id
             return param[expert] if part == DOWN else param[expert].narrow(0, part * owner.width, owner.width)
         offset, size = 0, param.shape[0]  # a fused parameter by its own name (no shard): all of it
-        if target.shard_id is not None and isinstance(owner, QKVParallelLinear):
-            offset = {"q": 0, "k": owner.q_size, "v": owner.q_size + owner.kv_size}[target.shard_id]
-            size = owner.q_size if target.shard_id == "q" else owner.kv_size
-        elif target.shard_id is not None and isinstance(owner, MergedColumnParallelLinear):
-            offset, size = sum(owner.out_sizes[: target.shard_id]), owner.out_sizes[target.shard_id]
+        if target.shard_id is not None:
+            if isinstance(owner, QKVParallelLinear):
+                offset = {"q": 0, "k": owner.q_size, "v": owner.q_size + owner.kv_size}[target.shard_id]
+                size = owner.q_size if target.shard_id == "q" else owner.kv_size
+            elif isinstance(owner, MergedColumnParallelLinear):
+                offset, size = sum(owner.out_sizes[: target.shard_id]), owner.out_sizes[target.shard_id]
         param = param.narrow(0, offset, size)
         if param.dtype == FP8:
             scale_inv = owner.weight_scale.detach().narrow(0, offset, size)
