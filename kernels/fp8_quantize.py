@@ -70,7 +70,7 @@ def _kernel():
                     xb = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
                     amax = tl.maximum(amax, tl.max(tl.where(xb == xb, tl.abs(xb), float("inf")), axis=0))
         s = tl.where(amax > 0, amax * INV_MAX, 1.0)
-        s = tl.where(amax == amax, s, amax)
+        s = tl.where(amax == amax, s, amax)  # a given amax (HAS_AMAX) may be NaN: keep it non-finite
         r = libdevice.div_rn(s * 0.0 + 1.0, s)  # correctly rounded (Triton's own division is approximate)
         tl.store(q_row + cols, e4m3_value(x * r, MAX).to(tl.float8e4nv), mask=cols < K)
         if not ONE_PASS:
