@@ -113,7 +113,7 @@ def breakdown(events, wall_us: float, steps: int) -> dict:
     by_name: dict[str, float] = {}
     for name, _, dur in events:
         by_name[name] = by_name.get(name, 0.0) + dur
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
     return {
         "wall_ms": round(wall_us / 1e3, 1), "steps": steps,
         "busy_ms": round(busy / 1e3, 1), "busy_share": round(busy / wall_us, 4),

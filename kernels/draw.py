@@ -11,6 +11,12 @@ u * total (u: the row's seeded uniform), scans that chunk in blocks for the
 first token where it does (a token of weight 0 never is that token), and
 writes the token and its logprob, (x - m) / T - log(total). Where rounding
 leaves the target unreached, the chunk's last token of positive weight.
+
+`draw_from_weights` runs the same two launches over a [B, V] table of
+weights already computed (the processed probabilities of deterministic
+mode's sampler): the token only, in place of a float64 prefix sum of the
+table and a binary search. A row's chunks are fixed by V alone, so its
+token does not depend on the other rows.
 """
 from __future__ import annotations
 
@@ -44,26 +50,38 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def chunk_sums_kernel(x_ptr, stride, V, CHUNK, m_ptr, t_ptr, s_ptr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    def weight_of(x_ptr, row, stride, offs, ok, m, inv_t, WEIGHTS: tl.constexpr):
+        """exp((x - m) / T) of the logits, or the weights themselves."""
+        if WEIGHTS:
+            return tl.load(x_ptr + row * stride + offs, mask=ok, other=0.0)
+        x = tl.load(x_ptr + row * stride + offs, mask=ok, other=float("-inf"))
+        return tl.exp((x - m) * inv_t)
+
+    @triton.jit
+    def chunk_sums_kernel(x_ptr, stride, V, CHUNK, m_ptr, t_ptr, s_ptr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                          WEIGHTS: tl.constexpr = False):
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
-        m = tl.load(m_ptr + row)
-        inv_t = 1.0 / tl.load(t_ptr + row)
+        m, inv_t = 0.0, 1.0
+        if not WEIGHTS:
+            m = tl.load(m_ptr + row)
+            inv_t = 1.0 / tl.load(t_ptr + row)
         lo = part * CHUNK
         acc = tl.zeros([BLOCK], tl.float32)
         for start in range(0, CHUNK, BLOCK):
             local = start + tl.arange(0, BLOCK)
             offs = lo + local
-            x = tl.load(x_ptr + row * stride + offs, mask=(offs < V) & (local < CHUNK), other=float("-inf"))
-            acc += tl.exp((x - m) * inv_t)
+            acc += weight_of(x_ptr, row, stride, offs, (offs < V) & (local < CHUNK), m, inv_t, WEIGHTS=WEIGHTS)
         tl.store(s_ptr + row * SPLITS + part, tl.sum(acc, axis=0))
 
     @triton.jit
     def pick_kernel(x_ptr, stride, V, CHUNK, m_ptr, t_ptr, s_ptr, u_ptr, g_ptr, tok_ptr, lp_ptr,
-                    SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                    SPLITS: tl.constexpr, BLOCK: tl.constexpr, WEIGHTS: tl.constexpr = False):
         row = tl.program_id(0).to(tl.int64)
-        m = tl.load(m_ptr + row)
-        inv_t = 1.0 / tl.load(t_ptr + row)
+        m, inv_t = 0.0, 1.0
+        if not WEIGHTS:
+            m = tl.load(m_ptr + row)
+            inv_t = 1.0 / tl.load(t_ptr + row)
         p = tl.arange(0, SPLITS)
         sums = tl.load(s_ptr + row * SPLITS + p)
         total = tl.sum(sums, axis=0)
@@ -81,8 +99,7 @@ def _kernels():
             local = start + tl.arange(0, BLOCK)
             offs = lo + local
             ok = (offs < V) & (local < CHUNK)
-            x = tl.load(x_ptr + row * stride + offs, mask=ok, other=float("-inf"))
-            w = tl.exp((x - m) * inv_t)
+            w = weight_of(x_ptr, row, stride, offs, ok, m, inv_t, WEIGHTS=WEIGHTS)
             c = tl.cumsum(w, axis=0) + carry
             found = tl.minimum(found, tl.min(tl.where(ok & (c > target), offs, V), axis=0))
             last = tl.maximum(last, tl.max(tl.where(ok & (w > 0), offs, -1), axis=0))
@@ -90,11 +107,23 @@ def _kernels():
         # Summed in another order than the chunk sums, the scan may end a
         # rounding short of the target: then the chunk's last positive token.
         tok = tl.where(found < V, found, tl.where(last >= 0, last, tl.load(g_ptr + row).to(tl.int32)))
-        x_tok = tl.load(x_ptr + row * stride + tok)
         tl.store(tok_ptr + row, tok.to(tl.int64))
-        tl.store(lp_ptr + row, (x_tok - m) * inv_t - tl.log(total))
+        if not WEIGHTS:
+            x_tok = tl.load(x_ptr + row * stride + tok)
+            tl.store(lp_ptr + row, (x_tok - m) * inv_t - tl.log(total))
 
     return chunk_sums_kernel, pick_kernel
+
+
+def _launch(x: torch.Tensor, temps, row_max, greedy, uniforms, tokens, logprobs, weights: bool) -> None:
+    rows, vocab = x.shape
+    chunk = -(-vocab // SPLITS)
+    sums = torch.empty((rows, SPLITS), dtype=torch.float32, device=x.device)
+    chunk_sums, pick = _kernels()
+    chunk_sums[(rows, SPLITS)](x, x.stride(0), vocab, chunk, row_max, temps, sums, SPLITS=SPLITS, BLOCK=BLOCK,
+                               WEIGHTS=weights)
+    pick[(rows,)](x, x.stride(0), vocab, chunk, row_max, temps, sums, uniforms, greedy, tokens, logprobs,
+                  SPLITS=SPLITS, BLOCK=BLOCK, WEIGHTS=weights)
 
 
 def draw(logits: torch.Tensor, temps: torch.Tensor, row_max: torch.Tensor, greedy: torch.Tensor,
@@ -108,11 +137,18 @@ def draw(logits: torch.Tensor, temps: torch.Tensor, row_max: torch.Tensor, greed
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
     if rows:
-        chunk = -(-vocab // SPLITS)
-        sums = torch.empty((rows, SPLITS), dtype=torch.float32, device=dev)
-        chunk_sums, pick = _kernels()
-        chunk_sums[(rows, SPLITS)](logits, logits.stride(0), vocab, chunk, row_max, temps, sums,
-                                   SPLITS=SPLITS, BLOCK=BLOCK)
-        pick[(rows,)](logits, logits.stride(0), vocab, chunk, row_max, temps, sums, uniforms, greedy, tokens,
-                      logprobs, SPLITS=SPLITS, BLOCK=BLOCK)
+        _launch(logits, temps, row_max, greedy, uniforms, tokens, logprobs, weights=False)
     return tokens, logprobs
+
+
+def draw_from_weights(weights: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """weights [B, V] float32 >= 0 (unit stride in a row), uniforms [B]
+    float64 in (0, 1), greedy [B] int64 (the token of a row whose weights
+    are all 0). Returns tokens int64: per row the first token where the
+    running sum of the weights passes u * total (never a token of weight 0)."""
+    rows, vocab = weights.shape
+    assert weights.dtype == torch.float32 and weights.stride(1) == 1
+    tokens = torch.empty(rows, dtype=torch.int64, device=weights.device)
+    if rows:
+        _launch(weights, weights, weights, greedy, uniforms, tokens, tokens, weights=True)
+    return tokens

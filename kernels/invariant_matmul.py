@@ -43,15 +43,30 @@ class Tiles:
     warps: int = 4
     stages: int = 3
     tma: bool = False  # load tiles through tensor descriptors (Hopper's TMA)
+    flat: int = 0  # tiled launch: 0 a loop per chunk; 1 one loop over K, chunk ends by a branch; 2 by a select
 
 
-# Measured on H200 (benchmarks/invariant_matmul.py): small tiles with plain
-# loads decode best (up to 256 rows, inside CUDA graphs); 128x256 tiles
-# through TMA are the fastest at prefill sizes (1.2x cuBLAS's time at 8,192
-# rows, against 1.9x for the small tiles).
+# The first launch constants (H200, benchmarks/invariant_matmul.py): small
+# tiles with plain loads for decode, 128x256 tiles through TMA for prompts.
+# Kept as the reference configurations of the tests; `pick_tiles` chooses.
 DECODE_TILES = Tiles()
 PREFILL_TILES = Tiles(block_m=128, block_n=256, block_k=64, warps=8, stages=3, tma=True)
-DECODE_MAX_ROWS = 256
+DECODE_MAX_ROWS = 256  # CUDA-graph decode batches go up to this many rows
+WIDE_N = 16384  # products at least this wide (gate_up, the LM head) fill the GPU with output tiles alone
+# (most rows, tiles for narrower products, tiles for wide ones), measured on
+# an H100 over qwen2.5-7b's products in CUDA graphs (`--small --flat` and
+# `--flat`): the narrow products (qkv, o, down) have few output tiles and
+# several chunks, and run fastest with small tiles and the chunks in one
+# loop; the wide ones with larger tiles as rows grow. Every entry has
+# BLOCK_K 64: the same bits as DECODE_TILES.
+ROW_PICKS = (
+    (64, Tiles(64, 128, 64, 4, 3, flat=1), Tiles(64, 64, 64, 4, 4, flat=1)),
+    (128, Tiles(64, 64, 64, 4, 4, flat=1), Tiles(64, 128, 64, 4, 3, flat=1)),
+    (DECODE_MAX_ROWS, Tiles(64, 64, 64, 4, 4, flat=1), Tiles(128, 128, 64, 8, 4, tma=True)),
+    (768, Tiles(64, 128, 64, 4, 3, tma=True, flat=1), PREFILL_TILES),
+    (1536, Tiles(128, 128, 64, 4, 4, tma=True), PREFILL_TILES),
+    (None, Tiles(128, 256, 64, 8, 3, tma=True, flat=1), PREFILL_TILES),
+)
 CHUNK_BASIS_N = 128  # chunk_k counts output tiles of this width, whatever the launch's tiles
 MIN_CHUNK_BLOCKS = 4  # a chunk spans at least this many BLOCK_K slices
 
@@ -77,24 +92,31 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     import triton.language as tl
 
     @triton.jit
+    def load_pair(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, k0, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+        """The [BLOCK_M, BLOCK_K] slice of x and the [BLOCK_N, BLOCK_K] slice
+        of w at column k0 (out of range: zeros)."""
+        if TMA:
+            a = x_ptr.load([tl.min(rm, axis=0), k0])
+            b = w_ptr.load([tl.min(rn, axis=0), k0])
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            a = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm < M)[:, None] & k_ok[None, :],
+                        other=0.0)
+            b = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(rn < N)[:, None] & k_ok[None, :],
+                        other=0.0)
+        return a, b
+
+    @triton.jit
     def chunk_sum(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, k_start,
                   CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
         """fp32 sum over k in [k_start, k_start + CHUNK) of x[rm, k] * w[rn, k].
         With TMA, x_ptr and w_ptr are tensor descriptors (out-of-range
         elements read as zero, as the masked loads give)."""
         acc = tl.zeros([rm.shape[0], rn.shape[0]], tl.float32)
-        off_m, off_n = tl.min(rm, axis=0), tl.min(rn, axis=0)  # the tile's first row and column
         for kk in range(0, CHUNK, BLOCK_K):
-            if TMA:
-                a = x_ptr.load([off_m, k_start + kk])
-                b = w_ptr.load([off_n, k_start + kk])
-            else:
-                k = k_start + kk + tl.arange(0, BLOCK_K)
-                k_ok = k < K
-                a = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm < M)[:, None] & k_ok[None, :],
-                            other=0.0)
-                b = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=(rn < N)[:, None] & k_ok[None, :],
-                            other=0.0)
+            a, b = load_pair(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, k_start + kk,
+                             BLOCK_K=BLOCK_K, TMA=TMA)
             if IEEE:
                 acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             else:
@@ -104,13 +126,33 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     @triton.jit(do_not_specialize=["M"])
     def tile_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, NUM_CHUNKS,
                     HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, FLAT: tl.constexpr = 0):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for c in range(0, NUM_CHUNKS):
-            total += chunk_sum(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, c * CHUNK,
-                               CHUNK=CHUNK, BLOCK_K=BLOCK_K, IEEE=IEEE, TMA=TMA)
+        if FLAT == 0:
+            for c in range(0, NUM_CHUNKS):
+                total += chunk_sum(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, c * CHUNK,
+                                   CHUNK=CHUNK, BLOCK_K=BLOCK_K, IEEE=IEEE, TMA=TMA)
+        else:
+            # The same sums in one pipelined loop: a chunk's accumulator starts
+            # from zero and joins the total at the chunk's last slice.
+            PER_CHUNK: tl.constexpr = CHUNK // BLOCK_K
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for kb in range(0, NUM_CHUNKS * PER_CHUNK):
+                a, b = load_pair(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, kb * BLOCK_K,
+                                 BLOCK_K=BLOCK_K, TMA=TMA)
+                if FLAT == 2:
+                    acc = tl.where(kb % PER_CHUNK == 0, 0.0, acc)
+                if IEEE:
+                    acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc)
+                if FLAT == 2:
+                    total = tl.where(kb % PER_CHUNK == PER_CHUNK - 1, total + acc, total)
+                elif kb % PER_CHUNK == PER_CHUNK - 1:
+                    total += acc
+                    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if HAS_BIAS:
             total += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty),
@@ -142,6 +184,38 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         tl.store(y_ptr + row * stride_ym + col, total.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+def pick_tiles(m: int, n: int, k: int) -> tuple[Tiles, bool | None]:
+    """The launch constants for an [m, k] x [n, k]^T product (ROW_PICKS), and
+    the launch shape (None: split when the tiles alone would leave most of
+    the GPU idle). Speed only: the bits depend on neither."""
+    for most, narrow, wide in ROW_PICKS:
+        if most is None or m <= most:
+            return (wide if n >= WIDE_N else narrow), None
+    raise AssertionError("ROW_PICKS ends with an open bucket")
+
+
+def _splits(m: int, n: int, k: int, tiles: Tiles, sms: int) -> bool:
+    """The default launch shape: split when the tiles alone would leave most
+    of the GPU idle and the reduction has chunks to spread."""
+    chunks = cdiv(k, chunk_k(n, k, sms, tiles.block_k))
+    return chunks > 1 and cdiv(m, tiles.block_m) * cdiv(n, tiles.block_n) < sms
+
+
+def launches_to_compile(n: int, k: int, device: torch.device) -> list[tuple[int, bool]]:
+    """(rows, split) pairs that, run once each, compile every kernel an
+    [m, k] x [n, k]^T product can launch by default, whatever m: each bucket
+    of ROW_PICKS at its first row, with each launch shape its rows can take
+    (fewer rows split, more run tiled)."""
+    sms = _sm_count(device)
+    out, lo = [], 1
+    for most, narrow, wide in ROW_PICKS:
+        tiles = wide if n >= WIDE_N else narrow
+        shapes = {_splits(lo, n, k, tiles, sms), _splits(most or 1 << 30, n, k, tiles, sms)}
+        out += [(lo, split) for split in sorted(shapes)]
+        lo = (most or 0) + 1
+    return out
+
+
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      split: bool | None = None, tiles: Tiles | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias [N]). `split` forces a launch
@@ -162,12 +236,13 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         device = torch.device("cuda", torch.cuda.current_device())
     sms = _sm_count(device)
     if tiles is None:
-        tiles = DECODE_TILES if m <= DECODE_MAX_ROWS else PREFILL_TILES
+        tiles, picked = pick_tiles(m, n, k)
+        split = picked if split is None else split
     chunk = chunk_k(n, k, sms, tiles.block_k)
     chunks = cdiv(k, chunk)
     tiles_m, tiles_n = cdiv(m, tiles.block_m), cdiv(n, tiles.block_n)
     if split is None:
-        split = chunks > 1 and tiles_m * tiles_n < sms
+        split = _splits(m, n, k, tiles, sms)
     consts = dict(CHUNK=chunk, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                   IEEE=x.dtype == torch.float32, TMA=tiles.tma, num_warps=tiles.warps, num_stages=tiles.stages)
     b = bias if bias is not None else y
@@ -185,5 +260,5 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                                              BLOCK=block)
     else:
         tile_kernel[(tiles_m, tiles_n)](xa, wa, b, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0), chunks,
-                                        HAS_BIAS=bias is not None, **consts)
+                                        HAS_BIAS=bias is not None, FLAT=tiles.flat, **consts)
     return y.reshape(*shape[:-1], n)

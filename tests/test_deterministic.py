@@ -156,3 +156,26 @@ def test_tensor_parallel_two_ranks_stays_batch_invariant(tmp_path):
     crowded, _ = _target_output(folder, [target] + others[:20], [TARGET] + params[:20], tp_size=2,
                                 max_prefill_tokens=7)
     _same(alone, crowded)
+
+
+def test_the_matmul_tile_picks_keep_one_reduction_order():
+    """The deterministic matmul may pick its tiles by the number of rows only
+    because every pick shares BLOCK_K (the bits depend on it, through the
+    chunks, and not on the tiles): a pick with another BLOCK_K would make a
+    row's bits depend on its batch. The buckets rise, the last is open, and
+    the kernels compiled at start cover every bucket and launch shape."""
+    import torch
+
+    from rollout_engine.kernels.invariant_matmul import (DECODE_MAX_ROWS, DECODE_TILES, ROW_PICKS, WIDE_N, _splits,
+                                                         launches_to_compile, pick_tiles)
+
+    bounds = [most for most, _, _ in ROW_PICKS]
+    assert bounds[-1] is None and bounds[:-1] == sorted(bounds[:-1]) and DECODE_MAX_ROWS in bounds
+    assert {t.block_k for _, narrow, wide in ROW_PICKS for t in (narrow, wide)} == {DECODE_TILES.block_k}
+    cpu = torch.device("cpu")  # counted as an H100's 132 SMs
+    for n, k in ((1000, 4096), (3584, 18944), (4608, 3584), (WIDE_N, 4096), (152064, 3584)):
+        compiled = {(pick_tiles(m, n, k)[0], split) for m, split in launches_to_compile(n, k, cpu)}
+        for m in (1, 2, 9, 33, 64, 65, 100, 128, 129, 256, 257, 700, 768, 769, 1536, 1537, 3000, 70000):
+            tiles = pick_tiles(m, n, k)[0]
+            assert (tiles, _splits(m, n, k, tiles, 132)) in compiled, (n, k, m)
+    assert pick_tiles(256, 4096, 4096)[0] == ROW_PICKS[2][1] and pick_tiles(257, WIDE_N, 4096)[0] == ROW_PICKS[3][2]

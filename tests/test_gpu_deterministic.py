@@ -43,25 +43,57 @@ def folder(request, tmp_path_factory):
 
 def test_matmul_rows_do_not_depend_on_the_batch():
     """Every launch shape and tile configuration gives the same bits per row:
-    decode tiles (up to 256 rows), prompt tiles through TMA (above), split or
-    tiled."""
-    from rollout_engine.kernels.invariant_matmul import DECODE_TILES, PREFILL_TILES, invariant_matmul
+    each bucket of the engine's picks (decode tiles up to 256 rows, prompt
+    tiles through TMA above, chunks in one loop or a loop each), split or
+    tiled, narrow products and wide ones (WIDE_N)."""
+    from rollout_engine.kernels.invariant_matmul import DECODE_TILES, PREFILL_TILES, ROW_PICKS, invariant_matmul
 
     torch.manual_seed(0)
+    configs = {DECODE_TILES, PREFILL_TILES} | {t for _, narrow, wide in ROW_PICKS for t in (narrow, wide)}
     for n, k, bias in [(1376, 512, False), (512, 1376, True), (151936 // 8, 1024, False), (3072, 4096, True)]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
-        x = torch.randn(600, k, device="cuda", dtype=torch.bfloat16)
-        full = invariant_matmul(x, w, b)  # 600 rows: the prompt tiles
+        x = torch.randn(1600, k, device="cuda", dtype=torch.bfloat16)
+        full = invariant_matmul(x, w, b)  # 1,600 rows: the last bucket's prompt tiles
         ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
         torch.testing.assert_close(full.float(), ref, atol=3e-2, rtol=3e-2)
-        for m in (1, 3, 64, 65, 200, 256, 257, 300):
+        for m in (1, 3, 64, 65, 128, 129, 200, 256, 257, 300, 768, 769, 1536):
             assert torch.equal(invariant_matmul(x[:m], w, b), full[:m]), (n, k, m)
-            for tiles in (DECODE_TILES, PREFILL_TILES):
+        for m in (1, 65, 257, 300):
+            for tiles in configs:
                 for split in (True, False):
                     assert torch.equal(invariant_matmul(x[:m], w, b, split=split, tiles=tiles), full[:m]), \
                         (n, k, m, tiles, split)
         assert torch.equal(invariant_matmul(x[17:18], w, b)[0], full[17])
+
+
+def test_draw_from_weights_is_per_row_and_inverts_the_cdf():
+    """The deterministic sampler's draw over a processed table: a row's token
+    is the same alone and in any batch, has positive weight, and is where
+    the float64 running sum passes u * total (to float32 rounding)."""
+    from rollout_engine.kernels.draw import draw_from_weights
+
+    torch.manual_seed(0)
+    vocab = 151936
+    logits = torch.randn(300, vocab, device="cuda") * 3
+    probs = torch.softmax(logits, dim=-1)
+    probs[::3] *= probs[::3] > 1e-6  # filtered rows: zeros, as top-k / top-p / min-p leave them
+    probs[1, :] = 0
+    probs[1, 17] = 1.0  # one token left
+    uniforms = torch.rand(300, device="cuda", dtype=torch.float64).clamp(1e-6, 1 - 1e-6)
+    greedy = probs.argmax(dim=-1)
+    tokens = draw_from_weights(probs, uniforms, greedy)
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 64), slice(100, 300)):
+        assert torch.equal(draw_from_weights(probs[rows].contiguous(), uniforms[rows], greedy[rows]), tokens[rows])
+    assert int(tokens[1]) == 17
+    assert bool((probs.gather(-1, tokens[:, None]) > 0).all())
+    cdf = probs.double().cumsum(-1)
+    target = uniforms * cdf[:, -1]
+    before = torch.where(tokens > 0, cdf.gather(-1, (tokens - 1).clamp(min=0)[:, None]).squeeze(1),
+                         torch.zeros_like(target))
+    after = cdf.gather(-1, tokens[:, None]).squeeze(1)
+    slack = 1e-5 * cdf[:, -1]
+    assert bool(((before <= target + slack) & (target <= after + slack)).all())
 
 
 def test_row_scan_and_attention_rows_do_not_depend_on_the_batch():
@@ -198,19 +230,21 @@ def test_tp2_one_long_lived_engine_alone_crowded_cached_retracted_all_equal(tmp_
     _same(alone, squeezed)
 
 
-def _compiled(*kernels) -> int:
-    """Kernels Triton holds compiled for these JIT functions, on every device."""
+def _compiled(*kernels) -> set:
+    """The keys of the kernels Triton holds compiled for these JIT functions,
+    on every device."""
     caches = [getattr(k, "device_caches", None) for k in kernels]
     if any(c is None for c in caches):
         pytest.skip("this Triton keeps its compiled kernels elsewhere")
-    return sum(len(entry[0]) for c in caches for entry in c.values())
+    return {(i, str(key)) for i, c in enumerate(caches) for entry in c.values() for key in entry[0]}
 
 
 def test_the_first_long_prompt_compiles_no_matmul(tmp_path):
-    """The engine compiles the prompt-sized matrix-product kernels at start:
-    a prompt past DECODE_MAX_ROWS tokens, then a batch of them, find every
-    kernel ready (a compile inside a rollout cost the first long prompt
-    about half a second per weight shape)."""
+    """The engine compiles its matrix-product kernels at start: a prompt
+    past DECODE_MAX_ROWS tokens, then a batch of them (and the LM head over
+    their few sampled rows, outside the graphs), find every kernel ready (a
+    compile inside a rollout cost the first long prompt about half a second
+    per weight shape)."""
     from rollout_engine.kernels.invariant_matmul import DECODE_MAX_ROWS, split_kernel, tile_kernel
 
     hf = make_hf_model("qwen2", seed=1, num_hidden_layers=2, vocab_size=1000, initializer_range=0.06,
@@ -224,4 +258,22 @@ def test_the_first_long_prompt_compiles_no_matmul(tmp_path):
         after = _compiled(split_kernel, tile_kernel)
     finally:
         engine.shutdown()
-    assert before > 0 and after == before, (before, after)
+    assert before and after == before, sorted(after - before)
+
+
+def test_the_unit_temperature_softmax_equals_the_divided_one_bitwise():
+    """Deterministic mode's sampler reuses the logits' log-sum-exp when every
+    row is at temperature 0 or 1: the processed table, with filters, is the
+    one the division and a second log-sum-exp pass give, bit for bit."""
+    from rollout_engine.kernels.greedy import argmax_logsumexp
+    from rollout_engine.scheduler.plan_builder import sampling_plan
+    from rollout_engine.runner.sampler import INVARIANT_ROWS, SamplingBatch, processed_probs
+
+    torch.manual_seed(1)
+    logits = torch.randn(6, 151936, device="cuda") * 4
+    params = [SamplingParams(temperature=t, top_p=p) for t, p in ((1.0, 1.0), (0, 1.0), (1.0, 0.9), (1.0, 1.0),
+                                                                    (0, 0.5), (1.0, 0.95))]
+    sb = SamplingBatch.build(sampling_plan(params, list(range(6)), [3] * 6), torch.device("cuda"))
+    assert sb.unit_temperature
+    _, _, log_norm = argmax_logsumexp(logits)
+    assert torch.equal(processed_probs(logits, sb, INVARIANT_ROWS, log_norm), processed_probs(logits, sb, INVARIANT_ROWS))

@@ -110,6 +110,11 @@ def test_products_equal_the_reference(rows, n, k, bias):
     _close(got, _reference(x, q, scale, b), 2 ** -7)
 
 
+@pytest.fixture(scope="module")
+def fp8_reference(model):
+    return Reference(fp8_oracle(model[1]), "cuda")
+
+
 # (greedy margin, per-token, per-request mean) against the fp8 oracle, in nats. bf16 rounding ahead of a
 # per-token quantization sometimes moves an activation a whole e4m3 step, so the engine (bf16) sits ~5x
 # further from its fp32 oracle than bf16 does without fp8. Measured on the H200 on fresh single calls

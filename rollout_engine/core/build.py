@@ -20,7 +20,7 @@ from rollout_engine.config import EngineConfig
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.distributed.tp_group import TPChannel, TPStepRunner
 from rollout_engine.kernels._triton import triton_available
-from rollout_engine.layers.invariant import compile_prompt_kernels, make_batch_invariant
+from rollout_engine.layers.invariant import compile_matmul_kernels, make_batch_invariant
 from rollout_engine.layers.one_row import compile_one_row_kernels
 from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens, routes_layout
 from rollout_engine.memory.controller import MemoryController
@@ -177,7 +177,7 @@ def _runner(cfg: EngineConfig, model: DecoderForCausalLM, kv_pool: KVPool, table
                          batch_invariant=cfg.deterministic)
     backend = runner.backend
     if cfg.deterministic and device.type == "cuda":
-        compile_prompt_kernels(model)
+        compile_matmul_kernels(model)
     compile_one_row_kernels(model)
     if cfg.cuda_graph and backend.supports_cuda_graph:
         with DEVICE_WIDE:  # another engine's thread (on this GPU) waits: see runner/device_lock.py

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout_engine.kernels._triton import use_kernel
-from rollout_engine.kernels.invariant_matmul import DECODE_MAX_ROWS, invariant_matmul
+from rollout_engine.kernels.invariant_matmul import invariant_matmul, launches_to_compile
 
 
 def per_row(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args) -> torch.Tensor:
@@ -46,12 +46,14 @@ def make_batch_invariant(model: nn.Module) -> int:
     return count
 
 
-def compile_prompt_kernels(model: nn.Module) -> int:
-    """Compile the matrix-product kernels of prompt-sized batches (more than
-    DECODE_MAX_ROWS rows, both launch shapes) for every weight shape of a
-    batch-invariant `model` on the GPU, so that the first long prompt does
-    not wait for Triton (about half a second per shape; decode shapes are
-    compiled by the CUDA-graph capture). Returns how many shapes."""
+def compile_matmul_kernels(model: nn.Module) -> int:
+    """Compile every matrix-product kernel a batch-invariant `model` on the
+    GPU can launch (each bucket of the tile picks, each launch shape, every
+    weight shape), so that no step of a rollout waits for Triton: a prompt,
+    a short chunk or the LM head over a few sampled rows runs outside the
+    CUDA graphs and may land in a bucket no captured batch size touched
+    (about half a second per kernel, once per machine: Triton keeps them on
+    disk). Returns how many shapes."""
     seen = set()
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -62,7 +64,8 @@ def compile_prompt_kernels(model: nn.Module) -> int:
         if key in seen or not use_kernel(weight):
             continue
         seen.add(key)
-        x = torch.zeros(DECODE_MAX_ROWS + 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        for split in (True, False):
+        n, k = weight.shape
+        for rows, split in launches_to_compile(n, k, weight.device):
+            x = torch.zeros(rows, k, dtype=weight.dtype, device=weight.device)
             invariant_matmul(x, weight, bias, split=split)
     return len(seen)

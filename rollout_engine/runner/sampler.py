@@ -8,7 +8,10 @@ request reproduces whatever it is batched with, and a request resumed after
 preemption samples the same tokens. Everything is tensor ops on the device
 (no host RNG), so it can run inside a CUDA graph. On CUDA, a step whose rows
 sample at a temperature without filters or top logprobs takes two fused
-kernels instead (kernels/draw.py: no [B, V] tables written).
+kernels instead (kernels/draw.py: no [B, V] tables written). Deterministic
+mode keeps the general path for every row (a row's path must not depend on
+its neighbours) and inverts its processed table with the same chunked
+kernels, whose sums are fixed by the vocabulary alone.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import numpy as np
 import torch
 
 from rollout_engine.kernels._triton import use_kernel
-from rollout_engine.kernels.draw import draw
+from rollout_engine.kernels.draw import draw, draw_from_weights
 from rollout_engine.kernels.greedy import argmax_logsumexp, argmax_logsumexp_ref
 from rollout_engine.kernels.row_scan import row_cumsum
 from rollout_engine.plan import SamplingPlan
@@ -58,6 +61,7 @@ class SamplingBatch:
     use_min_p: bool
     all_greedy: bool
     max_top_logprobs: int
+    unit_temperature: bool = False  # every row at temperature 0 or 1: softmax(logits / T) is softmax(logits)
 
     @staticmethod
     def build(plan: SamplingPlan, device: torch.device, max_top_logprobs: int | None = None) -> "SamplingBatch":
@@ -74,6 +78,7 @@ class SamplingBatch:
             raw_logprobs=ints[3].bool(),
             use_sort_filters=plan.use_sort_filters, use_min_p=plan.use_min_p, all_greedy=plan.all_greedy,
             max_top_logprobs=plan.max_top_logprobs if max_top_logprobs is None else max_top_logprobs,
+            unit_temperature=bool(np.isin(plan.temperatures, (0.0, 1.0)).all()),
         )
 
 
@@ -93,10 +98,13 @@ class RowOps:
     def __init__(self, invariant: bool = False):
         self.invariant = invariant
 
-    def softmax(self, z: torch.Tensor) -> torch.Tensor:
+    def softmax(self, z: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+        """Row softmax; `lse`, the rows' log-sum-exp of z if already known
+        (invariant ops: argmax_logsumexp's, which they would compute)."""
         if not self.invariant:
             return torch.softmax(z, dim=-1)
-        _, _, lse = argmax_logsumexp(z)
+        if lse is None:
+            _, _, lse = argmax_logsumexp(z)
         return torch.exp(z - lse[:, None])
 
     def cumsum(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -115,12 +123,19 @@ TORCH_ROWS = RowOps()
 INVARIANT_ROWS = RowOps(invariant=True)
 
 
-def processed_probs(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH_ROWS) -> torch.Tensor:
+def processed_probs(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH_ROWS,
+                    log_norm: torch.Tensor | None = None) -> torch.Tensor:
     """The distribution each row samples from: softmax at its temperature (1
     for greedy rows), then top-k, top-p (over the top-k mass) and min-p,
-    renormalised. Filtered tokens have probability exactly 0."""
-    temps = torch.where(sb.temperatures > 0, sb.temperatures, torch.ones_like(sb.temperatures))
-    probs = ops.softmax(logits / temps[:, None])
+    renormalised. Filtered tokens have probability exactly 0. `log_norm`:
+    the logits' log-sum-exp from argmax_logsumexp; with invariant ops and
+    every temperature 0 or 1 it is the softmax's own (logits / 1 are the
+    logits, bit for bit), so the softmax takes one pass, not three."""
+    if ops.invariant and sb.unit_temperature and log_norm is not None:
+        probs = ops.softmax(logits, log_norm)
+    else:
+        temps = torch.where(sb.temperatures > 0, sb.temperatures, torch.ones_like(sb.temperatures))
+        probs = ops.softmax(logits / temps[:, None])
     keep = None
     # The batch's flags say whether any row filters; a row that does not
     # keeps its softmax untouched (not renormalised, no tail token dropped
@@ -161,9 +176,12 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, ops: RowOps = TORCH_ROWS) ->
     else:
         greedy_tokens, row_max, log_norm = argmax_logsumexp_ref(logits)
     needs_processed = not sb.all_greedy or sb.use_sort_filters or sb.use_min_p
-    probs = processed_probs(logits, sb, ops) if needs_processed else None
+    probs = processed_probs(logits, sb, ops, log_norm) if needs_processed else None
     if sb.all_greedy:
         tokens = greedy_tokens
+    elif ops.invariant and use_kernel(probs):  # chunk sums fixed by V: no float64 prefix sum, no search
+        drawn = draw_from_weights(probs, sb.uniforms, greedy_tokens)
+        tokens = torch.where(sb.temperatures > 0, drawn, greedy_tokens)
     else:
         cdf = ops.cumsum(probs, torch.float64)
         target = sb.uniforms * cdf[:, -1]
@@ -220,7 +238,7 @@ def score(logits: torch.Tensor, targets: torch.Tensor, sb: SamplingBatch, ops: R
     bit, in deterministic mode)."""
     _, _, log_norm = argmax_logsumexp(logits) if use_kernel(logits) else argmax_logsumexp_ref(logits)
     plain = (sb.temperatures == 0) & ~filters_of(sb)
-    return _logprobs_of(logits, targets, log_norm, processed_probs(logits, sb, ops), sb.raw_logprobs | plain)
+    return _logprobs_of(logits, targets, log_norm, processed_probs(logits, sb, ops, log_norm), sb.raw_logprobs | plain)
 
 
 def sample_per_row(logits: torch.Tensor, plan: SamplingPlan, device: torch.device) -> SampleResult:
