@@ -42,7 +42,7 @@ SMALL = [DECODE_TILES, Tiles(16, 128, 64, 4, 3), Tiles(16, 64, 64, 4, 4), Tiles(
 
 def label_of(t: Tiles) -> str:
     return f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" + ("tma" if t.tma else "") + (
-        f"f{t.flat}" if t.flat else "")
+        "flat" if t.flat else "")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,12 +54,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--launches", action="store_true", help="also time the split and the tiled launch apart")
     p.add_argument("--engine", action="store_true", help="also time the engine's own choice of tiles")
     p.add_argument("--flat", action="store_true",
-                   help="also each candidate's tiled launch with its chunks in one loop (Tiles.flat 1 and 2)")
+                   help="also each candidate's tiled launch with its chunks in one loop (Tiles.flat)")
     args = p.parse_checked(argv)
     needs_cuda(p, "the kernels are Triton's")
     candidates = SMALL if args.small else CANDIDATES
     if args.flat:
-        candidates = [dataclasses.replace(t, flat=f) for t in candidates for f in (0, 1, 2)]
+        candidates = [dataclasses.replace(t, flat=f) for t in candidates for f in (False, True)]
     launches = ((None, ""), (True, "/split"), (False, "/tiled"))[:3 if args.launches else 1]
     ref_w = torch.randn(3584, 3584, device="cuda", dtype=torch.bfloat16)
     ref_x = torch.randn(300, 3584, device="cuda", dtype=torch.bfloat16)

@@ -43,7 +43,7 @@ class Tiles:
     warps: int = 4
     stages: int = 3
     tma: bool = False  # load tiles through tensor descriptors (Hopper's TMA)
-    flat: int = 0  # tiled launch: 0 a loop per chunk; 1 one loop over K, chunk ends by a branch; 2 by a select
+    flat: bool = False  # tiled launch: all chunks in one pipelined loop (same sums) instead of a loop per chunk
 
 
 # The first launch constants (H200, benchmarks/invariant_matmul.py): small
@@ -60,12 +60,12 @@ WIDE_N = 16384  # products at least this wide (gate_up, the LM head) fill the GP
 # loop; the wide ones with larger tiles as rows grow. Every entry has
 # BLOCK_K 64: the same bits as DECODE_TILES.
 ROW_PICKS = (
-    (64, Tiles(64, 128, 64, 4, 3, flat=1), Tiles(64, 64, 64, 4, 4, flat=1)),
-    (128, Tiles(64, 64, 64, 4, 4, flat=1), Tiles(64, 128, 64, 4, 3, flat=1)),
-    (DECODE_MAX_ROWS, Tiles(64, 64, 64, 4, 4, flat=1), Tiles(128, 128, 64, 8, 4, tma=True)),
-    (768, Tiles(64, 128, 64, 4, 3, tma=True, flat=1), PREFILL_TILES),
+    (64, Tiles(64, 128, 64, 4, 3, flat=True), Tiles(64, 64, 64, 4, 4, flat=True)),
+    (128, Tiles(64, 64, 64, 4, 4, flat=True), Tiles(64, 128, 64, 4, 3, flat=True)),
+    (DECODE_MAX_ROWS, Tiles(64, 64, 64, 4, 4, flat=True), Tiles(128, 128, 64, 8, 4, tma=True)),
+    (768, Tiles(64, 128, 64, 4, 3, tma=True, flat=True), PREFILL_TILES),
     (1536, Tiles(128, 128, 64, 4, 4, tma=True), PREFILL_TILES),
-    (None, Tiles(128, 256, 64, 8, 3, tma=True, flat=1), PREFILL_TILES),
+    (None, Tiles(128, 256, 64, 8, 3, tma=True, flat=True), PREFILL_TILES),
 )
 CHUNK_BASIS_N = 128  # chunk_k counts output tiles of this width, whatever the launch's tiles
 MIN_CHUNK_BLOCKS = 4  # a chunk spans at least this many BLOCK_K slices
@@ -108,6 +108,13 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         return a, b
 
     @triton.jit
+    def dot_into(a, b, acc, IEEE: tl.constexpr):
+        """acc + a b^T (fp32 inputs: IEEE products, not TF32)."""
+        if IEEE:
+            return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        return tl.dot(a, tl.trans(b), acc)
+
+    @triton.jit
     def chunk_sum(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, k_start,
                   CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
         """fp32 sum over k in [k_start, k_start + CHUNK) of x[rm, k] * w[rn, k].
@@ -117,20 +124,17 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         for kk in range(0, CHUNK, BLOCK_K):
             a, b = load_pair(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, k_start + kk,
                              BLOCK_K=BLOCK_K, TMA=TMA)
-            if IEEE:
-                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+            acc = dot_into(a, b, acc, IEEE=IEEE)
         return acc
 
     @triton.jit(do_not_specialize=["M"])
     def tile_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, NUM_CHUNKS,
                     HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, FLAT: tl.constexpr = 0):
+                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, FLAT: tl.constexpr = False):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if FLAT == 0:
+        if not FLAT:
             for c in range(0, NUM_CHUNKS):
                 total += chunk_sum(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, c * CHUNK,
                                    CHUNK=CHUNK, BLOCK_K=BLOCK_K, IEEE=IEEE, TMA=TMA)
@@ -142,15 +146,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             for kb in range(0, NUM_CHUNKS * PER_CHUNK):
                 a, b = load_pair(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, rm, rn, kb * BLOCK_K,
                                  BLOCK_K=BLOCK_K, TMA=TMA)
-                if FLAT == 2:
-                    acc = tl.where(kb % PER_CHUNK == 0, 0.0, acc)
-                if IEEE:
-                    acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, tl.trans(b), acc)
-                if FLAT == 2:
-                    total = tl.where(kb % PER_CHUNK == PER_CHUNK - 1, total + acc, total)
-                elif kb % PER_CHUNK == PER_CHUNK - 1:
+                acc = dot_into(a, b, acc, IEEE=IEEE)
+                if kb % PER_CHUNK == PER_CHUNK - 1:
                     total += acc
                     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if HAS_BIAS:
@@ -184,13 +181,12 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         tl.store(y_ptr + row * stride_ym + col, total.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def pick_tiles(m: int, n: int, k: int) -> tuple[Tiles, bool | None]:
-    """The launch constants for an [m, k] x [n, k]^T product (ROW_PICKS), and
-    the launch shape (None: split when the tiles alone would leave most of
-    the GPU idle). Speed only: the bits depend on neither."""
+def pick_tiles(m: int, n: int, k: int) -> Tiles:
+    """The launch constants for an [m, k] x [n, k]^T product (ROW_PICKS).
+    Speed only: the bits do not depend on them."""
     for most, narrow, wide in ROW_PICKS:
         if most is None or m <= most:
-            return (wide if n >= WIDE_N else narrow), None
+            return wide if n >= WIDE_N else narrow
     raise AssertionError("ROW_PICKS ends with an open bucket")
 
 
@@ -236,8 +232,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         device = torch.device("cuda", torch.cuda.current_device())
     sms = _sm_count(device)
     if tiles is None:
-        tiles, picked = pick_tiles(m, n, k)
-        split = picked if split is None else split
+        tiles = pick_tiles(m, n, k)
     chunk = chunk_k(n, k, sms, tiles.block_k)
     chunks = cdiv(k, chunk)
     tiles_m, tiles_n = cdiv(m, tiles.block_m), cdiv(n, tiles.block_n)

@@ -174,8 +174,8 @@ def test_the_matmul_tile_picks_keep_one_reduction_order():
     assert {t.block_k for _, narrow, wide in ROW_PICKS for t in (narrow, wide)} == {DECODE_TILES.block_k}
     cpu = torch.device("cpu")  # counted as an H100's 132 SMs
     for n, k in ((1000, 4096), (3584, 18944), (4608, 3584), (WIDE_N, 4096), (152064, 3584)):
-        compiled = {(pick_tiles(m, n, k)[0], split) for m, split in launches_to_compile(n, k, cpu)}
+        compiled = {(pick_tiles(m, n, k), split) for m, split in launches_to_compile(n, k, cpu)}
         for m in (1, 2, 9, 33, 64, 65, 100, 128, 129, 256, 257, 700, 768, 769, 1536, 1537, 3000, 70000):
-            tiles = pick_tiles(m, n, k)[0]
+            tiles = pick_tiles(m, n, k)
             assert (tiles, _splits(m, n, k, tiles, 132)) in compiled, (n, k, m)
-    assert pick_tiles(256, 4096, 4096)[0] == ROW_PICKS[2][1] and pick_tiles(257, WIDE_N, 4096)[0] == ROW_PICKS[3][2]
+    assert pick_tiles(256, 4096, 4096) == ROW_PICKS[2][1] and pick_tiles(257, WIDE_N, 4096) == ROW_PICKS[3][2]
