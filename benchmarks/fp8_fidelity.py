@@ -1,5 +1,6 @@
-"""What quantization="fp8" costs in fidelity: an fp8 engine against the
-same model without quantization, on the same prompts.
+"""What fp8 costs in fidelity: an engine with fp8 weights
+(`--quantization fp8`, the default), an e4m3 KV cache (`--kv-cache-dtype
+fp8_e4m3`) or both, against the same model with neither, on the same prompts.
 
 - Greedy: each engine decodes the prompts greedily; the share of sequences
   that come out identical, and the mean position of the first difference.
@@ -11,6 +12,7 @@ same model without quantization, on the same prompts.
 
     python3 benchmarks/fp8_fidelity.py --model smollm2-135m --device cpu --out fidelity.json
     python3 benchmarks/fp8_fidelity.py --model qwen2.5-7b --load-format dummy   # GPU, random 7B shapes
+    python3 benchmarks/fp8_fidelity.py --quantization none --kv-cache-dtype fp8_e4m3   # the KV cache alone
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import numpy as np
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.bench import workloads
 from rollout_engine.cli_args import ScriptParser, positive_int
+from rollout_engine.config import KV_CACHE_DTYPES
 from rollout_engine.fidelity import score
 from rollout_engine.model_zoo import resolve_model_path
 
@@ -49,8 +52,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-len", type=positive_int, default=24)
     p.add_argument("--output-len", type=positive_int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", default="fp8", choices=["fp8", "none"], help="the weights of the engine compared")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="the KV cache of the engine compared")
     p.add_argument("--out", help="write the report here (JSON)")
     args = p.parse_args(argv)
+    quantization = None if args.quantization == "none" else args.quantization
+    if quantization is None and args.kv_cache_dtype == "auto":
+        p.error("--quantization none with --kv-cache-dtype auto compares the model with itself")
     folder = resolve_model_path(args.model, args.load_format)
     kw = dict(load_format=args.load_format, device=args.device, dtype=args.dtype, max_total_tokens=16384,
               seed=args.seed)
@@ -64,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     sampled = ref.generate(input_ids=ids, sampling_params=sample)
     device, dtype = str(ref.device), str(ref.dtype)
     ref.shutdown()
-    fp8 = RolloutEngine(folder, quantization="fp8", **kw)
+    fp8 = RolloutEngine(folder, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype, **kw)
     fp8_greedy = [o.output_token_ids for o in fp8.generate(input_ids=ids, sampling_params=greedy)]
     scored = score(fp8, [(p_, o.output_token_ids) for p_, o in zip(ids, sampled)])
     fp8.shutdown()
@@ -74,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     k1 = [float(np.sum(np.array(o.output_logprobs) - np.array(s))) for s, o in zip(scored, sampled)]
     report = {
         "model": args.model, "load_format": args.load_format, "device": device, "dtype": dtype,
+        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "prompts": len(ids), "prompt_len": args.prompt_len, "output_len": args.output_len,
         "greedy_identical_share": sum(a == b for a, b in zip(ref_greedy, fp8_greedy)) / len(ids),
         "greedy_first_difference_mean": float(np.mean(first_diff)),

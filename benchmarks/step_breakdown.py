@@ -133,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", choices=["grpo", "offline", "decode"], default="grpo",
                    help="grpo: prompts x samples; offline: independent requests; decode: one batch of short prompts")
     add_engine_args(p, ("model", "load_format", "tp_size", "deterministic", "page_size", "max_running_requests",
-                        "enable_return_routed_experts", "quantization"),
+                        "enable_return_routed_experts", "quantization", "kv_cache_dtype"),
                     defaults={"model": "qwen3-0.6b", "load_format": "dummy"})
     p.add_argument("--num-prompts", type=positive_int, default=16, help="grpo, offline: prompts")
     p.add_argument("-n", type=positive_int, default=8, help="grpo: samples per prompt")

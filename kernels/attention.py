@@ -1,7 +1,8 @@
 """Paged attention in Triton, for machines without FlashInfer: decode (one
 query token per sequence) and extend (new tokens over a cached prefix,
 causal). K/V are read through the request table (token -> slot), so any page
-size works. One torch reference (`paged_attention_ref`) serves both."""
+size works, and converted to the queries' dtype as they load (an e4m3 KV
+cache holds values that bf16 and fp16 represent exactly). One torch reference (`paged_attention_ref`) serves both."""
 from __future__ import annotations
 
 import importlib.util
@@ -44,7 +45,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         valid = n < kv_len
         slots = tl.load(table_ptr + row * table_stride + n, mask=valid, other=0).to(tl.int64)
         kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
+        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)  # an e4m3 cache: exact
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         allowed = valid[None, :]
         if CAUSAL:
@@ -54,7 +55,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         l = l * alpha + tl.sum(p, axis=1)
         return m_new, l, acc

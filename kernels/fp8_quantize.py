@@ -28,26 +28,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    try:
-        from triton.language.extra import libdevice
-    except ImportError:  # older Triton
-        from triton.language.extra.cuda import libdevice
-
-    @triton.jit
-    def e4m3_value(y, MAX: tl.constexpr):
-        """fp32 y rounded to the nearest e4m3 value (ties to even), as fp32:
-        normal magnitudes keep 3 mantissa bits (the integer form of
-        round-to-nearest-even on the fp32 bits), those below 2^-6 become
-        multiples of 2^-9 (rint: to nearest, ties to even), and magnitudes
-        past MAX (448) saturate. The sign is y's, -0 included."""
-        bits = y.to(tl.int32, bitcast=True)
-        a = tl.abs(y)
-        ab = a.to(tl.int32, bitcast=True)
-        normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # -1048576: ~0xFFFFF
-        sub = libdevice.rint(a * 512.0) * 0.001953125  # multiples of 2^-9 (scalings by powers of two are exact)
-        r = tl.minimum(tl.where(a < 0.015625, sub, normal), MAX)
-        # y's sign bit onto r (bit 31; -r would be 0 - r, which is +0 for r = 0)
-        return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    from rollout_engine.kernels.e4m3 import e4m3_value, libdevice
 
     @triton.jit
     def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, a_ptr, K, stride_x, stride_q, INV_MAX: tl.constexpr,

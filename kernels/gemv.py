@@ -42,6 +42,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    from rollout_engine.kernels.e4m3 import kv_value
+
     @triton.jit
     def _input(x_ptr, r_ptr, g_ptr, k, k_mask, inv, NORM: tl.constexpr, HAS_RES: tl.constexpr):
         """A block of the product's input in fp32: x, or with NORM the RMSNorm of
@@ -98,12 +100,12 @@ def _kernel():
                 tl.store(out + HALF + j, r2.to(dt))
             else:
                 out = kc_ptr + (tl.load(loc_ptr).to(tl.int64) * NK + head - NQ) * 2 * HALF
-                tl.store(out + j, r1.to(kc_ptr.dtype.element_ty))
-                tl.store(out + HALF + j, r2.to(kc_ptr.dtype.element_ty))
+                tl.store(out + j, kv_value(r1, dt, kc_ptr.dtype.element_ty))
+                tl.store(out + HALF + j, kv_value(r2, dt, kc_ptr.dtype.element_ty))
         else:
             out = vc_ptr + (tl.load(loc_ptr).to(tl.int64) * NK + head - NQ - NK) * 2 * HALF
-            tl.store(out + j, y1.to(vc_ptr.dtype.element_ty))
-            tl.store(out + HALF + j, y2.to(vc_ptr.dtype.element_ty))
+            tl.store(out + j, kv_value(y1, dt, vc_ptr.dtype.element_ty))
+            tl.store(out + HALF + j, kv_value(y2, dt, vc_ptr.dtype.element_ty))
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, N, K, stride_w, eps,

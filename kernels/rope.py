@@ -12,6 +12,7 @@ import functools
 import torch
 
 from rollout_engine.kernels._triton import next_pow2, pdl_args
+from rollout_engine.kernels.e4m3 import to_kv
 from rollout_engine.kernels.rmsnorm import rmsnorm_ref
 
 QKNorm = tuple[torch.Tensor, torch.Tensor, float]  # (q weight [D], k weight [D], eps)
@@ -38,8 +39,8 @@ def rope_and_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, loc,
         q_weight, k_weight, eps = qk_norm
         q, k = rmsnorm_ref(q, q_weight, eps)[0], rmsnorm_ref(k, k_weight, eps)[0]
     qo, ko = rope_ref(positions, q, k, cos, sin)
-    k_cache[loc] = ko.to(k_cache.dtype)
-    v_cache[loc] = v.to(v_cache.dtype)
+    k_cache[loc] = to_kv(ko, k_cache.dtype)
+    v_cache[loc] = to_kv(v, v_cache.dtype)
     return qo
 
 
@@ -48,6 +49,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    from rollout_engine.kernels.e4m3 import kv_value
+
     @triton.jit
     def _normed(x, w_ptr, offs, inv, dtype):
         """One half of each head through RMSNorm: rounded before and after the weight."""
@@ -55,8 +58,11 @@ def _kernel():
         return ((x * inv).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
 
     @triton.jit
-    def _rotate(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, c, s, w_ptr, eps, NUM_HEADS: tl.constexpr,
+    def _rotate(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, c, s, w_ptr, eps, dt, NUM_HEADS: tl.constexpr,
                 HEADS_P2: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+        """Heads of token t rotated (`dt`: the model's dtype, which every step
+        rounds to) into row `dst_row` of dst, as the KV cache holds them
+        when dst is a cache (`kv_value`)."""
         heads = tl.arange(0, HEADS_P2)[:, None]
         offs = tl.arange(0, HALF)[None, :]
         mask = heads < NUM_HEADS
@@ -66,26 +72,27 @@ def _kernel():
         if NORM:
             ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
             inv = tl.rsqrt(ss / (2 * HALF) + eps)[:, None]
-            x1 = _normed(x1, w_ptr, offs, inv, dst_ptr.dtype.element_ty)
-            x2 = _normed(x2, w_ptr + HALF, offs, inv, dst_ptr.dtype.element_ty)
+            x1 = _normed(x1, w_ptr, offs, inv, dt)
+            x2 = _normed(x2, w_ptr + HALF, offs, inv, dt)
         out = dst_ptr + (dst_row * NUM_HEADS + heads) * (2 * HALF)
-        tl.store(out + offs, (x1 * c - x2 * s).to(dst_ptr.dtype.element_ty), mask=mask)
-        tl.store(out + HALF + offs, (x2 * c + x1 * s).to(dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + offs, kv_value(x1 * c - x2 * s, dt, dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + HALF + offs, kv_value(x2 * c + x1 * s, dt, dst_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotate_k_store_v(k_ptr, v_ptr, ko_ptr, vo_ptr, loc_ptr, k_st, k_sh, v_st, v_sh, t, c, s, kw_ptr, eps,
+    def _rotate_k_store_v(k_ptr, v_ptr, ko_ptr, vo_ptr, loc_ptr, k_st, k_sh, v_st, v_sh, t, c, s, kw_ptr, eps, dt,
                           NK: tl.constexpr, NK_P2: tl.constexpr, HALF: tl.constexpr, STORE: tl.constexpr,
                           NORM: tl.constexpr):
         if STORE:  # k and v go to the cache slot of token t
             slot = tl.load(loc_ptr + t).to(tl.int64)
-            _rotate(k_ptr, ko_ptr, k_st, k_sh, t, slot, c, s, kw_ptr, eps, NK, NK_P2, HALF, NORM)
+            _rotate(k_ptr, ko_ptr, k_st, k_sh, t, slot, c, s, kw_ptr, eps, dt, NK, NK_P2, HALF, NORM)
             heads = tl.arange(0, NK_P2)[:, None]
             d = tl.arange(0, 2 * HALF)[None, :]
             mask = heads < NK
             val = tl.load(v_ptr + t * v_st + heads * v_sh + d, mask=mask, other=0.0)
-            tl.store(vo_ptr + (slot * NK + heads) * (2 * HALF) + d, val.to(vo_ptr.dtype.element_ty), mask=mask)
+            tl.store(vo_ptr + (slot * NK + heads) * (2 * HALF) + d, kv_value(val, dt, vo_ptr.dtype.element_ty),
+                     mask=mask)
         else:
-            _rotate(k_ptr, ko_ptr, k_st, k_sh, t, t, c, s, kw_ptr, eps, NK, NK_P2, HALF, NORM)
+            _rotate(k_ptr, ko_ptr, k_st, k_sh, t, t, c, s, kw_ptr, eps, dt, NK, NK_P2, HALF, NORM)
 
     @triton.jit
     def rope_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, loc_ptr, cos_ptr, sin_ptr, pos_ptr, qw_ptr, kw_ptr,
@@ -101,11 +108,12 @@ def _kernel():
         # cos/sin rounded to the model dtype first, as the reference does
         c = tl.load(cos_ptr + pos * cs_stride + offs).to(qo_ptr.dtype.element_ty).to(tl.float32)
         s = tl.load(sin_ptr + pos * cs_stride + offs).to(qo_ptr.dtype.element_ty).to(tl.float32)
+        dt = qo_ptr.dtype.element_ty  # the model's dtype (the caches may hold e4m3)
         part = tl.program_id(1)  # KV_PART 1: two programs per token, q in one, k (and v) in the other
         if part == 0:
-            _rotate(q_ptr, qo_ptr, q_st, q_sh, t, t, c, s, qw_ptr, eps, NQ, NQ_P2, HALF, NORM)
+            _rotate(q_ptr, qo_ptr, q_st, q_sh, t, t, c, s, qw_ptr, eps, dt, NQ, NQ_P2, HALF, NORM)
         if part == KV_PART:
-            _rotate_k_store_v(k_ptr, v_ptr, ko_ptr, vo_ptr, loc_ptr, k_st, k_sh, v_st, v_sh, t, c, s, kw_ptr, eps,
+            _rotate_k_store_v(k_ptr, v_ptr, ko_ptr, vo_ptr, loc_ptr, k_st, k_sh, v_st, v_sh, t, c, s, kw_ptr, eps, dt,
                               NK, NK_P2, HALF, STORE, NORM)
 
     return rope_kernel

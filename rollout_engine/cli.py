@@ -36,7 +36,7 @@ CPU_WORKLOADS = ("grpo", "weights", "serve", "longtail")  # the others measure t
 # flags would be accepted and silently ignored, so bench does not offer them.
 BENCH_ENGINE_FIELDS = ("model", "load_format", "attention_backend", "max_total_tokens", "seed", "cuda_graph",
                        "tp_size", "deterministic", "page_size", "max_running_requests", "cuda_graph_max_batch_size",
-                       "enable_return_routed_experts", "quantization")
+                       "enable_return_routed_experts", "quantization", "kv_cache_dtype")
 
 
 class Parser(argparse.ArgumentParser):

@@ -10,7 +10,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
 QUANTIZATIONS = ("fp8",)  # or None: weights in `dtype`
-KV_CACHE_DTYPES = ("auto",)  # "auto": the KV cache in `dtype`
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # "auto": the KV cache in `dtype`; "fp8_e4m3": e4m3, scale 1
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class EngineConfig:
     deterministic: bool = False  # batch-invariant: a request's tokens and logprobs do not depend on its batch
     enable_return_routed_experts: bool = False  # MoE: record each token's experts per layer (routing replay)
     quantization: str | None = None  # "fp8": e4m3 linear-layer weights, one scale per output row (quantization.py)
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "fp8_e4m3": K/V held in e4m3 (half of bf16's bytes), scale 1 (kernels/e4m3.py)
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> None:
@@ -74,8 +74,7 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             bad("quantization", f"must be None or one of {QUANTIZATIONS}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES} (the KV cache is held in `dtype`; "
-                                  "an fp8 KV cache is not available yet)")
+            bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES} (auto: the KV cache in `dtype`)")
         if self.deterministic and self.quantization is not None:
             bad("quantization", "must be None with deterministic=True (fp8 products are not batch-invariant)")
         if self.deterministic and self.attention_backend != "auto":

@@ -171,6 +171,52 @@ class Reference:
         return result
 
 
+def fp8_oracle(hf, tp_size: int = 1):
+    """A copy of `hf` computing what the fp8 engine computes, in fp32: each
+    quantized linear layer holds its weight as fp8 holds it and quantizes
+    its input per token; at `tp_size` > 1 the input of a row-split layer
+    (o_proj, down_proj) per token and rank, the part each rank holds."""
+    import copy
+
+    from rollout_engine.kernels.fp8 import dequantize_rows, quantize_rows
+    from rollout_engine.quantization import as_held, is_quantized
+
+    model = copy.deepcopy(hf).float()
+    hooked = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and is_quantized(f"{name}.weight", "fp8"):
+            with torch.no_grad():
+                module.weight.copy_(as_held(module.weight, torch.float32))
+            group = module.in_features // tp_size if name.endswith(("o_proj", "down_proj")) else None
+            module.register_forward_pre_hook(lambda m, args, group=group: (dequantize_rows(
+                *quantize_rows(args[0].reshape(-1, args[0].shape[-1]), group), group).reshape(args[0].shape),))
+            hooked += 1
+    assert hooked
+    return model
+
+
+def fp8_kv_oracle(hf_model):
+    """A copy of `hf_model` whose attention reads K/V as an e4m3 KV cache
+    holds them (`kv_cache_dtype="fp8_e4m3"`: the rotated keys and the values
+    clamped and rounded to e4m3, scale 1); everything else as HF computes it."""
+    import copy
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rollout_engine.kernels.e4m3 import to_kv
+    from rollout_engine.kernels.fp8 import FP8
+
+    def attend(module, query, key, value, *args, **kwargs):
+        key, value = to_kv(key, FP8).to(query.dtype), to_kv(value, FP8).to(query.dtype)
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register("fp8_kv_sdpa", attend)
+    model = copy.deepcopy(hf_model)
+    model.set_attn_implementation("fp8_kv_sdpa")
+    return model
+
+
 def check_outputs(reference: Reference, call: Call, outputs: list, report: Report, margin: float,
                   logprob_tol: float, tag: str, mean_tol: float | None = None) -> None:
     """`margin`: greedy tokens; `logprob_tol`: every token; `mean_tol`: the

@@ -11,36 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from differential import Reference
+from differential import Reference, fp8_oracle
 from models import MOE, make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.fidelity import weights_checksum
-from rollout_engine.kernels.fp8 import FP8, dequantize_rows, quantize_rows
+from rollout_engine.kernels.fp8 import FP8
 from rollout_engine.quantization import as_held, is_quantized
 
 PROMPTS = [[5, 17, 3, 99, 250, 7], [1, 2, 3], list(range(40, 75))]
 KINDS = ["llama", "qwen2", "qwen3", "qwen2_moe"]
-
-
-def fp8_oracle(hf, tp_size: int = 1):
-    """A copy of `hf` computing what the fp8 engine computes, in fp32: each
-    quantized linear layer holds its weight as fp8 holds it and quantizes
-    its input per token; at `tp_size` > 1 the input of a row-split layer
-    (o_proj, down_proj) per token and rank, the part each rank holds."""
-    import copy
-
-    model = copy.deepcopy(hf).float()
-    hooked = 0
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and is_quantized(f"{name}.weight", "fp8"):
-            with torch.no_grad():
-                module.weight.copy_(as_held(module.weight, torch.float32))
-            group = module.in_features // tp_size if name.endswith(("o_proj", "down_proj")) else None
-            module.register_forward_pre_hook(lambda m, args, group=group: (dequantize_rows(
-                *quantize_rows(args[0].reshape(-1, args[0].shape[-1]), group), group).reshape(args[0].shape),))
-            hooked += 1
-    assert hooked
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ import os
 import pytest
 import torch
 
-from differential import Reference, WorkloadGenerator, stress
-from test_fp8_engine import fp8_oracle
+from differential import Reference, WorkloadGenerator, fp8_oracle, stress
 from test_gpu_differential import model  # noqa: F401 - the fixture
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.fidelity import weights_checksum

@@ -73,8 +73,8 @@ def test_fp8_tp2_holds_what_tp1_does_and_computes_as_its_ranks_quantize(tmp_path
     down_proj gets one scale per token and rank: the engine equals the fp32
     oracle that quantizes so (`assert_near_oracle`), not tp_size 1 (whose
     differences are fp8's rounding, ~0.1 nat on these peaked tiny models)."""
-    from differential import Reference
-    from test_fp8_engine import assert_near_oracle, fp8_oracle
+    from differential import Reference, fp8_oracle
+    from test_fp8_engine import assert_near_oracle
 
     hf = make_hf_model("qwen2_moe", seed=3, initializer_range=0.2)  # qkv biases, row-split o/down, shared expert
     folder = save_model(hf, tmp_path_factory.mktemp("tp-fp8"))

@@ -42,8 +42,13 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     page_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the queries'
     device: torch.device
+    kv_dtype: torch.dtype | None = None  # the KV cache's, when not `dtype` (an e4m3 cache)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
 
 class AttentionBackend(ABC):

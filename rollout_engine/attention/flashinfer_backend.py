@@ -1,7 +1,8 @@
 """FlashInfer paged attention: fa2 prefill over cached prefix + new tokens,
 fa2 decode (tensor cores when 4+ query heads share a KV head, or from 128
 rows on). Planned once per step for all layers; page indices are built on
-the GPU from the device request table. Decode wrappers for CUDA graphs plan into fixed buffers."""
+the GPU from the device request table. An e4m3 KV cache is read by the same
+kernels (scale 1: no k_scale / v_scale). Decode wrappers for CUDA graphs plan into fixed buffers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -103,7 +104,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._before_plan()
         wrapper.plan(torch.from_numpy(pt.indptr), indices, torch.from_numpy(pt.last_page_len),
                      s.num_heads, s.num_kv_heads, s.head_dim, s.page_size,
-                     q_data_type=s.dtype, kv_data_type=s.dtype, non_blocking=True, **self.split_args(batch))
+                     q_data_type=s.dtype, kv_data_type=s.cache_dtype, non_blocking=True, **self.split_args(batch))
         self._after_plan()
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
@@ -120,7 +121,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._before_plan()
         self.prefill.plan(torch.from_numpy(qo_indptr), torch.from_numpy(pt.indptr), indices,
                           torch.from_numpy(pt.last_page_len), s.num_heads, s.num_kv_heads, s.head_dim,
-                          s.page_size, causal=True, q_data_type=s.dtype, kv_data_type=s.dtype, non_blocking=True)
+                          s.page_size, causal=True, q_data_type=s.dtype, kv_data_type=s.cache_dtype, non_blocking=True)
         self._after_plan()
         fb.attn_metadata = self.prefill
 

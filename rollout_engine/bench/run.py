@@ -20,6 +20,12 @@ def _device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
 
 
+def engine_costs(engine) -> ModelCosts:
+    """What a step of this engine reads and computes (its quantization and KV cache dtype counted)."""
+    cfg = engine.config
+    return ModelCosts.of(engine.model_config, fp8=cfg.quantization == "fp8", kv_fp8=cfg.kv_cache_dtype == "fp8_e4m3")
+
+
 def run_workload(engine, wl: workloads.Workload) -> dict[str, Any]:
     # an engine that captures routing: every request asks for it (its cost is what is measured)
     routed = getattr(getattr(engine, "config", None), "enable_return_routed_experts", False)
@@ -79,7 +85,7 @@ def bench_grpo(args) -> dict[str, Any]:
 def _add_roofline(res: dict, engine, limits, input_lens: list[int], output_lens: list[int],
                   prefill_tokens: int | None = None) -> None:
     """The run's share of its workload roofline (BENCH.md)."""
-    costs = ModelCosts.of(engine.model_config, fp8=engine.config.quantization == "fp8")
+    costs = engine_costs(engine)
     roof = workload_roofline(costs, limits, input_lens, output_lens, engine.config.max_running_requests,
                              prefill_tokens)
     res.update(roofline_tok_per_s=round(roof, 1), pct_of_roofline=round(100 * res["output_tok_per_s"] / roof, 1),
@@ -143,7 +149,7 @@ def bench_decode(args) -> dict[str, Any]:
     modes = (False,) if args.no_cuda_graph else (True,) if getattr(args, "graphs_only", False) else (True, False)
     for graphs in modes:
         engine = make_engine(args, cuda_graph=graphs, enable_prefix_cache=False)
-        costs = ModelCosts.of(engine.model_config, fp8=engine.config.quantization == "fp8")
+        costs = engine_costs(engine)
         _decode_step_times(engine, 2, 64, 4)  # warm-up
         for batch in args.batch_sizes:
             steps_before = engine.cache_stats()["steps"]
@@ -173,7 +179,7 @@ def bench_prefill(args) -> dict[str, Any]:
 
     limits = measure_device()
     engine = make_engine(args, enable_prefix_cache=False, max_prefill_tokens=args.num_prompts * args.prompt_max)
-    costs = ModelCosts.of(engine.model_config, fp8=engine.config.quantization == "fp8")
+    costs = engine_costs(engine)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_new_tokens=1, temperature=0)
     results = []

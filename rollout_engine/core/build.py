@@ -29,7 +29,8 @@ from rollout_engine.memory.saver import create_saver
 from rollout_engine.model_zoo import resolve_model_path
 from rollout_engine.models.decoder import DecoderForCausalLM
 from rollout_engine.models.config import ModelConfig
-from rollout_engine.runner.model_loader import load_model, read_hf_config, resolve_device, resolve_dtype
+from rollout_engine.runner.model_loader import (load_model, read_hf_config, resolve_device, resolve_dtype,
+                                               resolve_kv_dtype)
 from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.runner.model_runner import ModelRunner
 from rollout_engine.scheduler.kv_manager import KVManager
@@ -153,13 +154,15 @@ def _kv_memory(cfg: EngineConfig, model: DecoderForCausalLM, memory: MemoryManag
     attn = model.model.layers[0].self_attn.attn
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     routes = routes_layout(cfg, mc)
-    per_token = kv_bytes_per_token(mc, attn.num_kv_heads, dtype, routes)
+    kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
+    per_token = kv_bytes_per_token(mc, attn.num_kv_heads, kv_dtype, routes)
     capacity = comm.agree_min(kv_capacity_tokens(cfg, mc, per_token, device, free_before, weight_bytes,
                                                  dtype.itemsize), device)
     num_pages = -(-capacity // cfg.page_size)
     allocator = PageAllocator(num_pages, cfg.page_size)
     with memory.region("kv_cache"):
-        kv_pool = KVPool(mc.num_layers, allocator.num_slots, attn.num_kv_heads, mc.head_dim, dtype, device, routes)
+        kv_pool = KVPool(mc.num_layers, allocator.num_slots, attn.num_kv_heads, mc.head_dim, kv_dtype, device,
+                         routes)
     memory.register("kv_cache", kv_pool.tensors)
     routing_off = None if routes is not None else ROUTING_OFF
     limits = Limits(mc.vocab_size, mc.max_position, num_pages * cfg.page_size, routing_off)
@@ -172,7 +175,8 @@ def _runner(cfg: EngineConfig, model: DecoderForCausalLM, kv_pool: KVPool, table
     """Attention backend and model runner, with its CUDA graphs captured."""
     mc = model.config
     attn = model.model.layers[0].self_attn.attn
-    shape = AttentionShape(attn.num_heads, attn.num_kv_heads, mc.head_dim, cfg.page_size, dtype, device)
+    shape = AttentionShape(attn.num_heads, attn.num_kv_heads, mc.head_dim, cfg.page_size, dtype, device,
+                           kv_pool.dtype)
     runner = ModelRunner(model, kv_pool, _backend(cfg, shape), (table.max_rows, table.max_context), device,
                          batch_invariant=cfg.deterministic)
     backend = runner.backend
@@ -197,9 +201,10 @@ def replica_runner(parts: EngineParts) -> ModelRunner:
     in order, it computes the same tokens."""
     cfg, model = parts.config, parts.model
     mc, attn = model.config, model.model.layers[0].self_attn.attn
-    kv_pool = KVPool(mc.num_layers, parts.kv_pool.num_slots, attn.num_kv_heads, mc.head_dim, parts.dtype,
+    kv_pool = KVPool(mc.num_layers, parts.kv_pool.num_slots, attn.num_kv_heads, mc.head_dim, parts.kv_pool.dtype,
                      parts.device)
-    shape = AttentionShape(attn.num_heads, attn.num_kv_heads, mc.head_dim, cfg.page_size, parts.dtype, parts.device)
+    shape = AttentionShape(attn.num_heads, attn.num_kv_heads, mc.head_dim, cfg.page_size, parts.dtype, parts.device,
+                           kv_pool.dtype)
     return ModelRunner(model, kv_pool, _backend(cfg, shape), parts.runner.table_shape, parts.device,
                        batch_invariant=cfg.deterministic)
 
