@@ -27,20 +27,22 @@ def time_ms(fn) -> float:
 
 
 def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: int, tensor_cores: bool,
-             graph: bool, backend: str = "fa2", shared: int = 0, group: int = 1, **plan_kw) -> float:
+             graph: bool, backend: str = "fa2", shared: int = 0, group: int = 1, kv_dtype: torch.dtype = torch.bfloat16,
+             **plan_kw) -> float:
     """Milliseconds of one decode attention call over sequences of `lens`
     tokens; `graph`: planned and replayed as the engine's CUDA graphs are.
     `shared`: each `group` of consecutive sequences has the pages of its first
-    `shared` tokens in common (n samples of one prompt). `plan_kw`: more
-    arguments for the plan (e.g. FlashInfer's split-KV controls)."""
+    `shared` tokens in common (n samples of one prompt). `kv_dtype`: the
+    cache's (bf16, or e4m3 as kv_cache_dtype="fp8_e4m3" holds it). `plan_kw`:
+    more arguments for the plan (e.g. FlashInfer's split-KV controls)."""
     dev = torch.device("cuda")
     batch = len(lens)
     pages = -(-lens // page)
     indptr = torch.zeros(batch + 1, dtype=torch.int32)
     indptr[1:] = pages.cumsum(0)
     num_pages = int(indptr[-1])
-    k = torch.randn(num_pages, page, kv_heads, dim, dtype=torch.bfloat16, device=dev)
-    v = torch.randn_like(k)
+    k = torch.randn(num_pages, page, kv_heads, dim, dtype=torch.bfloat16, device=dev).to(kv_dtype)
+    v = torch.randn(num_pages, page, kv_heads, dim, dtype=torch.bfloat16, device=dev).to(kv_dtype)
     # Pages of one sequence scattered over the pool, as after many requests came and went.
     indices = torch.randperm(num_pages, device=dev, dtype=torch.int64).to(torch.int32)
     if shared:
@@ -60,7 +62,7 @@ def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: 
 
     def plan(indptr, last):
         w.plan(indptr, indices, last, heads, kv_heads, dim, page, q_data_type=torch.bfloat16,
-               kv_data_type=torch.bfloat16, **plan_kw)
+               kv_data_type=kv_dtype, **plan_kw)
 
     if not graph:
         plan(indptr, last)
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="tokens at the start of each sequence whose pages a group of --group sequences shares")
     p.add_argument("--group", type=positive_int, default=8, help="sequences per shared prefix")
     p.add_argument("--page-sizes", type=positive_int, nargs="+", default=[1, 16], help="tokens per KV page")
+    p.add_argument("--kv-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"],
+                   help="KV cache dtypes (kv_cache_dtype): auto is bf16")
     p.add_argument("--engine-only", action="store_true",
                    help="only what the engine runs from 64 rows on: tensor cores, no split, in a graph, "
                         "ragged lengths")
@@ -111,8 +115,9 @@ def main(argv: list[str] | None = None) -> None:
                         else torch.full((batch,), context))
                 if args.shared_prefix:
                     lens = lens + args.shared_prefix
-                kv_bytes = 2 * int(lens.sum()) * kv_heads * dim * 2
-                for page in args.page_sizes:
+                for page, kv_name in itertools.product(args.page_sizes, args.kv_dtypes):
+                    kv_dtype = torch.bfloat16 if kv_name == "auto" else torch.float8_e4m3fn
+                    kv_bytes = 2 * int(lens.sum()) * kv_heads * dim * kv_dtype.itemsize
                     kernels = (((True, False),) if args.engine_only
                                else ((False, True), (True, True), (True, False)))
                     for (tc, split), backend in itertools.product(kernels, args.backends):
@@ -122,11 +127,12 @@ def main(argv: list[str] | None = None) -> None:
                             kw = {} if split else {"disable_split_kv": True}
                             try:
                                 ms = run_case(flashinfer, heads, kv_heads, dim, lens, page, tc, graph, backend,
-                                              args.shared_prefix, args.group, **kw)
+                                              args.shared_prefix, args.group, kv_dtype, **kw)
                             except Exception as e:  # a kernel this build lacks: recorded
                                 print(backend, "failed:", str(e).splitlines()[0][:200], flush=True)
                                 continue
                             row = {"batch": batch, "context": context, "ragged": ragged, "page_size": page,
+                                   "kv_cache_dtype": kv_name,
                                    "tensor_cores": tc, "split_kv": split, "graph": graph, "backend": backend,
                                    "shared_prefix": args.shared_prefix, "group": args.group,
                                    "us": round(ms * 1e3, 1), "kv_TBps": round(kv_bytes / ms / 1e9, 3)}

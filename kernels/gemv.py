@@ -95,17 +95,17 @@ def _kernel():
             r1 = y1 * c - y2 * s
             r2 = y2 * c + y1 * s
             if head < NQ:
-                out = y_ptr + head * 2 * HALF
-                tl.store(out + j, r1.to(dt))
-                tl.store(out + HALF + j, r2.to(dt))
-            else:
-                out = kc_ptr + (tl.load(loc_ptr).to(tl.int64) * NK + head - NQ) * 2 * HALF
-                tl.store(out + j, kv_value(r1, dt, kc_ptr.dtype.element_ty))
-                tl.store(out + HALF + j, kv_value(r2, dt, kc_ptr.dtype.element_ty))
+                q_out = y_ptr + head * 2 * HALF
+                tl.store(q_out + j, r1.to(dt))
+                tl.store(q_out + HALF + j, r2.to(dt))
+            else:  # (a pointer of its own: the caches may hold another type than y)
+                k_out = kc_ptr + (tl.load(loc_ptr).to(tl.int64) * NK + head - NQ) * 2 * HALF
+                tl.store(k_out + j, kv_value(r1, dt, kc_ptr.dtype.element_ty))
+                tl.store(k_out + HALF + j, kv_value(r2, dt, kc_ptr.dtype.element_ty))
         else:
-            out = vc_ptr + (tl.load(loc_ptr).to(tl.int64) * NK + head - NQ - NK) * 2 * HALF
-            tl.store(out + j, kv_value(y1, dt, vc_ptr.dtype.element_ty))
-            tl.store(out + HALF + j, kv_value(y2, dt, vc_ptr.dtype.element_ty))
+            v_out = vc_ptr + (tl.load(loc_ptr).to(tl.int64) * NK + head - NQ - NK) * 2 * HALF
+            tl.store(v_out + j, kv_value(y1, dt, vc_ptr.dtype.element_ty))
+            tl.store(v_out + HALF + j, kv_value(y2, dt, vc_ptr.dtype.element_ty))
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, N, K, stride_w, eps,

@@ -89,8 +89,12 @@ def kv_reference(model):
 
 
 # (greedy margin, per-token, per-request mean) against the fp8-KV oracle, in nats: bf16 rounding ahead of the
-# e4m3 rounding sometimes moves a key or value a whole e4m3 step. Measured (BENCHMARKS.md, "An e4m3 KV cache").
-KV_TOLERANCES = {"smollm2": (4.5, 6.0, 1.0), "random": (6.0, 6.0, 1.5)}
+# e4m3 rounding sometimes moves a key or value a whole e4m3 step. Measured on SmolLM2 over 40-call sequences
+# (H200, 2026-11-26): greedy gap 1.55-2.21, a token 1.81-3.03, a request mean 0.22-0.24 on both backends and page
+# sizes (bf16 without fp8: MARGIN / LOGPROB_TOL / MEAN_TOL of tests/test_gpu_differential.py); the bounds sit near
+# 1.5x those, a third or less of what another request's KV gives (13-27 nats). The random fallback model takes the fp8
+# weights' bounds (tests/test_gpu_fp8.py).
+KV_TOLERANCES = {"smollm2": (3.5, 4.5, 0.4), "random": (6.0, 6.0, 1.5)}
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -103,7 +107,7 @@ def test_differential_stress_with_an_e4m3_cache(model, kv_reference, backend, pa
 
     folder, _, prompts, token_range = model
     margin, logprob_tol, mean_tol = KV_TOLERANCES["smollm2" if folder == model_dir("smollm2-135m") else "random"]
-    calls = int(os.environ.get("STRESS_CALLS", "40"))
+    calls = int(os.environ.get("STRESS_CALLS", "60"))  # as the bf16 suite: page size 1 retracts late in the run
     engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", attention_backend=backend,
                            page_size=page_size, max_total_tokens=1024, max_prefill_tokens=256,
                            cuda_graph_max_batch_size=32, max_running_requests=96, kv_cache_dtype="fp8_e4m3")
@@ -149,8 +153,10 @@ def test_deterministic_mode_stays_batch_invariant_with_an_e4m3_cache(tmp_path):
 
 
 # What the e4m3 cache alone costs against bf16 (benchmarks/fp8_fidelity.py --quantization none
-# --kv-cache-dtype fp8_e4m3): (mean per-token gap, k1 KL per token), bounded at ~1.5x the measured values.
-KV_FIDELITY = [("smollm2-135m", "auto", 0.3, 0.08), ("qwen2.5-7b", "dummy", 0.75, 0.3)]
+# --kv-cache-dtype fp8_e4m3): (mean per-token gap, k1 KL per token), bounded at ~1.5x the values measured on the
+# H200: SmolLM2 real weights 0.106 and 0.011; random qwen2.5-7b shapes 0.239 and 0.052 (e4m3 weights: 0.214 and
+# 0.054, 0.526 and 0.167).
+KV_FIDELITY = [("smollm2-135m", "auto", 0.16, 0.017), ("qwen2.5-7b", "dummy", 0.36, 0.08)]
 
 
 @pytest.mark.parametrize("model_name,load_format,gap_bound,kl_bound", KV_FIDELITY)
