@@ -2,7 +2,8 @@
 query token per sequence) and extend (new tokens over a cached prefix,
 causal). K/V are read through the request table (token -> slot), so any page
 size works, and converted to the queries' dtype as they load (an e4m3 KV
-cache holds values that bf16 and fp16 represent exactly). One torch reference (`paged_attention_ref`) serves both."""
+cache holds values that bf16 and fp16 represent exactly). One torch
+reference (`paged_attention_ref`) serves both."""
 from __future__ import annotations
 
 import importlib.util
