@@ -403,6 +403,44 @@ def test_serve_refuses_a_busy_port_and_bad_flags_before_loading(smollm2_dir):
             assert "serving" not in out.stdout
 
 
+def test_the_banner_comes_once_the_port_accepts_connections(tmp_path):
+    """`serving ... on http://...` is the signal scripts wait for: a request
+    sent the moment it appears is answered (no connection refused)."""
+    from models import make_hf_model, save_model
+
+    folder = save_model(make_hf_model("llama", seed=0), tmp_path)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rollout_engine.cli", "serve", "--model", folder, "--device", "cpu",
+                             "--port", str(port), "--max-total-tokens", "2048"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    banner = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving" in line:
+                banner.set()
+                # answered now, before this thread reads on
+                lines.append(f"health {httpx.get(f'http://127.0.0.1:{port}/health', timeout=5).status_code}\n")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert banner.wait(START_TIMEOUT), "".join(lines)[-2000:]
+        deadline = time.monotonic() + 10
+        while not any(line.startswith("health") for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "health 200\n" in lines, "".join(lines)[-2000:]
+        assert f"on http://127.0.0.1:{port}" in next(line for line in lines if "serving" in line)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(30) == 0
+        finally:
+            proc.kill()
+
+
 def _rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))

@@ -3,7 +3,7 @@
 prometheus-client), imported only here."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 # Idle keep-alive connections stay open this long (uvicorn's default is 5 s).
 # Clients with connection pools (RL frameworks, routers) reuse a connection
@@ -13,13 +13,14 @@ KEEP_ALIVE_S = 75
 
 
 def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
-          **server_options) -> None:
+          ready: Callable[[str], None] | None = None, **server_options) -> None:
     """Serve one engine until SIGINT/SIGTERM: then stop accepting, abort
     what runs (those requests answer with finish_reason "abort"), shut the
     engine down (GPU memory freed, TP workers gone) and return.
 
     `engine_or_kwargs`: a RolloutEngine, or the keyword arguments of one
-    (`model` included), built here. `server_options`: ServerConfig fields."""
+    (`model` included), built here. `ready`: called with the server's URL
+    once its port accepts connections. `server_options`: ServerConfig fields."""
     import uvicorn
 
     from rollout_engine.server.app import build_app
@@ -36,6 +37,11 @@ def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api
     app = build_app(engine, cfg)
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and ready is not None:
+                ready(f"http://{cfg.host}:{cfg.port}")
+
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit:
                 try:

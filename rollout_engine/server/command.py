@@ -72,7 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     kwargs = engine_kwargs(args)
     engine = RolloutEngine(kwargs.pop("model"), **kwargs)
-    print(f"rollout-engine: serving {config.model} on http://{options['host']}:{options['port']}", flush=True)
     host, port = options.pop("host"), options.pop("port")
-    serve(engine, host, port, **options)
+    serve(engine, host, port, ready=lambda url: print(f"rollout-engine: serving {config.model} on {url}", flush=True),
+          **options)
     return 0
