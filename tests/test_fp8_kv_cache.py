@@ -77,6 +77,7 @@ def test_fp8_weights_with_an_e4m3_cache(tmp_path):
     engine.shutdown()
 
 
+@pytest.mark.slow  # a 40-call sequence; run by .ci/run after the fast tests
 def test_random_call_sequences_with_an_e4m3_cache(tmp_path):
     """The differential stress on one long-lived engine (a tight pool:
     retractions and evictions; aborts; small prefill chunks; page size 16)

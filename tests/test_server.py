@@ -403,6 +403,7 @@ def test_serve_refuses_a_busy_port_and_bad_flags_before_loading(smollm2_dir):
             assert "serving" not in out.stdout
 
 
+@pytest.mark.slow  # a server process of its own; run by .ci/run after the fast tests
 def test_the_banner_comes_once_the_port_accepts_connections(tmp_path):
     """`serving ... on http://...` is the signal scripts wait for: a request
     sent the moment it appears is answered (no connection refused)."""
