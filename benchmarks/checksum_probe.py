@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rollout_engine.cli_args import ScriptParser, UsageError, check_out_path, needs_cuda
+from rollout_engine.cli_args import ScriptParser, UsageError, check_out_path, needs_cuda, run_script
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -70,4 +70,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

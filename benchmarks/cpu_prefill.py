@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from rollout_engine.cli_args import ScriptParser, positive_int
+from rollout_engine.cli_args import ScriptParser, positive_int, run_script
 
 MODEL = "smollm2-135m"
 
@@ -164,4 +164,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

@@ -18,7 +18,7 @@ import json
 import torch
 
 from rollout_engine.bench.common import cuda_time_ms
-from rollout_engine.cli_args import ScriptParser, needs_cuda, non_negative_int, positive_int
+from rollout_engine.cli_args import ScriptParser, needs_cuda, non_negative_int, positive_int, run_script
 from rollout_engine.models.presets import PRESETS
 
 
@@ -146,4 +146,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

@@ -24,7 +24,7 @@ import numpy as np
 
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.bench import workloads
-from rollout_engine.cli_args import ScriptParser, positive_int
+from rollout_engine.cli_args import ScriptParser, positive_int, run_script
 from rollout_engine.config import KV_CACHE_DTYPES
 from rollout_engine.fidelity import score
 from rollout_engine.model_zoo import resolve_model_path
@@ -100,4 +100,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

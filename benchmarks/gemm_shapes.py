@@ -22,7 +22,7 @@ import torch
 
 from rollout_engine.bench.roofline import measure_device
 from rollout_engine.kernels.gemv import linear, logits
-from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
+from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int, run_script
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS, PresetConfig
 
@@ -110,4 +110,4 @@ def write_out(path: str | None, result: dict) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

@@ -11,6 +11,7 @@ import time
 import torch
 
 from rollout_engine import RolloutEngine
+from rollout_engine.cli_args import run_script
 from rollout_engine.config import QUANTIZATIONS
 from rollout_engine.fidelity import weights_checksum
 
@@ -63,4 +64,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

@@ -23,7 +23,7 @@ import torch
 from gemm_shapes import write_out  # benchmarks/, the script's own folder
 
 from rollout_engine.bench.roofline import measure_device
-from rollout_engine.cli_args import ScriptParser, needs_cuda
+from rollout_engine.cli_args import ScriptParser, needs_cuda, run_script
 from rollout_engine.kernels import moe, moe_align, moe_route
 from rollout_engine.kernels.moe import Tiles
 
@@ -204,4 +204,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

@@ -13,7 +13,7 @@ import json
 import os
 import time
 
-from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
+from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int, run_script
 
 
 def _time_graph(fn, x, ops: int, replays: int) -> float:
@@ -112,4 +112,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_script(main))

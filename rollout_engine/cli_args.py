@@ -10,7 +10,7 @@ import os
 import re
 import sys
 import typing
-from typing import Any, Iterable, Mapping, NoReturn
+from typing import Any, Callable, Iterable, Mapping, NoReturn
 
 from rollout_engine.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS,
                                    EngineConfig)
@@ -331,6 +331,23 @@ class ScriptParser(argparse.ArgumentParser):
             except UsageError as exc:
                 self.error(str(exc))
         return args
+
+
+def run_script(main: Callable[[], Any]) -> int:
+    """The entry point of a script under benchmarks/: its exit status, with
+    Ctrl-C one line (status 130) and the engine's refusal of its input (a
+    ValueError or a missing file) one line (status 2), as `rollout-engine`
+    does, instead of a traceback."""
+    prog = os.path.basename(sys.argv[0]) or "script"
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    return code if isinstance(code, int) else 0
 
 
 def check_out_path(flag: str, path: str | None) -> None:

@@ -74,7 +74,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             bad("quantization", f"must be None or one of {QUANTIZATIONS}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES} (auto: the KV cache in `dtype`)")
+            hint = "; did you mean 'fp8_e4m3'?" if "fp8" in str(self.kv_cache_dtype).lower() else ""
+            bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES} (auto: the KV cache in `dtype`{hint})")
         if self.deterministic and self.quantization is not None:
             bad("quantization", "must be None with deterministic=True (fp8 products are not batch-invariant)")
         if self.deterministic and self.attention_backend != "auto":

@@ -268,3 +268,30 @@ def test_benchmark_scripts_help_shows_the_whole_docstring_and_the_defaults(capsy
         assert exit_.value.code == 0
         last_paragraph = module.__doc__.strip().split("\n\n")[-1].split("\n")[0]
         assert last_paragraph in out and "(default: " in out, out
+
+
+def test_scripts_end_on_ctrl_c_and_refused_input_with_one_line(capsys, monkeypatch):
+    """Every script under benchmarks/ runs its main through run_script:
+    Ctrl-C is `<script>: interrupted` (130), the engine's ValueError one
+    error line (2), not a traceback."""
+    import glob
+    import sys
+
+    from rollout_engine.cli_args import run_script
+
+    root = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    for path in glob.glob(os.path.join(root, "*.py")):
+        with open(path) as f:
+            assert "raise SystemExit(run_script(main))" in f.read(), path
+    monkeypatch.setattr(sys, "argv", ["fp8_fidelity.py", "--model", "nosuch"])
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    def refused():
+        raise ValueError("model 'nosuch' is not a folder,\n  a known model")
+
+    assert run_script(interrupted) == 130 and run_script(refused) == 2
+    assert capsys.readouterr().err == ("fp8_fidelity.py: interrupted\n"
+                                       "fp8_fidelity.py: error: model 'nosuch' is not a folder, a known model\n")
+    assert run_script(lambda: None) == 0 and run_script(lambda: 3) == 3
