@@ -23,6 +23,7 @@ def test_bench_grpo_reports_cache_on_and_off(llama, tmp_path):
     assert on["cache_hit_rate"] >= on["ideal_hit_rate"] == 0.75
     assert off["prompt_tokens_computed"] == off["prompt_tokens"] and off["cache_hit_rate"] == 0
     assert on["prompt_tokens_computed"] == on["prompt_tokens"] // 4
+    assert on["kv_capacity_tokens"] == off["kv_capacity_tokens"] == 4096
     # the report's config says what ran: no CUDA graphs on the CPU, no derived flags
     assert report["config"]["cuda_graph"] is False and "no_cuda_graph" not in report["config"]
     assert report["config"]["num_prompts"] == 3 and report["config"]["output_len"] == 6
