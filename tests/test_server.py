@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,49 +20,13 @@ pytest.importorskip("prometheus_client")
 
 from rollout_engine import RolloutEngine, SamplingParams  # noqa: E402
 
-START_TIMEOUT = 180
+from server_procs import PROMPTS, Server, free_port  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+httpx = pytest.importorskip("httpx")
 
 
-class Server:
-    def __init__(self, model: str, *flags: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "rollout_engine.cli", "serve", "--model", model, "--port", str(self.port),
-               "--max-total-tokens", "8192", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.output: list[str] = []
-        threading.Thread(target=lambda: self.output.extend(self.proc.stdout), daemon=True).start()
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the server exited: {''.join(self.output)[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.proc.kill()
-        raise AssertionError("the server did not come up")
-
-    def post(self, path: str, body=None, **kw):
-        return httpx.post(self.url + path, json=body, timeout=120, **kw)
-
-    def stop(self, timeout: float = 10) -> tuple[int, float]:
-        start = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = None
-        return code, time.monotonic() - start
+openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +44,6 @@ def local(smollm2_dir):
     engine.shutdown()
 
 
-PROMPTS = ["The capital of France is", "Two plus two equals", "A short poem about the sea:"]
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
@@ -335,36 +297,6 @@ def test_a_disconnected_stream_frees_its_kv(server):
     assert 'rollout_engine_finished_requests_total{reason="abort"}' in metrics
 
 
-@pytest.mark.slow  # a server subprocess of its own; run by .ci/run after the fast tests
-def test_api_key_and_sigterm_during_requests(smollm2_dir):
-    srv = Server(smollm2_dir, "--api-key", "s3cret")
-    try:
-        assert httpx.get(srv.url + "/health").status_code == 200  # open
-        assert httpx.head(srv.url + "/health").status_code == 200
-        assert srv.post("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1}},
-                        headers={"Authorization": "bearer s3cret"}).status_code == 200  # the scheme is case-blind
-        assert srv.post("/generate", {"text": "a"}).status_code == 401
-        assert srv.post("/generate", {"text": "a"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        ok = srv.post("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2}},
-                      headers={"Authorization": "Bearer s3cret"})
-        assert ok.status_code == 200
-        answers = []
-
-        def slow():
-            answers.append(srv.post("/generate", {"text": PROMPTS, "sampling_params": {
-                "max_new_tokens": 4000, "ignore_eos": True}}, headers={"Authorization": "Bearer s3cret"}))
-
-        t = threading.Thread(target=slow)
-        t.start()
-        time.sleep(2)
-    finally:
-        code, took = srv.stop(timeout=15)
-    t.join(10)
-    assert code == 0 and took < 5, (code, took, "".join(srv.output)[-2000:])
-    assert answers and answers[0].status_code == 200
-    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in answers[0].json())
-
-
 def _readme_block(marker: str) -> str:
     text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     after = text[text.index(f"<!-- {marker} -->"):]
@@ -386,208 +318,6 @@ def test_the_readme_examples_run(server):
     assert out.returncode == 0 and out.stdout.strip(), out.stdout + out.stderr
 
 
-@pytest.mark.slow  # a server subprocess of its own; run by .ci/run after the fast tests
-def test_serve_refuses_a_busy_port_and_bad_flags_before_loading(smollm2_dir):
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        for flags, message in ((["--port", str(port)], "cannot listen on"),
-                               (["--port", "70000"], "--port: must be in"),
-                               (["--host", ""], "--host"), (["--host", "999.1.1.1"], "--host"),
-                               (["--api-key", ""], "--api-key"),
-                               (["--max-queued-requests", "0"], "--max-queued-requests")):
-            out = subprocess.run([sys.executable, "-m", "rollout_engine.cli", "serve", "--model", smollm2_dir, *flags],
-                                 capture_output=True, text=True, timeout=120)
-            assert out.returncode == 2 and message in out.stderr, (flags, out.stderr[-500:])
-            assert "serving" not in out.stdout
-
-
-@pytest.mark.slow  # a server process of its own; run by .ci/run after the fast tests
-def test_the_banner_comes_once_the_port_accepts_connections(tmp_path):
-    """`serving ... on http://...` is the signal scripts wait for: a request
-    sent the moment it appears is answered (no connection refused)."""
-    from models import make_hf_model, save_model
-
-    folder = save_model(make_hf_model("llama", seed=0), tmp_path)
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rollout_engine.cli", "serve", "--model", folder, "--device", "cpu",
-                             "--port", str(port), "--max-total-tokens", "2048"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    banner = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if "serving" in line:
-                banner.set()
-                # answered now, before this thread reads on
-                lines.append(f"health {httpx.get(f'http://127.0.0.1:{port}/health', timeout=5).status_code}\n")
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert banner.wait(START_TIMEOUT), "".join(lines)[-2000:]
-        deadline = time.monotonic() + 10
-        while not any(line.startswith("health") for line in lines) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "health 200\n" in lines, "".join(lines)[-2000:]
-        assert f"on http://127.0.0.1:{port}" in next(line for line in lines if "serving" in line)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(30) == 0
-        finally:
-            proc.kill()
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
-
-
-LOAD_REQUESTS = 200
-
-
-async def _load(url: str, tag: str, requests: int = LOAD_REQUESTS, clients: int = 64) -> tuple[dict, int]:
-    """`requests` /generate calls from `clients` concurrent clients; a 503
-    must carry Retry-After and is retried. Returns (rid -> answer, 503s)."""
-    import asyncio
-
-    answers: dict[str, dict] = {}
-    rejected = 0
-    queue: asyncio.Queue = asyncio.Queue()
-    for i in range(requests):
-        queue.put_nowait(i)
-
-    async def client(http):
-        nonlocal rejected
-        while not queue.empty():
-            i = queue.get_nowait()
-            body = {"text": f"Item {i}: the number {i} is", "rid": f"{tag}-{i}",
-                    "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
-            while True:
-                r = await http.post(url + "/generate", json=body, timeout=120)
-                if r.status_code != 503:
-                    break
-                rejected += 1
-                assert r.headers.get("retry-after") == "1"
-                await asyncio.sleep(0.5)  # a real client waits Retry-After; half of it keeps the test short
-            assert r.status_code == 200, r.text
-            out = r.json()
-            assert out["meta_info"]["id"] == body["rid"] and out["meta_info"]["id"] not in answers
-            answers[out["meta_info"]["id"]] = out
-
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients)) as http:
-        await asyncio.gather(*(client(http) for _ in range(clients)))
-    return answers, rejected
-
-
-@pytest.mark.slow  # a load test; run by .ci/run after the fast tests
-def test_load_from_64_clients_loses_nothing_and_memory_settles(smollm2_dir):
-    import asyncio
-
-    srv = Server(smollm2_dir, "--max-queued-requests", "24", "--max-running-requests", "32")
-    try:
-        asyncio.run(_load(srv.url, "warm"))
-        first, rejected = asyncio.run(_load(srv.url, "first"))
-        rss_first = _rss(srv.proc.pid)
-        second, _ = asyncio.run(_load(srv.url, "second"))
-        rss_second = _rss(srv.proc.pid)
-        assert len(first) == len(second) == LOAD_REQUESTS
-        assert rejected > 0  # the bound was reached, and every 503 was retried to success
-        # the same prompt gives the same greedy answer under any batching
-        assert [first[f"first-{i}"]["output_ids"] for i in range(LOAD_REQUESTS)] == \
-            [second[f"second-{i}"]["output_ids"] for i in range(LOAD_REQUESTS)]
-        assert rss_second <= 1.1 * rss_first, (rss_first, rss_second)
-        assert httpx.get(srv.url + "/get_server_info").json()["admitted_samples"] == 0
-        assert srv.post("/flush_cache").json()["success"]
-        metrics = httpx.get(srv.url + "/metrics").text
-        assert "rollout_engine_kv_usage_ratio 0.0" in metrics  # every page came back
-        assert "rollout_engine_running_requests 0.0" in metrics
-
-        # 64 streams dropped midway: all their KV comes back
-        async def drop_streams():
-            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as http:
-                async def one(i):
-                    body = {"text": f"Story {i}:", "stream": True,
-                            "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
-                    async with http.stream("POST", srv.url + "/generate", json=body, timeout=120) as r:
-                        if r.status_code != 200:
-                            return
-                        async for line in r.aiter_lines():
-                            if line.startswith("data: "):
-                                return
-                await asyncio.gather(*(one(i) for i in range(64)))
-
-        asyncio.run(drop_streams())
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            srv.post("/flush_cache")
-            metrics = httpx.get(srv.url + "/metrics").text
-            if "rollout_engine_kv_usage_ratio 0.0" in metrics and \
-                    httpx.get(srv.url + "/get_server_info").json()["admitted_samples"] == 0:
-                break
-            time.sleep(0.3)
-        assert "rollout_engine_kv_usage_ratio 0.0" in metrics
-        assert "rollout_engine_running_requests 0.0" in metrics
-        # SIGTERM in the middle of a load: exit 0 within 5 s; every answer that came is whole
-        results = []
-
-        def load_until_gone():
-            try:
-                results.append(asyncio.run(_load(srv.url, "term", requests=200)))
-            except Exception as e:  # noqa: BLE001 - the server went away mid-load
-                results.append(e)
-
-        loader = threading.Thread(target=load_until_gone)
-        loader.start()
-        time.sleep(3)
-    finally:
-        code, took = srv.stop(timeout=15)
-    assert code == 0 and took < 5, (code, took)
-    loader.join(60)
-    assert results and not loader.is_alive()
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return kids
-
-
-@pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
-def test_a_tp2_server_answers_and_leaves_no_worker_behind(tmp_path):
-    from models import make_hf_model, save_model
-
-    hf = make_hf_model("qwen2", seed=3)
-    folder = save_model(hf, tmp_path / "tiny")
-    srv = Server(folder, "--tp", "2", "--device", "cpu")
-    try:
-        ids = [[5, 6, 7, 8], [9, 10, 11]]
-        params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
-        got = srv.post("/generate", {"input_ids": ids, "sampling_params": params}).json()
-        ref = RolloutEngine(folder, device="cpu", max_total_tokens=2048).generate(
-            input_ids=ids, sampling_params=SamplingParams(**params))
-        assert [g["output_ids"] for g in got] == [r.output_token_ids for r in ref]
-        workers = _children(srv.proc.pid)
-        assert workers, "the TP=2 server has no worker process"
-    finally:
-        code, took = srv.stop(timeout=30)
-    assert code == 0, (code, "".join(srv.output)[-2000:])
-    time.sleep(1)
-    assert not [w for w in workers if os.path.exists(f"/proc/{w}") and
-                open(f"/proc/{w}/stat").read().split()[2] != "Z"], "a TP worker outlived the server"
-
-
 def test_weights_from_a_trainer_over_the_sync_group_routes(server, smollm2_dir):
     """The RL path of server-mode frameworks: the trainer joins the weight-sync
     group and broadcasts; the server receives through its routes (gloo here)."""
@@ -599,7 +329,7 @@ def test_weights_from_a_trainer_over_the_sync_group_routes(server, smollm2_dir):
     start_version = before["meta_info"]["weight_version"]
     tensors = [(n, t * 0.5 if n.endswith("mlp.down_proj.weight") else t)
                for n, t in load_file(os.path.join(smollm2_dir, "model.safetensors")).items()]
-    port, replies = _free_port(), []
+    port, replies = free_port(), []
     join = threading.Thread(target=lambda: replies.append(server.post("/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo"})))
     join.start()
@@ -621,77 +351,3 @@ def test_weights_from_a_trainer_over_the_sync_group_routes(server, smollm2_dir):
     assert server.post("/update_weights_from_disk", {"model_path": smollm2_dir}).json()["success"]
     restored = server.post("/generate", {"text": PROMPTS[1], "sampling_params": GREEDY}).json()
     assert restored["output_ids"] == before["output_ids"]
-
-
-def test_serve_from_python_with_engine_kwargs(tmp_path):
-    from models import make_hf_model, save_model
-
-    folder = save_model(make_hf_model("llama", seed=4), tmp_path / "tiny")
-    port = _free_port()
-    code = (f"from rollout_engine.server import serve\n"
-            f"serve({{'model': {folder!r}, 'device': 'cpu', 'max_total_tokens': 1024}}, port={port}, "
-            f"max_queued_requests=8)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(240):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.25)
-        r = httpx.post(url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}})
-        assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
-        assert httpx.get(url + "/get_server_info").json()["server"]["max_queued_requests"] == 8
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(15) == 0
-
-
-@pytest.mark.slow  # two server processes; run by .ci/run after the fast tests
-def test_routed_experts_come_base64_encoded_as_sglang_clients_decode_them(tmp_path):
-    """`return_routed_experts`: meta_info["routed_experts"] is base64 of an
-    int32 array reshaped (-1, moe_layers, top_k), equal to the in-process
-    routing; streams carry it on their last chunk."""
-    import base64
-
-    import numpy as np
-
-    from models import make_hf_model, save_model
-
-    folder = save_model(make_hf_model("qwen3_moe", seed=5), tmp_path / "moe")
-    ids = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
-    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
-    engine = RolloutEngine(folder, device="cpu", max_total_tokens=2048, enable_return_routed_experts=True)
-    ref = engine.generate(input_ids=ids, sampling_params=SamplingParams(**params, return_routed_experts=True))
-    engine.shutdown()
-    layers, top_k = ref[0].routed_experts.shape[1:]
-
-    def decode(meta: dict) -> np.ndarray:
-        return np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).reshape(-1, layers, top_k)
-
-    srv = Server(folder, "--device", "cpu", "--enable-return-routed-experts")
-    try:
-        got = srv.post("/generate", {"input_ids": ids, "sampling_params": params,
-                                     "return_routed_experts": True}).json()
-        for g, r in zip(got, ref):
-            assert np.array_equal(decode(g["meta_info"]), r.routed_experts)
-        plain = srv.post("/generate", {"input_ids": ids[0], "sampling_params": params}).json()
-        assert "routed_experts" not in plain["meta_info"]
-        chunks = []
-        with httpx.stream("POST", srv.url + "/generate", timeout=60, json={
-                "input_ids": ids[0], "stream": True, "sampling_params": params, "return_routed_experts": True}) as r:
-            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-        assert np.array_equal(decode(chunks[-1]["meta_info"]), ref[0].routed_experts)
-        assert all("routed_experts" not in c["meta_info"] for c in chunks[:-1])
-        bad = srv.post("/generate", {"input_ids": ids[0], "return_routed_experts": "yes"})
-        assert bad.status_code == 400 and "return_routed_experts" in bad.text
-    finally:
-        srv.stop()
-    srv = Server(folder, "--device", "cpu")  # built without the flag: the request is refused naming it
-    try:
-        bad = srv.post("/generate", {"input_ids": ids[0], "return_routed_experts": True})
-        assert bad.status_code == 400 and "--enable-return-routed-experts" in bad.text, bad.text
-        assert bad.json()["error"]["param"] == "return_routed_experts"
-    finally:
-        srv.stop()
