@@ -129,3 +129,18 @@ def test_the_kv_cache_dtype_is_checked_and_offered_on_the_command_line():
     assert "fp8_e4m3" in FIELD_CHOICES["kv_cache_dtype"]
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         RolloutEngine("qwen3-0.6b", load_format="dummy", device="cpu", kv_cache_dtype="fp8")
+
+
+@pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
+def test_tensor_parallel_ranks_hold_their_heads_in_e4m3(tmp_path):
+    """tp_size=2 over gloo: each rank's pool holds its KV heads in e4m3, and
+    the engine stays near the fp8-KV oracle (the ranks' all-reduce sums in
+    another order than one rank: at most a rounding tie decided otherwise)."""
+    hf = make_hf_model("qwen2_moe", seed=3)
+    engine = RolloutEngine(save_model(hf, tmp_path), device="cpu", tp_size=2, max_total_tokens=2048,
+                           max_prefill_tokens=16, kv_cache_dtype="fp8_e4m3")
+    try:
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    finally:
+        engine.shutdown()
+    _check(outs, PROMPTS, Reference(fp8_kv_oracle(hf), "cpu"), Reference(hf, "cpu"), "tp2")
