@@ -105,10 +105,10 @@ def _kernel():
         t = tl.program_id(0)
         pos = tl.load(pos_ptr + t)
         offs = tl.arange(0, HALF)[None, :]
-        # cos/sin rounded to the model dtype first, as the reference does
-        c = tl.load(cos_ptr + pos * cs_stride + offs).to(qo_ptr.dtype.element_ty).to(tl.float32)
-        s = tl.load(sin_ptr + pos * cs_stride + offs).to(qo_ptr.dtype.element_ty).to(tl.float32)
         dt = qo_ptr.dtype.element_ty  # the model's dtype (the caches may hold e4m3)
+        # cos/sin rounded to the model dtype first, as the reference does
+        c = tl.load(cos_ptr + pos * cs_stride + offs).to(dt).to(tl.float32)
+        s = tl.load(sin_ptr + pos * cs_stride + offs).to(dt).to(tl.float32)
         part = tl.program_id(1)  # KV_PART 1: two programs per token, q in one, k (and v) in the other
         if part == 0:
             _rotate(q_ptr, qo_ptr, q_st, q_sh, t, t, c, s, qw_ptr, eps, dt, NQ, NQ_P2, HALF, NORM)

@@ -10,6 +10,11 @@ from rollout_engine.models.config import ModelConfig
 CPU_KV_BYTES = 1 << 30  # default KV budget on the CPU
 
 
+def kv_dtype_of(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's for "auto", else e4m3."""
+    return dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
 def routes_layout(cfg: EngineConfig, mc: ModelConfig) -> RoutesLayout | None:
     """The routing-capture buffer's layout: with enable_return_routed_experts
     on an MoE model, else None."""

@@ -22,15 +22,14 @@ from rollout_engine.distributed.tp_group import TPChannel, TPStepRunner
 from rollout_engine.kernels._triton import triton_available
 from rollout_engine.layers.invariant import compile_matmul_kernels, make_batch_invariant
 from rollout_engine.layers.one_row import compile_one_row_kernels
-from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens, routes_layout
+from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens, kv_dtype_of, routes_layout
 from rollout_engine.memory.controller import MemoryController
 from rollout_engine.memory.manager import MemoryManager
 from rollout_engine.memory.saver import create_saver
 from rollout_engine.model_zoo import resolve_model_path
 from rollout_engine.models.decoder import DecoderForCausalLM
 from rollout_engine.models.config import ModelConfig
-from rollout_engine.runner.model_loader import (load_model, read_hf_config, resolve_device, resolve_dtype,
-                                               resolve_kv_dtype)
+from rollout_engine.runner.model_loader import load_model, read_hf_config, resolve_device, resolve_dtype
 from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.runner.model_runner import ModelRunner
 from rollout_engine.scheduler.kv_manager import KVManager
@@ -154,7 +153,7 @@ def _kv_memory(cfg: EngineConfig, model: DecoderForCausalLM, memory: MemoryManag
     attn = model.model.layers[0].self_attn.attn
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     routes = routes_layout(cfg, mc)
-    kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, dtype)
+    kv_dtype = kv_dtype_of(cfg.kv_cache_dtype, dtype)
     per_token = kv_bytes_per_token(mc, attn.num_kv_heads, kv_dtype, routes)
     capacity = comm.agree_min(kv_capacity_tokens(cfg, mc, per_token, device, free_before, weight_bytes,
                                                  dtype.itemsize), device)

@@ -34,11 +34,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: the model's for "auto", else e4m3."""
-    return dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
-
-
 def read_hf_config(model: str) -> tuple[Any, tuple[int, ...]]:
     """The HF config of a folder (or a preset) and the EOS ids its generation
     config declares."""
