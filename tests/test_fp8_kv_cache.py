@@ -31,18 +31,7 @@ def _check(outs, prompts, oracle: Reference, plain: Reference, tag) -> None:
     """Every token within TOL of the oracle (teacher-forced on the engine's
     tokens), greedy choices the oracle's best, and on average far nearer
     the oracle than the model with a full-precision cache."""
-    pairs = [(p, o.output_token_ids) for p, o in zip(prompts, outs)]
-    to_oracle, to_plain = [], []
-    for out, want, full in zip(outs, oracle.output_logprobs(pairs), plain.output_logprobs(pairs)):
-        ids = torch.tensor(out.output_token_ids)[:, None]
-        got = torch.tensor(out.output_logprobs)
-        chosen = want.gather(-1, ids).squeeze(1)
-        to_oracle.append((got - chosen).abs())
-        to_plain.append((got - full.gather(-1, ids).squeeze(1)).abs())
-        assert float((want.max(-1).values - chosen).max()) < TOL, tag
-    to_oracle, to_plain = torch.cat(to_oracle), torch.cat(to_plain)
-    assert float(to_oracle.max()) < TOL, (tag, float(to_oracle.max()))
-    assert float(to_oracle.mean()) < 0.01 * float(to_plain.mean()), (tag, float(to_oracle.mean()))
+    assert_near_oracle(outs, prompts, oracle, plain, tag, tol=TOL, margin=TOL, ratio=0.01)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2_moe"])

@@ -142,14 +142,17 @@ def _target_output(folder, batch, params, **kw):
     return first_output(_engine(folder, **kw), batch, params)
 
 
-def test_alone_crowded_chunked_cached_retracted_all_equal(folder):
+def assert_alone_crowded_chunked_cached_retracted_equal(folder, **kw):
+    """The target request alone, among 255 others, chunked by 7, after a
+    cached prefix and after retraction: the same bits in all (`kw`: more
+    engine options for every engine). Returns its output alone."""
     target, others, params = _prompts(255)
-    alone, _ = _target_output(folder, [target], [TARGET])
-    crowded, _ = _target_output(folder, [target] + others, [TARGET] + params)
+    alone, _ = _target_output(folder, [target], [TARGET], **kw)
+    crowded, _ = _target_output(folder, [target] + others, [TARGET] + params, **kw)
     _same(alone, crowded)
-    chunked, _ = _target_output(folder, [target] + others[:32], [TARGET] + params[:32], max_prefill_tokens=7)
+    chunked, _ = _target_output(folder, [target] + others[:32], [TARGET] + params[:32], max_prefill_tokens=7, **kw)
     _same(alone, chunked)
-    engine = _engine(folder)
+    engine = _engine(folder, **kw)
     try:
         engine.generate(input_ids=[target[:41]], sampling_params=SamplingParams(max_new_tokens=3, temperature=0))
         cached = engine.generate(input_ids=[target] + others[:64], sampling_params=[TARGET] + params[:64])[0]
@@ -158,9 +161,14 @@ def test_alone_crowded_chunked_cached_retracted_all_equal(folder):
     assert cached.num_cached_tokens >= 40
     _same(alone, cached)
     long = [SamplingParams(max_new_tokens=200, temperature=1.0, seed=i, ignore_eos=True) for i in range(32)]
-    squeezed, stats = _target_output(folder, [target] + others[:32], [TARGET] + long, max_total_tokens=2500)
+    squeezed, stats = _target_output(folder, [target] + others[:32], [TARGET] + long, max_total_tokens=2500, **kw)
     assert stats["retractions"] > 0
     _same(alone, squeezed)
+    return alone
+
+
+def test_alone_crowded_chunked_cached_retracted_all_equal(folder):
+    assert_alone_crowded_chunked_cached_retracted_equal(folder)
 
 
 @pytest.mark.parametrize("target", [SamplingParams(max_new_tokens=32, temperature=1.0, seed=7, top_logprobs=3,

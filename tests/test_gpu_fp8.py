@@ -189,9 +189,10 @@ def test_an_update_equals_a_fresh_engine_bitwise(model, tmp_path):
 FIDELITY = [("smollm2-135m", "auto", 0.3, 0.08), ("qwen2.5-7b", "dummy", 0.75, 0.3)]
 
 
-@pytest.mark.parametrize("model_name,load_format,gap_bound,kl_bound", FIDELITY)
-def test_fidelity_against_bf16_is_bounded(model_name, load_format, gap_bound, kl_bound, tmp_path):
-    """Reported (printed) and bounded from measurement (FIDELITY)."""
+def fidelity_report(model_name: str, load_format: str, out: str, *flags: str) -> dict:
+    """benchmarks/fp8_fidelity.py's report on 16 prompts x 48 tokens in bf16
+    (`flags`: which fp8 pieces; by default fp8 weights); skipped when a
+    real model is not in the model cache."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -202,7 +203,13 @@ def test_fidelity_against_bf16_is_bounded(model_name, load_format, gap_bound, kl
 
         if not is_ready(model_dir(model_name)):
             pytest.skip(f"{model_name} is not in the model cache (rollout-engine download {model_name})")
-    report = main(["--model", model_name, "--load-format", load_format, "--dtype", "bfloat16", "--prompts", "16",
-                   "--output-len", "48", "--out", str(tmp_path / "fidelity.json")])
+    return main(["--model", model_name, "--load-format", load_format, "--dtype", "bfloat16", "--prompts", "16",
+                 "--output-len", "48", "--out", out, *flags])
+
+
+@pytest.mark.parametrize("model_name,load_format,gap_bound,kl_bound", FIDELITY)
+def test_fidelity_against_bf16_is_bounded(model_name, load_format, gap_bound, kl_bound, tmp_path):
+    """Reported (printed) and bounded from measurement (FIDELITY)."""
+    report = fidelity_report(model_name, load_format, str(tmp_path / "fidelity.json"))
     assert report["logprob_gap_mean"] < gap_bound
     assert report["k1_kl_per_token"] < kl_bound

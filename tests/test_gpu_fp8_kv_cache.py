@@ -14,7 +14,7 @@ import torch
 
 from differential import Reference, WorkloadGenerator, fp8_kv_oracle, stress
 from test_gpu_differential import model  # noqa: F401 - the fixture
-from rollout_engine import RolloutEngine, SamplingParams
+from rollout_engine import RolloutEngine
 from rollout_engine.kernels.e4m3 import to_kv
 from rollout_engine.kernels.fp8 import FP8
 
@@ -123,32 +123,19 @@ def test_differential_stress_with_an_e4m3_cache(model, kv_reference, backend, pa
 
 
 def test_deterministic_mode_stays_batch_invariant_with_an_e4m3_cache(tmp_path):
-    """Alone = among 127 others = chunked = after a cached prefix, bitwise,
-    with the KV in e4m3 (the batch-invariant attention reads it)."""
+    """Alone = among 255 others = chunked = after a cached prefix = after
+    retraction, bitwise, with the KV in e4m3 (the batch-invariant attention
+    reads it)."""
     from models import make_hf_model, save_model
-    from test_deterministic import _same, first_output
+    from test_deterministic import first_output
     from test_gpu_deterministic import SHAPES, TARGET, _engine, _prompts
+    from test_gpu_deterministic import assert_alone_crowded_chunked_cached_retracted_equal as assert_invariant
 
     hf = make_hf_model("qwen3", seed=1, num_hidden_layers=3, vocab_size=1000, initializer_range=0.06,
                        max_position_embeddings=1024, **SHAPES["qwen3"])
     folder = save_model(hf, tmp_path)
-    target, others, params = _prompts(127)
-    kw = dict(kv_cache_dtype="fp8_e4m3")
-    alone, _ = first_output(_engine(folder, **kw), [target], [TARGET])
-    crowded, _ = first_output(_engine(folder, **kw), [target] + others, [TARGET] + params)
-    _same(alone, crowded)
-    chunked, _ = first_output(_engine(folder, max_prefill_tokens=7, **kw), [target] + others[:16],
-                              [TARGET] + params[:16])
-    _same(alone, chunked)
-    engine = _engine(folder, **kw)
-    try:
-        engine.generate(input_ids=[target[:41]], sampling_params=SamplingParams(max_new_tokens=3, temperature=0))
-        cached = engine.generate(input_ids=[target] + others[:32], sampling_params=[TARGET] + params[:32])[0]
-    finally:
-        engine.shutdown()
-    assert cached.num_cached_tokens >= 40
-    _same(alone, cached)
-    full, _ = first_output(_engine(folder), [target], [TARGET])
+    alone = assert_invariant(folder, kv_cache_dtype="fp8_e4m3")
+    full, _ = first_output(_engine(folder), [_prompts(0)[0]], [TARGET])
     assert full.output_logprobs != alone.output_logprobs  # the e4m3 cache is what was read
 
 
@@ -161,18 +148,9 @@ KV_FIDELITY = [("smollm2-135m", "auto", 0.16, 0.017), ("qwen2.5-7b", "dummy", 0.
 
 @pytest.mark.parametrize("model_name,load_format,gap_bound,kl_bound", KV_FIDELITY)
 def test_the_e4m3_cache_costs_a_bounded_fidelity(model_name, load_format, gap_bound, kl_bound, tmp_path):
-    import sys
+    from test_gpu_fp8 import fidelity_report
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from fp8_fidelity import main
-
-    if load_format == "auto":
-        from rollout_engine.model_zoo import is_ready, model_dir
-
-        if not is_ready(model_dir(model_name)):
-            pytest.skip(f"{model_name} is not in the model cache (rollout-engine download {model_name})")
-    report = main(["--model", model_name, "--load-format", load_format, "--dtype", "bfloat16", "--prompts", "16",
-                   "--output-len", "48", "--quantization", "none", "--kv-cache-dtype", "fp8_e4m3",
-                   "--out", str(tmp_path / "fidelity.json")])
+    report = fidelity_report(model_name, load_format, str(tmp_path / "fidelity.json"), "--quantization", "none",
+                             "--kv-cache-dtype", "fp8_e4m3")
     assert report["logprob_gap_mean"] < gap_bound
     assert report["k1_kl_per_token"] < kl_bound
