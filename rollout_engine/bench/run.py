@@ -50,7 +50,7 @@ def run_workload(engine, wl: workloads.Workload) -> dict[str, Any]:
         "ideal_hit_rate": round(1 - len(wl.input_ids) / wl.num_samples, 4),
         "steps": after["steps"] - before["steps"],
         "retractions": after["retractions"] - before["retractions"],
-        "kv_capacity_tokens": engine.limits.kv_capacity,  # the KV cache's room (kv_cache_dtype: fp8_e4m3 doubles it)
+        "kv_capacity_tokens": engine.limits.kv_capacity,  # the KV cache's room (fp8_e4m3: one byte per element)
     } | ({"routed_experts_bytes": sum(o.routed_experts.nbytes for o in outs)} if routed else {})
 
 
