@@ -147,6 +147,11 @@ def use_counters(counters: torch.Tensor | None) -> Iterator[None]:
         _local.counters = prior
 
 
+def current_counters() -> torch.Tensor | None:
+    """The counters this thread's launches may split on (`use_counters`), or None."""
+    return getattr(_local, "counters", None)
+
+
 class _SplitRule(NamedTuple):
     block_k: int
     few_tiles: int  # split K when the tiles are at most this many (or K is long) ...
@@ -206,7 +211,7 @@ def fp8_batch_gemm(q: torch.Tensor, scale_q: torch.Tensor, weight: torch.Tensor,
 def _launch(x, weight, bias, config, out_dtype, scales=None):
     m, k = x.shape
     n = weight.shape[0]
-    counters = getattr(_local, "counters", None)
+    counters = current_counters()
     bm, bn, bk, split, warps, stages, swap = config or pick(m, n, k, counters is not None, fp8=scales is not None)
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     tiles = cdiv(m, bm) * cdiv(n, bn)

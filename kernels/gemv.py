@@ -42,70 +42,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    from rollout_engine.kernels.e4m3 import kv_value
-
-    @triton.jit
-    def _input(x_ptr, r_ptr, g_ptr, k, k_mask, inv, NORM: tl.constexpr, HAS_RES: tl.constexpr):
-        """A block of the product's input in fp32: x, or with NORM the RMSNorm of
-        x (+ the residual), rounded as the RMSNorm kernel rounds (`inv`: 1 / rms)."""
-        x = tl.load(x_ptr + k, mask=k_mask, other=0.0)
-        if NORM:
-            dt = x.dtype
-            if HAS_RES:
-                x = (x.to(tl.float32) + tl.load(r_ptr + k, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
-            g = tl.load(g_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-            x = ((x.to(tl.float32) * inv).to(dt).to(tl.float32) * g).to(dt)
-        return x.to(tl.float32)
-
-    @triton.jit
-    def _rows(pid, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr, HALF: tl.constexpr):
-        """The weight rows of program `pid`: BLOCK_N in a row; PAIRED, BLOCK_N / 2
-        rows of the first half of a segment of 2 * HALF rows (a head for the
-        rotary embedding, the whole gate_up weight for SiLU * mul) and the
-        rows HALF after them (the other element of each pair)."""
-        i = tl.arange(0, BLOCK_N)
-        if PAIRED:
-            pairs: tl.constexpr = BLOCK_N // 2
-            head = pid // (HALF // pairs)
-            return head * 2 * HALF + (pid % (HALF // pairs)) * pairs + i % pairs + (i // pairs) * HALF
-        return pid * BLOCK_N + i
-
-    @triton.jit
-    def _pairs(y, dt, BLOCK_N: tl.constexpr):
-        """The two elements of each pair of `_rows` (first halves, second
-        halves), rounded to dt as the product's output would be."""
-        halves = tl.reshape(y.to(dt).to(tl.float32), (2, BLOCK_N // 2))
-        first = tl.arange(0, 2)[:, None] == 0
-        return tl.sum(tl.where(first, halves, 0.0), axis=0), tl.sum(tl.where(first, 0.0, halves), axis=0)
-
-    @triton.jit
-    def _rotate_and_store(y, pid, y_ptr, pos_ptr, loc_ptr, cos_ptr, sin_ptr, cs_stride, kc_ptr, vc_ptr,
-                          BLOCK_N: tl.constexpr, HALF: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr):
-        """Rotary pairs of one head (see `_rows`), rounded as `kernels.rope`
-        rounds: q to y, k and v to the caches at the token's slot."""
-        pairs: tl.constexpr = BLOCK_N // 2
-        dt = y_ptr.dtype.element_ty
-        y1, y2 = _pairs(y, dt, BLOCK_N)
-        head = pid // (HALF // pairs)
-        j = (pid % (HALF // pairs)) * pairs + tl.arange(0, pairs)
-        if head < NQ + NK:
-            pos = tl.load(pos_ptr)
-            c = tl.load(cos_ptr + pos * cs_stride + j).to(dt).to(tl.float32)
-            s = tl.load(sin_ptr + pos * cs_stride + j).to(dt).to(tl.float32)
-            r1 = y1 * c - y2 * s
-            r2 = y2 * c + y1 * s
-            if head < NQ:
-                q_out = y_ptr + head * 2 * HALF
-                tl.store(q_out + j, r1.to(dt))
-                tl.store(q_out + HALF + j, r2.to(dt))
-            else:  # (a pointer of its own: the caches may hold another type than y)
-                k_out = kc_ptr + (tl.load(loc_ptr).to(tl.int64) * NK + head - NQ) * 2 * HALF
-                tl.store(k_out + j, kv_value(r1, dt, kc_ptr.dtype.element_ty))
-                tl.store(k_out + HALF + j, kv_value(r2, dt, kc_ptr.dtype.element_ty))
-        else:
-            v_out = vc_ptr + (tl.load(loc_ptr).to(tl.int64) * NK + head - NQ - NK) * 2 * HALF
-            tl.store(v_out + j, kv_value(y1, dt, vc_ptr.dtype.element_ty))
-            tl.store(v_out + HALF + j, kv_value(y2, dt, vc_ptr.dtype.element_ty))
+    from rollout_engine.kernels.row_parts import finish_rows, paired_rows, row_input, row_inv_rms
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, N, K, stride_w, eps,
@@ -115,14 +52,11 @@ def _kernel():
                     NK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """y = x W^T (+ b). NORM: y = RMSNorm(x (+ r)) W^T (+ b), the norm's
         weight at g; with HAS_RES, x + r is the new residual stream, written
-        to r_out by the first program. GATED (W: gate rows then up rows,
-        HALF of each): y = SiLU(gate) * up, rounded as `kernels.activation`
-        rounds. ROPE (a qkv product, NQ and NK heads of 2 * HALF): q rotated into y,
-        k rotated and v written to the caches at the token's slot. PDL: the
-        first weight block is read before waiting for the kernel before (no
-        kernel writes weights); x and r only after."""
+        to r_out by the first program. GATED / ROPE: `row_parts.finish_rows`.
+        PDL: the first weight block is read before waiting for the kernel
+        before (no kernel writes weights); x and r only after."""
         pid = tl.program_id(0)
-        n = _rows(pid, BLOCK_N, ROPE or GATED, HALF)
+        n = paired_rows(pid, BLOCK_N, ROPE or GATED, HALF)
         n_mask = n < N
         k = tl.arange(0, BLOCK_K)
         w0 = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
@@ -131,34 +65,18 @@ def _kernel():
             tl.extra.cuda.gdc_launch_dependents()
         inv = 1.0
         if NORM:  # the whole row once, for its root mean square
-            kk = tl.arange(0, K_P2)
-            row = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
-            if HAS_RES:
-                row = (row.to(tl.float32) + tl.load(r_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)).to(row.dtype)
-                if pid == 0:
-                    tl.store(r_out_ptr + kk, row, mask=kk < K)
-            rf = row.to(tl.float32)
-            inv = tl.rsqrt(tl.sum(rf * rf, axis=0) / K + eps)
-        acc = w0.to(tl.float32) * _input(x_ptr, r_ptr, g_ptr, k, k < K, inv, NORM, HAS_RES)[None, :]
+            inv = row_inv_rms(x_ptr, r_ptr, r_out_ptr, K, eps, pid, HAS_RES, K_P2)
+        acc = w0.to(tl.float32) * row_input(x_ptr, r_ptr, g_ptr, k, k < K, inv, NORM, HAS_RES)[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             kb = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_ptr + n[:, None] * stride_w + kb[None, :], mask=n_mask[:, None] & (kb < K)[None, :],
                         other=0.0)
-            acc += w.to(tl.float32) * _input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :]
+            acc += w.to(tl.float32) * row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-        if ROPE:
-            _rotate_and_store(y, pid, y_ptr, pos_ptr, loc_ptr, cos_ptr, sin_ptr, cs_stride, kc_ptr, vc_ptr,
-                              BLOCK_N, HALF, NQ, NK)
-        elif GATED:
-            dt = y_ptr.dtype.element_ty
-            gate, up = _pairs(y, dt, BLOCK_N)
-            act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)
-            pairs: tl.constexpr = BLOCK_N // 2
-            tl.store(y_ptr + pid * pairs + tl.arange(0, pairs), (act * up).to(dt))
-        else:
-            tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+        finish_rows(y, pid, n, n_mask, y_ptr, pos_ptr, loc_ptr, cos_ptr, sin_ptr, cs_stride, kc_ptr, vc_ptr,
+                    GATED, ROPE, HALF, NQ, NK, BLOCK_N)
 
     return gemv_kernel
 
@@ -190,29 +108,46 @@ def _launch(x, weight, bias=None, out_dtype=None, config=None, norm=None, residu
     bn, bk, warps, *stages = config or _config(n, k)
     r_out = torch.empty_like(x) if residual is not None else x
     g, eps = norm if norm is not None else (weight, 0.0)
-    nq = nk = half = 1
-    n_out = n
-    ptrs = (weight, weight, weight, weight, 0, weight, weight)  # the rope pointers, unused without it
+    ep = epilogue(weight, rope, gated, bn)
+    y = torch.empty((1, ep.n_out), dtype=out_dtype or x.dtype, device=x.device)
+    _kernel()[(-(-n // bn),)](x, weight, bias if bias is not None else weight, y,
+                              residual if residual is not None else x, g, r_out, n, k, weight.stride(0), eps,
+                              *ep.pointers, HAS_BIAS=bias is not None, NORM=norm is not None,
+                              HAS_RES=residual is not None, K_P2=next_pow2(k) if norm is not None else 1,
+                              GATED=gated, ROPE=rope is not None, HALF=ep.half, NQ=ep.nq, NK=ep.nk, BLOCK_N=bn,
+                              BLOCK_K=bk, num_warps=warps, **pdl_args(x),
+                              **({"num_stages": stages[0]} if stages else {}))
+    return y, r_out
+
+
+class Epilogue(NamedTuple):
+    """What a one-row product does with its finished rows (`row_parts.finish_rows`)."""
+    n_out: int  # columns of the product's result
+    half: int
+    nq: int
+    nk: int
+    pointers: tuple  # positions, slot, cos, sin, cos row stride, k cache, v cache (placeholders without rope)
+
+
+def epilogue(weight: torch.Tensor, rope: "RopeStore | None", gated: bool, block_n: int) -> Epilogue:
+    """The epilogue constants of a one-row product of `weight` [n, k] whose
+    programs take `block_n` rows each: ValueError where `rope` or `gated`
+    cannot pair its rows (`rows_pair`)."""
+    n = weight.shape[0]
+    placeholders = (weight, weight, weight, weight, 0, weight, weight)
     if rope is not None:
         nq, nk, half = rope.num_q_heads, rope.num_kv_heads, rope.k_cache.shape[-1] // 2
-        if not (pairs_fit(n, k, 2 * half) and n == (nq + 2 * nk) * 2 * half and rope.k_cache.is_contiguous()
+        if not (rows_pair(block_n, n, 2 * half) and n == (nq + 2 * nk) * 2 * half and rope.k_cache.is_contiguous()
                 and rope.v_cache.is_contiguous()):
             raise ValueError(f"rope: a qkv product of {nq} + 2 x {nk} heads of {2 * half} cannot take "
                              f"a weight of shape {tuple(weight.shape)}")
-        ptrs = (rope.positions, rope.loc, rope.cos, rope.sin, rope.cos.stride(0), rope.k_cache, rope.v_cache)
-        n_out = nq * 2 * half
-    elif gated:
-        if not pairs_fit(n, k, n):
+        return Epilogue(nq * 2 * half, half, nq, nk,
+                        (rope.positions, rope.loc, rope.cos, rope.sin, rope.cos.stride(0), rope.k_cache, rope.v_cache))
+    if gated:
+        if not rows_pair(block_n, n, n):
             raise ValueError(f"gated: a gate_up weight of shape {tuple(weight.shape)} does not split in pairs")
-        n_out = half = n // 2
-    y = torch.empty((1, n_out), dtype=out_dtype or x.dtype, device=x.device)
-    _kernel()[(-(-n // bn),)](x, weight, bias if bias is not None else weight, y,
-                              residual if residual is not None else x, g, r_out, n, k, weight.stride(0), eps, *ptrs,
-                              HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RES=residual is not None,
-                              K_P2=next_pow2(k) if norm is not None else 1, GATED=gated, ROPE=rope is not None,
-                              HALF=half, NQ=nq, NK=nk, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                              **pdl_args(x), **({"num_stages": stages[0]} if stages else {}))
-    return y, r_out
+        return Epilogue(n // 2, n // 2, 1, 1, placeholders)
+    return Epilogue(n, 1, 1, 1, placeholders)
 
 
 NORM_MAX_K = 8192  # widest input normalised inside the product (the row is held in registers once)
@@ -238,7 +173,12 @@ def pairs_fit(n: int, k: int, segment: int) -> bool:
     each segment of `segment` rows in pairs (row i with row i + segment / 2:
     rotary pairs of a head, a gate with its up), each program's rows all
     from one segment's halves."""
-    pairs = _config(n, k)[0] // 2
+    return rows_pair(_config(n, k)[0], n, segment)
+
+
+def rows_pair(block_n: int, n: int, segment: int) -> bool:
+    """`pairs_fit` for programs of `block_n` rows."""
+    pairs = block_n // 2
     return segment % 2 == 0 and n % segment == 0 and pairs > 0 and (segment // 2) % pairs == 0
 
 

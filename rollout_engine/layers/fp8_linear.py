@@ -3,12 +3,14 @@ scale per output row. The activations are quantized per token on the fly
 (kernels/fp8.py: quantize_rows), so y = (q_x q_W^T) * s_x * s_W.
 
 On a GPU, where the shapes allow (both dimensions of W multiples of 16), the
-rows are quantized in one launch (kernels/fp8_quantize.py) and multiplied
-on the tensor cores in fp8 with fp32 sums: up to MAX_FP8_ROWS rows (one-row
-decode included: measured faster in the step than a gemv on CUDA cores
-with the norm and rotary embedding inside it) by `kernels.batch_gemm`
-(tiles and split reductions that fill the GPU), more by `torch._scaled_mm`
-(row-wise scales, the bias in its epilogue, output in x's dtype).
+products run on the tensor cores in fp8 with fp32 sums: one row by
+`kernels.fp8_row` (the row quantized inside the product: one launch; it is
+measured faster in the step than a gemv on CUDA cores, which converts e4m3
+element by element); otherwise the rows are quantized in one launch
+(kernels/fp8_quantize.py) and multiplied, up to MAX_FP8_ROWS rows by
+`kernels.batch_gemm` (tiles and split reductions that fill the GPU), more by
+`torch._scaled_mm` (row-wise scales, the bias in its epilogue, output in x's
+dtype).
 Elsewhere, and on the CPU, the same arithmetic in fp32 from the dequantized
 operands: the reference the GPU paths are held to."""
 from __future__ import annotations
@@ -19,6 +21,7 @@ from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.batch_gemm import MAX_FP8_ROWS, fp8_batch_gemm
 from rollout_engine.kernels.fp8 import quantize_rows
 from rollout_engine.kernels.fp8_quantize import quantize_rows_gpu
+from rollout_engine.kernels.fp8_row import fp8_one_row, fp8_row
 
 
 def scaled_mm_fits(weight: torch.Tensor) -> bool:
@@ -31,7 +34,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     """x [..., K] in the engine dtype, weight e4m3 [N, K], scale_inv fp32
     [N, 1] -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    if scaled_mm_fits(weight) and x.dtype == torch.bfloat16:  # row-wise scales: bf16 output only
+    if fp8_one_row(rows, weight):
+        y = fp8_row(rows, weight, scale_inv, bias)[0]
+    elif scaled_mm_fits(weight) and x.dtype == torch.bfloat16:  # row-wise scales: bf16 output only
         kernels = use_kernel(rows) and rows.stride(1) == 1
         q, s = quantize_rows_gpu(rows) if kernels else quantize_rows(rows)
         if kernels and rows.shape[0] <= MAX_FP8_ROWS:  # decode batches: tiles that fill the GPU

@@ -15,7 +15,8 @@ from torch import nn
 
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels.fp8 import FP8
-from rollout_engine.kernels.gemv import linear
+from rollout_engine.kernels import fp8_row
+from rollout_engine.kernels.gemv import RopeStore, linear, norm_gemv, one_row, pairs_fit
 from rollout_engine.layers.fp8_linear import fp8_linear
 from rollout_engine.layers.invariant import invariant_linear
 from rollout_engine.layers.weight_copy import copy_into, quantize_into
@@ -67,6 +68,33 @@ class _Linear(nn.Module):
         if self.batch_invariant:
             return invariant_linear(x, self.weight, bias)
         return linear(x, self.weight, bias)
+
+    # One row (batch-1 decode): the RMSNorm before the product, and the rotary embedding and K/V store or
+    # SiLU * mul after it, inside the product's one launch (kernels.gemv; fp8: kernels.fp8_row).
+
+    def fuses_one_row(self, x: torch.Tensor) -> bool:
+        """Whether x takes `norm_product` (one row on the GPU)."""
+        if self.weight_scale is not None:
+            return fp8_row.fp8_one_row(x, self.weight)
+        return one_row(x, self.weight)
+
+    def rows_pair(self, segment: int) -> bool:
+        """Whether `norm_product` can finish segments of `segment` rows in
+        pairs (`kernels.gemv.pairs_fit`): `rope` for heads, `gated` for the
+        whole gate_up weight."""
+        fits = fp8_row.pairs_fit if self.weight_scale is not None else pairs_fit
+        return fits(*self.weight.shape, segment)
+
+    def norm_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
+                     bias: torch.Tensor | None = None, rope: RopeStore | None = None,
+                     gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm(x + residual) W^T (+ bias) for one row in one launch, with
+        `rope` or `gated` finishing the rows (`kernels.gemv.norm_gemv`).
+        Returns (product, new residual stream)."""
+        if self.weight_scale is not None:
+            return fp8_row.fp8_row(x, self.weight, self.weight_scale, bias, norm=(norm.weight, norm.eps),
+                                   residual=residual, gated=gated, rope=rope)
+        return norm_gemv(x, residual, norm.weight, norm.eps, self.weight, bias, rope=rope, gated=gated)
 
     def _store(self, param: torch.Tensor, offset: int, size: int, src: torch.Tensor,
                whole_rows: torch.Tensor | None = None) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
-from rollout_engine.kernels.gemv import NORM_MAX_K, RopeStore, norm_gemv, one_row, pairs_fit
+from rollout_engine.kernels.gemv import NORM_MAX_K, RopeStore
 from rollout_engine.layers.attention import PagedAttention
 from rollout_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -54,8 +54,7 @@ class DecoderAttention(nn.Module):
         self.attn = PagedAttention(layer_id, p.num_heads, p.num_kv_heads, cfg.head_dim)
         # At one row the qkv product also rotates q and k and stores K/V (`one_row_q`); not after q/k norms,
         # which need whole heads.
-        self.rope_in_product = (not cfg.qk_norm and not cfg.qk_norm_whole
-                                and pairs_fit(*p.weight.shape, cfg.head_dim))
+        self.rope_in_product = not cfg.qk_norm and not cfg.qk_norm_whole and p.rows_pair(cfg.head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
         return self.attend(self._rotate_and_store(positions, self.qkv_proj(x), fb), fb)
@@ -90,8 +89,8 @@ class DecoderAttention(nn.Module):
         p, i = self.qkv_proj, self.attn.layer_id
         if self.rope_in_product:
             rope = self.rope_store(positions, fb.kv_pool.k[i], fb.kv_pool.v[i], fb.out_cache_loc)
-            return norm_gemv(x, residual, norm.weight, norm.eps, p.weight, p.bias, rope=rope)
-        qkv, residual = norm_gemv(x, residual, norm.weight, norm.eps, p.weight, p.bias)
+            return p.norm_product(x, residual, norm, p.bias, rope=rope)
+        qkv, residual = p.norm_product(x, residual, norm, p.bias)
         return self._rotate_and_store(positions, qkv, fb), residual
 
     def rope_store(self, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -107,8 +106,8 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, False, comm)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, comm)
-        w = self.gate_up_proj.weight  # at one row SiLU * mul inside the gate_up product (`one_row_act`)
-        self.gated_in_product = pairs_fit(*w.shape, w.shape[0])
+        # at one row SiLU * mul inside the gate_up product (`one_row_act`)
+        self.gated_in_product = self.gate_up_proj.rows_pair(self.gate_up_proj.weight.shape[0])
 
     def forward(self, x: torch.Tensor, fb: "ForwardBatch | None" = None) -> torch.Tensor:
         """`fb` unused (the sparse MLP's record of routing needs it)."""
@@ -120,10 +119,10 @@ class DecoderMLP(nn.Module):
         """One row (`DecoderLayer.norms_in_products`): RMSNorm(x + residual)
         inside the gate_up product, and SiLU(gate) * up too when its rows pair
         up. Returns (the down product's input, residual)."""
-        w = self.gate_up_proj.weight
+        p = self.gate_up_proj
         if self.gated_in_product:
-            return norm_gemv(x, residual, norm.weight, norm.eps, w, gated=True)
-        gate_up, residual = norm_gemv(x, residual, norm.weight, norm.eps, w)
+            return p.norm_product(x, residual, norm, gated=True)
+        gate_up, residual = p.norm_product(x, residual, norm)
         return silu_and_mul(gate_up), residual
 
 
@@ -158,7 +157,7 @@ class DecoderLayer(nn.Module):
         SiLU * mul inside the gate_up product: four launches fewer per layer.
         Not in batch-invariant mode (its own kernels)."""
         qkv, norm = self.self_attn.qkv_proj, self.input_layernorm
-        return (one_row(x, qkv.weight) and x.shape[1] <= NORM_MAX_K and not qkv.batch_invariant
+        return (qkv.fuses_one_row(x) and x.shape[1] <= NORM_MAX_K and not qkv.batch_invariant
                 and not norm.batch_invariant and (residual is None or residual.is_contiguous()))
 
     @torch.inference_mode()
@@ -166,17 +165,18 @@ class DecoderLayer(nn.Module):
         """Run this layer's fused one-row products once on dummy inputs (each
         variant `_forward_one_row` takes), so none compiles mid-run."""
         attn, mlp = self.self_attn, self.mlp
-        p, w, norm = attn.qkv_proj, attn.qkv_proj.weight, self.input_layernorm
-        x = torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device)
+        p, norm = attn.qkv_proj, self.input_layernorm
+        w = p.weight
+        x = torch.zeros(1, w.shape[1], dtype=norm.weight.dtype, device=w.device)  # fp8 weights: bf16 rows
         if not self.norms_in_products(x, None):
             return
         rope = None
         if attn.rope_in_product:
-            cache = torch.zeros(1, p.num_kv_heads, p.head_dim, dtype=w.dtype, device=w.device)
+            cache = torch.zeros(1, p.num_kv_heads, p.head_dim, dtype=x.dtype, device=w.device)
             slot = torch.zeros(1, dtype=torch.int64, device=w.device)
             rope = attn.rope_store(slot, cache, cache.clone(), slot)
         for residual in (None, x):  # the first layer's qkv has no residual to add
-            norm_gemv(x, residual, norm.weight, norm.eps, w, p.bias, rope=rope)
+            p.norm_product(x, residual, norm, p.bias, rope=rope)
         if isinstance(mlp, DecoderMLP):
             mlp.one_row_act(x, x, self.post_attention_layernorm)
 
