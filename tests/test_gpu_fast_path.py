@@ -215,29 +215,38 @@ def test_auto_backend_picks_flashinfer_on_gpu(gpu_models):
     assert engine.core.parts.runner.graphs is not None and engine.core.parts.runner.graphs.buckets == [1, 2, 4, 8]
 
 
-def _compiled_gemv_variants(clear: bool = False) -> int:
+def _compiled_one_row_variants(clear: bool = False) -> tuple[int, int]:
+    """Triton's compiled variants (per device) of the bf16 gemv and of the fp8 one-row kernel."""
+    from rollout_engine.kernels.fp8_row import fp8_row_kernel
     from rollout_engine.kernels.gemv import _kernel
 
-    caches = [cache[0] for cache in _kernel().device_caches.values()]  # Triton's compiled variants per device
-    if clear:  # forget what earlier tests compiled in this process
-        for cache in caches:
-            cache.clear()
-    return sum(len(cache) for cache in caches)
+    counts = []
+    for kernel in (_kernel(), fp8_row_kernel):
+        caches = [cache[0] for cache in kernel.device_caches.values()]
+        if clear:  # forget what earlier tests compiled in this process
+            for cache in caches:
+                cache.clear()
+        counts.append(sum(len(cache) for cache in caches))
+    return counts[0], counts[1]
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
 @pytest.mark.parametrize("cuda_graph", [False, True])
-def test_one_row_kernels_compiled_before_the_first_batch_1_step(gpu_models, cuda_graph):
+def test_one_row_kernels_compiled_before_the_first_batch_1_step(gpu_models, cuda_graph, quantization):
     """A single request decoding (the end of every rollout) must not wait on
-    Triton mid-run: the engine compiles the one-row products, the LM head's
-    fp32 one included, when it is built."""
+    Triton mid-run: the engine compiles the one-row products (fp8: with the
+    norm, rotary embedding and activation inside), the LM head's fp32 one
+    included, when it is built."""
     _, folder = gpu_models[("llama", False)]
-    _compiled_gemv_variants(clear=True)
+    _compiled_one_row_variants(clear=True)
     engine = RolloutEngine(folder, device="cuda", max_total_tokens=4096, cuda_graph=cuda_graph,
-                           cuda_graph_max_batch_size=8)
-    before = _compiled_gemv_variants()
+                           cuda_graph_max_batch_size=8, dtype="bfloat16", quantization=quantization)
+    before = _compiled_one_row_variants()
     out = engine.generate(input_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert len(out[0].output_token_ids) == 4
-    assert _compiled_gemv_variants() == before > 0
+    assert _compiled_one_row_variants() == before
+    assert before[0] > 0 and (before[1] >= 3 if quantization else before[1] == 0)
+    engine.shutdown()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
