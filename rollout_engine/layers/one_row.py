@@ -1,10 +1,9 @@
 """The one-row kernels (batch-1 decode) compiled when the engine is built.
 
 At one row the linear layers and the LM head run Triton gemv kernels
-(`kernels/gemv.py`; in decoder layers with the norm, rotary embedding or
-activation inside: their `compile_one_row`; fp8 layers the batch kernel,
-`layers/fp8_linear.py`), compiled per weight shape and output dtype on
-first use. CUDA-graph capture compiles the layers' kernels,
+(`kernels/gemv.py`; fp8 layers `kernels/fp8_row.py`; in decoder layers with
+the norm, rotary embedding or activation inside: their `compile_one_row`),
+compiled per weight shape and output dtype on first use. CUDA-graph capture compiles the layers' kernels,
 but the LM head runs outside the graphs (and without graphs nothing is
 captured), so the first step that decodes a single request would wait on the
 compiler mid-run (~0.2 s for the LM head's fp32 variant)."""

@@ -152,10 +152,12 @@ class DecoderLayer(nn.Module):
 
     def norms_in_products(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """One row on the GPU: each RMSNorm (with its residual add) is computed
-        inside the product after it (`kernels.gemv.norm_gemv`), without q/k
-        norms the rotary embedding and K/V store inside the qkv product, and
-        SiLU * mul inside the gate_up product: four launches fewer per layer.
-        Not in batch-invariant mode (its own kernels)."""
+        inside the product after it (`_Linear.norm_product`: `kernels.gemv`,
+        fp8 weights `kernels.fp8_row`, which quantizes its input inside too),
+        without q/k norms the rotary embedding and K/V store inside the qkv
+        product, and SiLU * mul inside the gate_up product: four launches
+        fewer per layer (fp8: eight). Not in batch-invariant mode (its own
+        kernels)."""
         qkv, norm = self.self_attn.qkv_proj, self.input_layernorm
         return (qkv.fuses_one_row(x) and x.shape[1] <= NORM_MAX_K and not qkv.batch_invariant
                 and not norm.batch_invariant and (residual is None or residual.is_contiguous()))
