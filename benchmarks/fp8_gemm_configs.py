@@ -3,8 +3,9 @@ layer of a preset and each row count, the bf16 product (F.linear, or the
 engine's one-row gemv), fp8 through `torch._scaled_mm` (row-wise scales),
 and the fp8 `kernels.batch_gemm` at the shape the engine picks and over a
 grid; each over weight copies that spill the L2 cache, in CUDA graphs, plus
-the per-token quantize launch the fp8 products need (timed alone). Reports the fastest of each and its largest
-difference from the reference arithmetic. On a CUDA GPU:
+the per-token quantize launch the fp8 products need (timed alone). Reports
+the fastest of each and its largest difference from the reference
+arithmetic. On a CUDA GPU:
 
     python3 benchmarks/fp8_gemm_configs.py --model qwen2.5-7b --rows 1 8 64 256 --out /tmp/fp8_gemm.json
 """
@@ -14,10 +15,9 @@ import itertools
 import json
 
 import torch
-import torch.nn.functional as F
 
 from gemm_shapes import graph_time_us, shapes, write_out  # benchmarks/, the script's own folder
-from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int, run_script
+from rollout_engine.cli_args import ScriptParser, UsageError, check_out_path, needs_cuda, positive_int, run_script
 from rollout_engine.kernels.batch_gemm import (MAX_FP8_ROWS, GemmConfig, fp8_batch_gemm, new_counters, pick,
                                                use_counters)
 from rollout_engine.kernels.fp8 import quantize_channels
@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", choices=["qkv", "o", "gate_up", "down"], help="only these products")
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_args(argv)
+    try:
+        check_out_path("--out", args.out)
+    except UsageError as e:
+        p.error(str(e))
     needs_cuda(p, "the products are timed on the GPU")
     with use_counters(new_counters(torch.device("cuda", torch.cuda.current_device()))):
         write_out(args.out, run(args.model, args.rows, args.shapes))
