@@ -17,7 +17,7 @@ import json
 import torch
 
 from gemm_shapes import graph_time_us, write_out  # benchmarks/, the script's own folder
-from rollout_engine.cli_args import ScriptParser, UsageError, check_out_path, needs_cuda, run_script
+from rollout_engine.cli_args import ScriptParser, needs_cuda, run_script
 from rollout_engine.kernels.activation import silu_and_mul
 from rollout_engine.kernels.batch_gemm import GemmConfig, fp8_batch_gemm, new_counters, use_counters
 from rollout_engine.kernels.fp8 import quantize_channels
@@ -117,11 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", choices=["qkv", "o", "gate_up", "down"], help="only these products")
     p.add_argument("--no-grid", action="store_true", help="time the engine's launch shape only")
     p.add_argument("--out", help="write the rows here (JSON)")
-    args = p.parse_args(argv)
-    try:
-        check_out_path("--out", args.out)
-    except UsageError as e:
-        p.error(str(e))
+    args = p.parse_checked(argv)
     needs_cuda(p, "the products are timed on the GPU")
     with use_counters(new_counters(torch.device("cuda", torch.cuda.current_device()))):
         write_out(args.out, run(args.model, args.shapes, not args.no_grid))

@@ -125,29 +125,41 @@ def fp8_reference(model):
 FP8_TOLERANCES = {"smollm2": (4.5, 6.0, 1.0), "random": (6.0, 6.0, 1.5)}
 
 
+def stress_against(model, reference, tolerances: dict, backend: str, page_size: int, calls: int, label: str,
+                   **engine_kwargs) -> RolloutEngine:
+    """A long-lived bf16 engine (`engine_kwargs` on top of the suite's
+    shape: graphs, overlap, a tight pool) run through `calls` random calls,
+    teacher-forced against `reference` with `tolerances[model kind]`
+    ((greedy margin, per-token, per-request mean) nats); asserts no
+    violation, prefix-cache hits and retractions. Returns the engine (not
+    shut down)."""
+    from rollout_engine.model_zoo import model_dir
+
+    folder, _, prompts, token_range = model
+    margin, logprob_tol, mean_tol = tolerances["smollm2" if folder == model_dir("smollm2-135m") else "random"]
+    engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", attention_backend=backend,
+                           page_size=page_size, max_total_tokens=1024, max_prefill_tokens=256,
+                           cuda_graph_max_batch_size=32, max_running_requests=96, **engine_kwargs)
+    gen = WorkloadGenerator(seed=page_size, token_range=token_range, base_prompts=prompts, max_prompt_len=96,
+                            max_new_tokens=48, max_batch=40)
+    report = stress(engine, reference, gen, calls, margin, logprob_tol, mean_tol)
+    stats = engine.cache_stats()
+    print(f"{label} {backend} page_size={page_size}: {report.summary()}; retractions {stats['retractions']}")
+    assert not report.violations, report.violations[:5]
+    assert stats["hit_rate"] > 0.1 and stats["retractions"] > 0
+    return engine
+
+
 @pytest.mark.parametrize("backend", ["flashinfer", "triton"])
 def test_differential_stress_in_fp8(model, fp8_reference, backend):
     """Graphs, overlap, the prefix cache, retraction and aborts in fp8,
     teacher-forced against the fp8 oracle: a completion answering another
     request's prompt is many nats off; fp8's own rounding is in the oracle,
-    and what is left is bf16's, amplified by the quantization (FP8_TOLERANCES)."""
-    from rollout_engine.model_zoo import model_dir
-
-    folder, _, prompts, token_range = model
-    page_size = 16  # the fp8 products do not touch the page layout; page size 1 is the dense suite's
-    margin, logprob_tol, mean_tol = FP8_TOLERANCES["smollm2" if folder == model_dir("smollm2-135m") else "random"]
+    and what is left is bf16's, amplified by the quantization (FP8_TOLERANCES).
+    Page size 16: the fp8 products do not touch the page layout; page size 1
+    is the dense suite's."""
     calls = int(os.environ.get("STRESS_CALLS", "40"))
-    engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", attention_backend=backend,
-                           page_size=page_size, max_total_tokens=1024, max_prefill_tokens=256,
-                           cuda_graph_max_batch_size=32, max_running_requests=96, quantization="fp8")
-    gen = WorkloadGenerator(seed=page_size, token_range=token_range, base_prompts=prompts, max_prompt_len=96,
-                            max_new_tokens=48, max_batch=40)
-    report = stress(engine, fp8_reference, gen, calls, margin, logprob_tol, mean_tol)
-    stats = engine.cache_stats()
-    print(f"fp8 {backend} page_size={page_size}: {report.summary()}; retractions {stats['retractions']}")
-    assert not report.violations, report.violations[:5]
-    assert stats["hit_rate"] > 0.1 and stats["retractions"] > 0
-    engine.shutdown()
+    stress_against(model, fp8_reference, FP8_TOLERANCES, backend, 16, calls, "fp8", quantization="fp8").shutdown()
 
 
 def test_an_update_equals_a_fresh_engine_bitwise(model, tmp_path):

@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-from differential import Reference, WorkloadGenerator, fp8_kv_oracle, stress
+from differential import Reference, fp8_kv_oracle
 from test_gpu_differential import model  # noqa: F401 - the fixture
-from rollout_engine import RolloutEngine
+from test_gpu_fp8 import fidelity_report, stress_against
 from rollout_engine.kernels.e4m3 import to_kv
 from rollout_engine.kernels.fp8 import FP8
 
@@ -103,22 +103,10 @@ def test_differential_stress_with_an_e4m3_cache(model, kv_reference, backend, pa
     """Graphs, overlap, the prefix cache, retraction and aborts with the KV
     in e4m3, teacher-forced against the fp8-KV oracle: another request's KV
     is many nats off; what is left is bf16's rounding, amplified by e4m3's."""
-    from rollout_engine.model_zoo import model_dir
-
-    folder, _, prompts, token_range = model
-    margin, logprob_tol, mean_tol = KV_TOLERANCES["smollm2" if folder == model_dir("smollm2-135m") else "random"]
     calls = int(os.environ.get("STRESS_CALLS", "60"))  # as the bf16 suite: page size 1 retracts late in the run
-    engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", attention_backend=backend,
-                           page_size=page_size, max_total_tokens=1024, max_prefill_tokens=256,
-                           cuda_graph_max_batch_size=32, max_running_requests=96, kv_cache_dtype="fp8_e4m3")
+    engine = stress_against(model, kv_reference, KV_TOLERANCES, backend, page_size, calls, "fp8 KV",
+                            kv_cache_dtype="fp8_e4m3")
     assert engine.core.parts.kv_pool.k[0].dtype == FP8
-    gen = WorkloadGenerator(seed=page_size, token_range=token_range, base_prompts=prompts, max_prompt_len=96,
-                            max_new_tokens=48, max_batch=40)
-    report = stress(engine, kv_reference, gen, calls, margin, logprob_tol, mean_tol)
-    stats = engine.cache_stats()
-    print(f"fp8 KV {backend} page_size={page_size}: {report.summary()}; retractions {stats['retractions']}")
-    assert not report.violations, report.violations[:5]
-    assert stats["hit_rate"] > 0.1 and stats["retractions"] > 0
     engine.shutdown()
 
 
@@ -148,7 +136,6 @@ KV_FIDELITY = [("smollm2-135m", "auto", 0.16, 0.017), ("qwen2.5-7b", "dummy", 0.
 
 @pytest.mark.parametrize("model_name,load_format,gap_bound,kl_bound", KV_FIDELITY)
 def test_the_e4m3_cache_costs_a_bounded_fidelity(model_name, load_format, gap_bound, kl_bound, tmp_path):
-    from test_gpu_fp8 import fidelity_report
 
     report = fidelity_report(model_name, load_format, str(tmp_path / "fidelity.json"), "--quantization", "none",
                              "--kv-cache-dtype", "fp8_e4m3")
