@@ -12,6 +12,12 @@ first token where it does (a token of weight 0 never is that token), and
 writes the token and its logprob, (x - m) / T - log(total). Where rounding
 leaves the target unreached, the chunk's last token of positive weight.
 
+`sample_rows` is the sampler's whole step in those two launches: rows at
+temperature 0 keep their greedy token, and a row reports its raw logprob
+(x - log-sum-exp of the row) where it asks for raw logprobs or is greedy
+(elementwise passes on the device would each be a launch, and on the host a
+launch costs a small step's time).
+
 `draw_from_weights` runs the same two launches over a [B, V] table of
 weights already computed (the processed probabilities of deterministic
 mode's sampler): the token only, in place of a float64 prefix sum of the
@@ -58,6 +64,12 @@ def _kernels():
         return tl.exp((x - m) * inv_t)
 
     @triton.jit
+    def inverse_temperature(t_ptr, row):
+        """1 / T, and 1 for a greedy row (T = 0: its weights are not used)."""
+        t = tl.load(t_ptr + row)
+        return tl.where(t > 0, 1.0 / t, 1.0)
+
+    @triton.jit
     def chunk_sums_kernel(x_ptr, stride, V, CHUNK, m_ptr, t_ptr, s_ptr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
                           WEIGHTS: tl.constexpr = False):
         row = tl.program_id(0).to(tl.int64)
@@ -65,7 +77,7 @@ def _kernels():
         m, inv_t = 0.0, 1.0
         if not WEIGHTS:
             m = tl.load(m_ptr + row)
-            inv_t = 1.0 / tl.load(t_ptr + row)
+            inv_t = inverse_temperature(t_ptr, row)
         lo = part * CHUNK
         acc = tl.zeros([BLOCK], tl.float32)
         for start in range(0, CHUNK, BLOCK):
@@ -75,13 +87,14 @@ def _kernels():
         tl.store(s_ptr + row * SPLITS + part, tl.sum(acc, axis=0))
 
     @triton.jit
-    def pick_kernel(x_ptr, stride, V, CHUNK, m_ptr, t_ptr, s_ptr, u_ptr, g_ptr, tok_ptr, lp_ptr,
-                    SPLITS: tl.constexpr, BLOCK: tl.constexpr, WEIGHTS: tl.constexpr = False):
+    def pick_kernel(x_ptr, stride, V, CHUNK, m_ptr, t_ptr, s_ptr, u_ptr, g_ptr, tok_ptr, lp_ptr, norm_ptr, raw_ptr,
+                    SPLITS: tl.constexpr, BLOCK: tl.constexpr, WEIGHTS: tl.constexpr = False,
+                    FINISH: tl.constexpr = False):
         row = tl.program_id(0).to(tl.int64)
         m, inv_t = 0.0, 1.0
         if not WEIGHTS:
             m = tl.load(m_ptr + row)
-            inv_t = 1.0 / tl.load(t_ptr + row)
+            inv_t = inverse_temperature(t_ptr, row)
         p = tl.arange(0, SPLITS)
         sums = tl.load(s_ptr + row * SPLITS + p)
         total = tl.sum(sums, axis=0)
@@ -106,24 +119,36 @@ def _kernels():
             carry = tl.max(c, axis=0)  # the running sum after this block (weights >= 0)
         # Summed in another order than the chunk sums, the scan may end a
         # rounding short of the target: then the chunk's last positive token.
-        tok = tl.where(found < V, found, tl.where(last >= 0, last, tl.load(g_ptr + row).to(tl.int32)))
-        tl.store(tok_ptr + row, tok.to(tl.int64))
-        if not WEIGHTS:
+        greedy = tl.load(g_ptr + row).to(tl.int32)
+        tok = tl.where(found < V, found, tl.where(last >= 0, last, greedy))
+        if FINISH:  # greedy rows keep their argmax; raw and greedy rows report the raw logprob
+            sampling = tl.load(t_ptr + row) > 0
+            tok = tl.where(sampling, tok, greedy)
+            x_tok = tl.load(x_ptr + row * stride + tok)
+            raw = (tl.load(raw_ptr + row) != 0) | (tl.load(t_ptr + row) <= 0)
+            lp = tl.where(raw, x_tok - tl.load(norm_ptr + row), (x_tok - m) * inv_t - tl.log(total))
+            tl.store(lp_ptr + row, lp)
+        elif not WEIGHTS:
             x_tok = tl.load(x_ptr + row * stride + tok)
             tl.store(lp_ptr + row, (x_tok - m) * inv_t - tl.log(total))
+        tl.store(tok_ptr + row, tok.to(tl.int64))
 
     return chunk_sums_kernel, pick_kernel
 
 
-def _launch(x: torch.Tensor, temps, row_max, greedy, uniforms, tokens, logprobs, weights: bool) -> None:
+def _launch(x: torch.Tensor, temps, row_max, greedy, uniforms, tokens, logprobs, weights: bool,
+            log_norm: torch.Tensor | None = None, raw: torch.Tensor | None = None) -> None:
+    """`log_norm` and `raw` given: the pick finishes the sampler's step (`sample_rows`)."""
     rows, vocab = x.shape
     chunk = -(-vocab // SPLITS)
     sums = torch.empty((rows, SPLITS), dtype=torch.float32, device=x.device)
     chunk_sums, pick = _kernels()
     chunk_sums[(rows, SPLITS)](x, x.stride(0), vocab, chunk, row_max, temps, sums, SPLITS=SPLITS, BLOCK=BLOCK,
                                WEIGHTS=weights)
+    finish = log_norm is not None
     pick[(rows,)](x, x.stride(0), vocab, chunk, row_max, temps, sums, uniforms, greedy, tokens, logprobs,
-                  SPLITS=SPLITS, BLOCK=BLOCK, WEIGHTS=weights)
+                  log_norm if finish else row_max, raw if finish else greedy,
+                  SPLITS=SPLITS, BLOCK=BLOCK, WEIGHTS=weights, FINISH=finish)
 
 
 def draw(logits: torch.Tensor, temps: torch.Tensor, row_max: torch.Tensor, greedy: torch.Tensor,
@@ -131,14 +156,42 @@ def draw(logits: torch.Tensor, temps: torch.Tensor, row_max: torch.Tensor, greed
     """logits [B, V] float32 (unit stride in a row); temps [B] float32 > 0;
     row_max [B] float32 and greedy [B] int64 from argmax_logsumexp;
     uniforms [B] float64 in (0, 1). Returns (tokens int64, logprobs float32)."""
+    return _draw_rows(logits, temps, row_max, greedy, uniforms)
+
+
+def _draw_rows(logits, temps, row_max, greedy, uniforms, **finish) -> tuple[torch.Tensor, torch.Tensor]:
     rows, vocab = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     dev = logits.device
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
     if rows:
-        _launch(logits, temps, row_max, greedy, uniforms, tokens, logprobs, weights=False)
+        _launch(logits, temps, row_max, greedy, uniforms, tokens, logprobs, weights=False, **finish)
     return tokens, logprobs
+
+
+def sample_rows(logits: torch.Tensor, temps: torch.Tensor, row_max: torch.Tensor, log_norm: torch.Tensor,
+                greedy: torch.Tensor, uniforms: torch.Tensor, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw`, with rows at temperature 0 (temps may be 0 there) keeping
+    their greedy token, and each row's logprob in its mode: the raw
+    x - log_norm where `raw` [B] bool (or uint8) is set or the row is
+    greedy, else the processed one. log_norm [B] float32 from
+    argmax_logsumexp. The same bits as `draw` at max(T, 1) followed by the
+    torch selections (`sample_rows_ref`)."""
+    return _draw_rows(logits, temps, row_max, greedy, uniforms, log_norm=log_norm,
+                      raw=raw.view(torch.uint8) if raw.dtype == torch.bool else raw)
+
+
+def sample_rows_ref(logits, temps, row_max, log_norm, greedy, uniforms, raw,
+                    draw_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_rows` as a draw and torch selections (`draw_fn`: `draw`, or
+    `draw_ref` off the GPU)."""
+    sampling = temps > 0
+    drawn, processed = (draw_fn or draw)(logits, torch.where(sampling, temps, torch.ones_like(temps)), row_max,
+                                         greedy, uniforms)
+    tokens = torch.where(sampling, drawn, greedy)
+    raw_lp = logits.gather(-1, tokens[:, None]).squeeze(1) - log_norm
+    return tokens, torch.where(raw.bool() | ~sampling, raw_lp, processed)
 
 
 def draw_from_weights(weights: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_engine.kernels.draw import draw, draw_ref
+from rollout_engine.kernels.draw import draw, draw_ref, sample_rows, sample_rows_ref
 from rollout_engine.kernels.greedy import argmax_logsumexp
 from rollout_engine.runner.sampler import SamplingBatch, sample, seeded_uniform
 from rollout_engine.sampling_params import SamplingParams
@@ -71,3 +71,23 @@ def test_sample_takes_the_fused_draw_and_keeps_greedy_and_raw_rows():
     assert torch.allclose(fused.logprobs.cpu()[same], general.logprobs[same], atol=1e-4)
     greedy_rows = torch.tensor([p.temperature == 0 for p in params])
     assert (fused.tokens.cpu()[greedy_rows] == logits.argmax(-1).cpu()[greedy_rows]).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_sample_rows_equals_draw_and_torch_selections_bitwise(rows):
+    """The sampler's fused step in two launches (greedy rows keep their
+    argmax, raw and greedy rows report raw logprobs inside the pick kernel)
+    gives the bits of `draw` followed by the torch selections it replaced."""
+    vocab = 151936
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randn(rows, vocab, device="cuda", generator=g) * 3
+    temps = torch.tensor([[0.0, 0.6, 1.0, 1.3][i % 4] for i in range(rows)], device="cuda")
+    raw = torch.tensor([i % 3 == 0 for i in range(rows)], device="cuda")
+    greedy, row_max, log_norm = argmax_logsumexp(logits)
+    u = torch.from_numpy(seeded_uniform(np.arange(rows), np.full(rows, 9))).cuda()
+    tokens, lps = sample_rows(logits, temps, row_max, log_norm, greedy, u, raw)
+    ref_tokens, ref_lps = sample_rows_ref(logits, temps, row_max, log_norm, greedy, u, raw)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.equal(lps, ref_lps)
+    greedy_rows = temps == 0
+    assert torch.equal(tokens[greedy_rows], logits.argmax(-1)[greedy_rows])

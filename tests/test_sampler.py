@@ -196,3 +196,27 @@ def test_the_fused_draws_reference_samples_as_the_sampler_does():
     assert (tokens == general.tokens).float().mean() >= 0.995
     same = tokens == general.tokens
     assert torch.allclose(logprobs[same], general.logprobs[same], atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 13])
+def test_sampling_inputs_travel_in_one_block_unchanged(n):
+    """SamplingBatch.build packs every per-row input into one block (one
+    copy to the device): each field reads back exactly what the plan holds."""
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0][i % 3], top_p=0.5 + i / 100, min_p=i / 1000,
+                             top_k=i % 4, logprob_mode=["raw", "processed"][i % 2]) for i in range(n)]
+    seeds = [(i * 7919) << 33 | i for i in range(n)]
+    plan = sampling_plan(params, seeds, [100 + i for i in range(n)])
+    sb = SamplingBatch.build(plan, torch.device("cpu"))
+    assert torch.equal(sb.temperatures, torch.from_numpy(plan.temperatures))
+    assert torch.equal(sb.top_ps, torch.from_numpy(plan.top_ps))
+    assert torch.equal(sb.min_ps, torch.from_numpy(plan.min_ps))
+    assert torch.equal(sb.top_ks, torch.from_numpy(plan.top_ks))
+    assert torch.equal(sb.seeds, torch.from_numpy(plan.seeds))
+    assert torch.equal(sb.positions, torch.from_numpy(plan.positions))
+    assert torch.equal(sb.raw_logprobs, torch.from_numpy(plan.raw_logprobs))
+    expected = np.zeros(n) if plan.all_greedy else seeded_uniform(plan.seeds, plan.positions)
+    assert torch.equal(sb.uniforms, torch.from_numpy(expected))
+    assert sb.raw_logprobs.dtype == torch.bool and sb.temperatures.dtype == torch.float32
+    # every field starts on a 16-byte boundary, as a fresh tensor does (Triton specializes its kernels on it)
+    fields = (sb.temperatures, sb.top_ps, sb.min_ps, sb.top_ks, sb.seeds, sb.positions, sb.uniforms, sb.raw_logprobs)
+    assert all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in fields)

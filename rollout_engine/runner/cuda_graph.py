@@ -36,6 +36,34 @@ def batch_size_buckets(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
+class StaticInputs:
+    """The inputs a graph of `bs` rows reads, in one int64 block on the
+    device: input ids, positions, KV slots (padding rows: 0, the reserved
+    page), then the request-table rows as int32, each row on a 16-byte
+    boundary. A replay fills it with one copy from a host block of the same
+    layout (each host-to-device copy is a driver call, and the host's work
+    per step is what small batches wait on)."""
+
+    def __init__(self, bs: int, device: torch.device):
+        self.bs = bs
+        self.stride = m = bs + (bs & 1)
+        self.block = torch.zeros(3 * m + m // 2, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.out_cache_loc = self.block[: 3 * m].view(3, m)[:, :bs]
+        self.rows = self.block[3 * m:].view(torch.int32)[:bs]
+        self._host = np.zeros(self.block.numel(), dtype=np.int64)
+
+    def fill(self, plan: StepPlan) -> None:
+        """This plan's rows first, zeros after them (padding). The host block
+        is written afresh each time: a copy from pageable memory has read it
+        by the time the call returns."""
+        n, m, host = plan.batch_size, self.stride, self._host
+        host.fill(0)
+        for i, values in enumerate((plan.input_ids, plan.positions, plan.out_cache_loc)):
+            host[i * m: i * m + n] = values
+        host[3 * m:].view(np.int32)[:n] = plan.rows
+        self.block.copy_(torch.from_numpy(host), non_blocking=True)
+
+
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_pool: KVPool,
                  table: TableMirror, max_bs: int, device: torch.device,
@@ -47,11 +75,9 @@ class CudaGraphRunner:
         # Where graph memory comes from (a releasable region when the memory
         # saver can pause graph pools).
         self.capture_context = capture_context
-        i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(max_bs, **i64)
-        self.positions = torch.zeros(max_bs, **i64)
-        self.out_cache_loc = torch.zeros(max_bs, **i64)  # 0: the reserved padding page
-        self.rows = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        # Each bucket's graph reads its inputs from a block of its own (`StaticInputs`), which one
+        # host-to-device copy fills before a replay.
+        self.inputs = {bs: StaticInputs(bs, device) for bs in self.buckets}
         backend.init_graph_buffers(max_bs, table.max_context)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -64,9 +90,10 @@ class CudaGraphRunner:
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         ones = np.ones(bs, dtype=np.int64)
+        inp = self.inputs[bs]
         return ForwardBatch(
-            input_ids=self.input_ids[:bs], positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
-            extend_lens=ones, seq_lens=ones, rows=np.zeros(bs, dtype=np.int64), rows_device=self.rows[:bs],
+            input_ids=inp.input_ids, positions=inp.positions, out_cache_loc=inp.out_cache_loc,
+            extend_lens=ones, seq_lens=ones, rows=np.zeros(bs, dtype=np.int64), rows_device=inp.rows,
             table=self.table, kv_pool=self.kv_pool, attn_backend=self.backend,
             is_decode=True)
 
@@ -88,8 +115,8 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture(self) -> None:
         self.mempool = torch.cuda.graph_pool_handle()
-        for buf in (self.input_ids, self.positions, self.out_cache_loc, self.rows):
-            buf.zero_()
+        for inp in self.inputs.values():
+            inp.block.zero_()  # out_cache_loc 0: the reserved padding page
         for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
             fb = self._static_batch(bs)
             fb.attn_metadata = self.backend.graph_metadata(bs, fb)
@@ -110,16 +137,10 @@ class CudaGraphRunner:
         device) replaces the plan's own tokens when given."""
         bs = plan.batch_size
         bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
-        zeros = np.zeros(bucket - bs, dtype=np.int64)
-        packed = np.concatenate([plan.input_ids, zeros, plan.positions, zeros, plan.out_cache_loc, zeros,
-                                 plan.rows, zeros])
-        packed = torch.from_numpy(packed).to(self.device, non_blocking=True).view(4, bucket)
-        self.input_ids[:bucket].copy_(packed[0])
-        self.positions[:bucket].copy_(packed[1])
-        self.out_cache_loc[:bucket].copy_(packed[2])
-        self.rows[:bucket].copy_(packed[3])
+        inp = self.inputs[bucket]
+        inp.fill(plan)
         if input_ids is not None:
-            self.input_ids[:bs].copy_(input_ids)
+            inp.input_ids[:bs].copy_(input_ids)
         self.backend.prepare_replay(bs, bucket, plan.seq_lens, self.batches[bucket])
         self.graphs[bucket].replay()
         return self.outputs[bucket][:bs]

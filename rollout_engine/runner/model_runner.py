@@ -27,6 +27,18 @@ from rollout_engine.runner.sampler import (INVARIANT_ROWS, TORCH_ROWS, SamplingB
 
 SCORE_ROWS = 256  # processed prompt logprobs: rows per block (a [rows, vocab] distribution each)
 
+
+def _pack(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces flattened end to end into one float64 tensor (one copy
+    each: on the GPU every launch is host time a small step waits on)."""
+    out = torch.empty(sum(p.numel() for p in pieces), dtype=torch.float64, device=pieces[0].device)
+    at = 0
+    for p in pieces:
+        out[at: at + p.numel()].copy_(p.reshape(-1))
+        at += p.numel()
+    return out
+
+
 @dataclass
 class StepHandle:
     """A launched step: its results are on their way to `host`."""
@@ -125,7 +137,10 @@ class ModelRunner:
         rows = plan.prev_rows
         if rows is None:
             return None
-        if plan.is_decode and (rows >= 0).all():  # a decode step: every input comes from the previous step
+        if plan.is_decode and len(rows) and (rows >= 0).all():  # a decode step: every input from the step before
+            first = int(rows[0])
+            if rows[-1] - first == len(rows) - 1 and (np.diff(rows) == 1).all():  # rows in order: a view
+                return prev.sampled.tokens[first: first + len(rows)]
             return prev.sampled.tokens[self._on_device(rows)]
         reads = rows >= 0
         last_token = np.cumsum(plan.extend_lens) - 1
@@ -144,20 +159,20 @@ class ModelRunner:
                 sampled = sample(rows, SamplingBatch.build(plan.sampling, self.device), INVARIANT_ROWS)
             else:
                 sampled = sample(rows, SamplingBatch.build(plan.sampling, self.device))
-            pieces += [sampled.tokens.double(), sampled.logprobs.double()]
+            pieces += [sampled.tokens, sampled.logprobs]
             if sampled.top_ids is not None:
-                pieces += [sampled.top_ids.double().flatten(), sampled.top_logprobs.double().flatten()]
+                pieces += [sampled.top_ids, sampled.top_logprobs]
         if len(plan.prompt_rows):
             prompt_logits = logits[self._on_device(plan.prompt_rows)]
             targets = self._on_device(plan.prompt_targets)
             if plan.prompt_sampling is not None:  # some request scores its prompt under its sampling parameters
-                pieces.append(self._score_processed(prompt_logits, targets, plan.prompt_sampling).double())
+                pieces.append(self._score_processed(prompt_logits, targets, plan.prompt_sampling))
             elif self.batch_invariant:  # row by row, by the sampler's own formula: the bits of a sampled token's
-                pieces.append(raw_logprobs_per_row(prompt_logits, targets).double())  # raw logprob
+                pieces.append(raw_logprobs_per_row(prompt_logits, targets))  # raw logprob
             else:
                 lps = torch.log_softmax(prompt_logits, dim=-1)
-                pieces.append(lps.gather(-1, targets[:, None]).squeeze(1).double())
-        return sampled, torch.cat(pieces)
+                pieces.append(lps.gather(-1, targets[:, None]).squeeze(1))
+        return sampled, _pack(pieces)
 
     def _score_processed(self, logits: torch.Tensor, targets: torch.Tensor, sp: SamplingPlan) -> torch.Tensor:
         """Prompt logprobs in each row's mode, SCORE_ROWS rows at a time (a

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rollout_engine.kernels._triton import use_kernel
-from rollout_engine.kernels.draw import draw, draw_from_weights
+from rollout_engine.kernels.draw import draw_from_weights, sample_rows
 from rollout_engine.kernels.greedy import argmax_logsumexp, argmax_logsumexp_ref
 from rollout_engine.kernels.row_scan import row_cumsum
 from rollout_engine.plan import SamplingPlan
@@ -65,17 +65,30 @@ class SamplingBatch:
 
     @staticmethod
     def build(plan: SamplingPlan, device: torch.device, max_top_logprobs: int | None = None) -> "SamplingBatch":
-        # Two host tensors, two asynchronous copies: the step never waits here.
-        # The uniforms travel as the bits of their float64s in the int64 block.
-        uniforms = np.zeros(len(plan)) if plan.all_greedy else seeded_uniform(plan.seeds, plan.positions)
-        floats = torch.from_numpy(np.stack([plan.temperatures, plan.top_ps, plan.min_ps])).to(device, non_blocking=True)
-        ints = torch.from_numpy(np.stack([plan.top_ks, plan.seeds, plan.positions, plan.raw_logprobs.astype(np.int64),
-                                          uniforms.view(np.int64)]))
-        ints = ints.to(device, non_blocking=True)
+        # One host block, one asynchronous copy, no conversion on the device
+        # (each would be a driver call on the host's side of the step): four
+        # int64 rows (the uniforms as the bits of their float64s), three
+        # float32 rows, the flags as bytes. Every row starts on a 16-byte
+        # boundary, as a fresh tensor does (Triton specializes kernels on it).
+        n = len(plan)
+        m, f = n + (n & 1), -(-n // 4) * 4  # row lengths: int64 words, float32s
+        uniforms = np.zeros(n) if plan.all_greedy else seeded_uniform(plan.seeds, plan.positions)
+        floats_at, flags_at = 4 * m, 4 * m + 3 * f // 2
+        block = np.zeros(flags_at + 2 * -(-n // 16), dtype=np.int64)
+        rows = block[:floats_at].reshape(4, m)
+        for i, values in enumerate((plan.top_ks, plan.seeds, plan.positions, uniforms.view(np.int64))):
+            rows[i, :n] = values
+        float_rows = block[floats_at:flags_at].view(np.float32).reshape(3, f)
+        for i, values in enumerate((plan.temperatures, plan.top_ps, plan.min_ps)):
+            float_rows[i, :n] = values
+        block[flags_at:].view(np.uint8)[:n] = plan.raw_logprobs
+        dev = torch.from_numpy(block).to(device, non_blocking=True)
+        ints = dev[:floats_at].view(4, m)[:, :n]
+        floats = dev[floats_at:flags_at].view(torch.float32).view(3, f)[:, :n]
         return SamplingBatch(
             temperatures=floats[0], top_ps=floats[1], min_ps=floats[2],
-            top_ks=ints[0], seeds=ints[1], positions=ints[2], uniforms=ints[4].view(torch.float64),
-            raw_logprobs=ints[3].bool(),
+            top_ks=ints[0], seeds=ints[1], positions=ints[2], uniforms=ints[3].view(torch.float64),
+            raw_logprobs=dev[flags_at:].view(torch.uint8)[:n].view(torch.bool),
             use_sort_filters=plan.use_sort_filters, use_min_p=plan.use_min_p, all_greedy=plan.all_greedy,
             max_top_logprobs=plan.max_top_logprobs if max_top_logprobs is None else max_top_logprobs,
             unit_temperature=bool(np.isin(plan.temperatures, (0.0, 1.0)).all()),
@@ -215,13 +228,11 @@ def _fused_draw_applies(sb: SamplingBatch, ops: RowOps) -> bool:
 
 
 def _sample_fused(logits, sb: SamplingBatch, greedy_tokens, row_max, log_norm) -> SampleResult:
-    sampling = sb.temperatures > 0
-    temps = torch.where(sampling, sb.temperatures, torch.ones_like(sb.temperatures))
-    drawn, processed = draw(logits, temps, row_max, greedy_tokens, sb.uniforms)
-    tokens = torch.where(sampling, drawn, greedy_tokens)
-    raw = logits.gather(-1, tokens[:, None]).squeeze(1) - log_norm
-    # Greedy rows (no filters here) report raw logprobs, as in `sample`.
-    return SampleResult(tokens, torch.where(sb.raw_logprobs | ~sampling, raw, processed), None, None)
+    """Greedy rows (no filters here) keep their argmax and report raw
+    logprobs, as in `sample`; two launches in all (`kernels.draw.sample_rows`)."""
+    tokens, logprobs = sample_rows(logits, sb.temperatures, row_max, log_norm, greedy_tokens, sb.uniforms,
+                                   sb.raw_logprobs)
+    return SampleResult(tokens, logprobs, None, None)
 
 
 def _logprobs_of(logits, tokens, log_norm, probs, raw_rows) -> torch.Tensor:

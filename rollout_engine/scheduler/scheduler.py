@@ -288,6 +288,8 @@ class Scheduler:
     def _admit(self, batch: Batch, budget: int) -> None:
         # Admission keeps room for new_token_ratio of the running requests'
         # remaining tokens; the total is kept up to date as requests join.
+        if not self.waiting:
+            return
         remaining = sum(r.remaining_new_tokens for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
