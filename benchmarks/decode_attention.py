@@ -78,6 +78,33 @@ def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: 
     return time_ms(g.replay)
 
 
+def flashinfer_or_exit(p: ScriptParser):
+    """FlashInfer on a CUDA machine, or the script's one-line error."""
+    needs_cuda(p, "it times FlashInfer's kernels")
+    try:
+        import flashinfer
+    except ImportError:
+        p.error("needs flashinfer (the gpu extra)")
+    return flashinfer
+
+
+def head_layout(model: str) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a preset."""
+    mc = PRESETS[model]
+    heads = mc["num_attention_heads"]
+    return heads, mc["num_key_value_heads"], mc.get("head_dim", mc["hidden_size"] // heads)
+
+
+def write_rows(out: str | None, model: str, rows: list[dict]) -> None:
+    """The report (the preset's head layout, the device, the rows) as JSON at `out`, if given."""
+    if out:
+        heads, kv_heads, dim = head_layout(model)
+        res = {"model": model, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+               "device": torch.cuda.get_device_name(), "rows": rows}
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = ScriptParser("decode_attention.py", __doc__)
     p.add_argument("--model", default="qwen3-0.6b", choices=sorted(PRESETS), help="the head layout of this preset")
@@ -96,15 +123,8 @@ def main(argv: list[str] | None = None) -> None:
                         "ragged lengths")
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_checked(argv)
-    needs_cuda(p, "it times FlashInfer's kernels")
-    try:
-        import flashinfer
-    except ImportError:
-        p.error("needs flashinfer (the gpu extra)")
-
-    mc = PRESETS[args.model]
-    heads, kv_heads = mc["num_attention_heads"], mc["num_key_value_heads"]
-    dim = mc.get("head_dim", mc["hidden_size"] // heads)
+    flashinfer = flashinfer_or_exit(p)
+    heads, kv_heads, dim = head_layout(args.model)
     rows = []
     gen = torch.Generator().manual_seed(0)
     for batch in args.batch_sizes:
@@ -138,11 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                                    "us": round(ms * 1e3, 1), "kv_TBps": round(kv_bytes / ms / 1e9, 3)}
                             rows.append(row)
                             print(row, flush=True)
-    res = {"model": args.model, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
-           "device": torch.cuda.get_device_name(), "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_rows(args.out, args.model, rows)
 
 
 if __name__ == "__main__":

@@ -80,8 +80,6 @@ def _rank(rank: int, size: int, port: int, args, queue) -> None:
 def main(argv: list[str] | None = None) -> None:
     import multiprocessing as mp
 
-    import torch
-
     from rollout_engine.distributed.tp_group import free_port
 
     p = ScriptParser("tp_allreduce.py", __doc__)

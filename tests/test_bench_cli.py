@@ -227,7 +227,8 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
         _benchmark("step_breakdown").parse_args([])
     assert exit_.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
     for name, argv in (("invariant_matmul", []), ("decode_attention", []), ("tp_allreduce", ["--gpus", "3"]),
-                       ("fp8_gemm_configs", [])):
+                       ("fp8_gemm_configs", []), ("fp8_gemm_tiles", []), ("shared_prefix_attention", []),
+                       ("host_calls", [])):
         with pytest.raises(SystemExit) as exit_:
             _benchmark(name).main(argv)
         err = capsys.readouterr().err.strip()
@@ -241,6 +242,12 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
     ("tp_allreduce", ["--ops", "0"], "--ops"), ("decode_attention", ["--out", "/no/such/folder/x.json"], "--out"),
     ("invariant_matmul", ["--out", "/no/such/folder/x.json"], "--out"),
     ("checksum_probe", ["--out", "/no/such/folder/x.json"], "--out"), ("checksum_probe", ["/no/such/x.json"], "--out"),
+    ("fp8_gemm_tiles", ["--rows", "0"], "--rows"), ("fp8_gemm_tiles", ["--model", "qwen3-30b-a3b"], "--model"),
+    ("fp8_gemm_tiles", ["--products", "lm_head"], "--products"),
+    ("shared_prefix_attention", ["--group", "0"], "--group"), ("shared_prefix_attention", ["--batch-sizes", "12"],
+                                                                 "--batch-sizes"),
+    ("shared_prefix_attention", ["--orders", "random"], "--orders"),
+    ("host_phases", ["--out", "/no/such/folder/x.json", "--", "--workload", "offline"], "--out"),
 ])
 def test_benchmark_scripts_name_a_bad_flag_before_looking_for_a_gpu(name, argv, flag, capsys, monkeypatch):
     import torch
@@ -296,3 +303,40 @@ def test_scripts_end_on_ctrl_c_and_refused_input_with_one_line(capsys, monkeypat
     assert capsys.readouterr().err == ("fp8_fidelity.py: interrupted\n"
                                        "fp8_fidelity.py: error: model 'nosuch' is not a folder, a known model\n")
     assert run_script(lambda: None) == 0 and run_script(lambda: 3) == 3
+
+
+def test_host_phases_times_the_step_loop_of_a_bench_run_and_leaves_nothing_patched(llama, tmp_path, capsys):
+    from rollout_engine.runner.model_runner import ModelRunner
+    from rollout_engine.scheduler import scheduler as sched
+
+    before = (sched.Scheduler._step, sched.Scheduler._launch, sched.build_plan, ModelRunner.collect)
+    _, folder = llama
+    out = tmp_path / "phases.json"
+    rc = _benchmark("host_phases").main(["--profile", "--out", str(out), "--", "--workload", "grpo", "--model", folder,
+                                         "--load-format", "auto", "--num-prompts", "2", "-n", "2", "--prompt-min",
+                                         "8", "--prompt-max", "12", "--output-len", "5",
+                                         "--max-total-tokens", "2048"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    # two measured runs (cache off, then on) of 2 x 2 samples x 5 tokens; the warm-ups are not counted
+    assert 10 <= report["steps"] <= 2 * 12
+    assert {"scheduler.schedule_ahead", "scheduler.build_plan", "runner.launch", "runner.sample"} <= set(
+        report["us_per_step"])
+    assert report["host_ms_per_step"] > 0 and sum(b["steps"] for b in report["by_batch"].values()) == report["steps"]
+    assert (tmp_path / "phases.json.tottime.txt").read_text().count("function calls") == 1
+    assert (sched.Scheduler._step, sched.Scheduler._launch, sched.build_plan, ModelRunner.collect) == before
+
+
+def test_shared_prefix_attention_lays_out_groups_sharing_their_prompt_pages():
+    import torch
+
+    layout = _benchmark("shared_prefix_attention")._layout
+    for grouped in (True, False):
+        total, group_pages, rows = layout(32, 8, 640, 100, 16, grouped, torch.Generator().manual_seed(1))
+        assert len(group_pages) == 4 and all(len(p) == 40 for p in group_pages)
+        assert sorted(g for g, _, _ in rows) == [g for g in range(4) for _ in range(8)]  # 8 rows per group
+        if grouped:
+            assert [g for g, _, _ in rows] == sorted(g for g, _, _ in rows)
+        pages = torch.cat(group_pages + [own for _, own, _ in rows])
+        assert len(set(pages.tolist())) == len(pages) == total - 1 and 0 not in pages.tolist()  # page 0 unused
+        assert all(len(own) == -(-n // 16) and 25 <= n < 175 for _, own, n in rows)
