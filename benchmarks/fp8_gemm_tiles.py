@@ -1,5 +1,5 @@
-"""The fp8 products at prefill and large decode batches (128+ rows), where
-the engine calls cuBLAS's row-scaled fp8 GEMM (`torch._scaled_mm`): against
+"""The fp8 products at prefill and large decode batches (from 65 rows the
+engine calls cuBLAS's row-scaled fp8 GEMM, `torch._scaled_mm`): against
 a Triton tile kernel reading both operands through TMA (e4m3, fp32 sums, the
 row and column scales and the bf16 rounding in its epilogue), over a few
 tile shapes, one tile per program or persistent programs; bf16 F.linear for
@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_checked(argv)
     needs_cuda(p, "it times fp8 tensor-core products")
+    if torch.cuda.get_device_capability()[0] < 9:
+        p.error(f"needs fp8 tensor cores (Hopper or later); this GPU is {torch.cuda.get_device_name()}")
     dev, e4m3 = torch.device("cuda"), torch.float8_e4m3fn
     rows = []
     for name in args.products:

@@ -1,8 +1,8 @@
 """What the host pays for the CUDA calls a step makes outside its graph, and
-which of them wait for the device: each call is timed on the host right
-after a ~5 ms sleep kernel was queued (a call that waits for the device
-takes ~5 ms) and again with the device idle, three times (the first use of
-a kernel or a size loads and plans it).
+which of them wait for the device: each call is timed on the host three
+times right after a ~5 ms sleep kernel was queued (a call that waits for the
+device takes ~5 ms; the first time also loads and plans its kernel or size),
+then once with the device idle.
 
     python3 benchmarks/host_calls.py --out /tmp/calls.json
 

@@ -8,17 +8,24 @@ around the method that does it, over the measured runs only (not the
 engines' starts or warm-ups; grpo's two runs, cache off and on, together).
 Per step the host's time is split from its wait for the device: a step whose
 wait is under 50 us found the device idle, so the host bounded it. The
-report sums the phases per step and counts host-bound steps by batch size.
+report gives each phase's mean time per step (phases nest: the scheduler's
+launch holds the runner's, which holds the graph replay and sampling, so
+they do not add up; `host_ms_per_step` is the whole) and counts host-bound
+steps by batch size. Measures the grpo (one replica) and offline workloads,
+whose runs go through the bench's timed run; the others are refused.
 
     python3 benchmarks/host_phases.py --out /tmp/phases.json -- \\
         --workload offline --model qwen3-0.6b --num-prompts 256 --page-size 16
     python3 benchmarks/host_phases.py --profile --out /tmp/phases.json -- --workload grpo ...
 
-Everything after `--` goes to `rollout-engine bench`. With --profile the
-loop thread's steps also run under cProfile; its tables go next to --out
-(`.tottime.txt`, `.cumtime.txt`). The wrappers cost a few microseconds per
-call, about 2% of offline qwen3-0.6b's throughput. On the CPU the torch
-backend's steps never wait for a device: every step counts as host-bound.
+Everything after `--` goes to `rollout-engine bench`; standard output holds
+the bench's report, then this one (--out writes this one alone). With
+--profile (needs --out) the loop thread's steps also run under cProfile; its
+tables go next to --out (`.tottime.txt`, `.cumtime.txt`). The wrappers cost
+a few microseconds per call, about 2% of offline qwen3-0.6b's throughput.
+On the CPU (grpo only: offline needs a GPU) the torch backend's steps never
+wait for a device: every step counts as host-bound. A bench run that fails
+or is interrupted leaves no report.
 """
 from __future__ import annotations
 
@@ -36,7 +43,8 @@ import numpy as np
 from rollout_engine.cli_args import ScriptParser, run_script
 
 WAIT_BOUND_S = 50e-6  # a collect that waited less found its step already done: the device waited for the host
-BANDS = ((0, 16), (16, 64), (64, 128), (128, 256), (256, 1 << 30))
+BANDS = ((0, 16), (16, 64), (64, 128), (128, 192), (192, 1 << 30))
+MEASURED = ("grpo", "offline")  # the workloads whose runs go through bench.run.run_workload
 
 
 class Phases:
@@ -167,11 +175,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="also run the loop thread's steps under cProfile")
     p.add_argument("--out", help="write the report here (JSON); with --profile, cProfile's tables beside it")
     p.add_argument("bench", nargs=argparse.REMAINDER, help="after `--`: the arguments of `rollout-engine bench`")
+    hint = "the bench arguments go after `--` (e.g. -- --workload offline --model qwen3-0.6b)"
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}; {hint}")
     args = p.parse_checked(argv)
     if args.bench and args.bench[0] == "--":
         args.bench = args.bench[1:]
     if not args.bench:
-        p.error("the bench arguments go after `--` (e.g. -- --workload offline --model qwen3-0.6b)")
+        p.error(hint)
+    if args.profile and not args.out:
+        p.error("argument --profile: needs --out (its tables are written beside the report)")
+    bench = argparse.ArgumentParser(add_help=False)
+    bench.add_argument("--workload", default="grpo")
+    bench.add_argument("--replicas", type=int, default=1)
+    known, _ = bench.parse_known_args(args.bench)
+    if known.workload not in MEASURED or known.replicas > 1:
+        p.error(f"measures --workload {' or '.join(MEASURED)} on one replica (their runs go through the bench's "
+                f"timed run); got --workload {known.workload}" + (f" --replicas {known.replicas}"
+                                                                  if known.replicas > 1 else ""))
     return args
 
 
@@ -196,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         code = cli_main(["bench", *args.bench])
     finally:
         phases.uninstall()
+    if code:  # the bench refused its arguments or was interrupted: it said so; no report
+        return code
     report = {"bench": args.bench, **phases.report()}
     text = json.dumps(report, indent=1)
     print(text)

@@ -9,8 +9,9 @@ the engine plans them (tensor cores, no split, replayed in a CUDA graph):
   decode call, and the two states merged (FlashInfer's merge with a row
   mask, as a graph replays it), the queries put in group order and back.
 
-Each batch holds groups of --group sequences sharing --shared-prefix tokens
-of whole pages, each with its own tokens on top (ragged, mean --unique).
+Each batch holds groups of --group sequences sharing a prompt of
+--shared-prefixes tokens (whole pages), each with its own tokens on top
+(ragged, mean --unique-lens).
 `--orders`: the batch's rows in group order (samples of a prompt adjacent,
 as the engine admits them) or shuffled. Reports each way's time, the
 two-level one's parts, and their largest difference (bf16 rounding).
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="qwen2.5-7b", choices=sorted(PRESETS), help="the head layout of this preset")
     p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[64, 256, 512], help="sequences per batch")
     p.add_argument("--shared-prefixes", type=positive_int, nargs="+", default=[640],
-                   help="tokens of each group's shared prompt (whole pages are shared)")
+                   help="tokens of each group's shared prompt: a whole number of pages of every page size")
     p.add_argument("--unique-lens", type=positive_int, nargs="+", default=[64, 512, 1024],
                    help="mean tokens of each sequence's own (ragged over [mean / 4, 7 mean / 4))")
     p.add_argument("--group", type=positive_int, default=8, help="sequences per shared prompt")
@@ -138,13 +139,14 @@ def main(argv: list[str] | None = None) -> None:
     for batch in args.batch_sizes:
         if batch % args.group:
             p.error(f"argument --batch-sizes: {batch} is not a multiple of --group {args.group}")
+    for shared, page in itertools.product(args.shared_prefixes, args.page_sizes):
+        if shared % page:
+            p.error(f"argument --shared-prefixes: {shared} is not a whole number of pages of {page} tokens")
     flashinfer = flashinfer_or_exit(p)
     heads, kv_heads, dim = head_layout(args.model)
     rows = []
     for batch, shared, unique, page, order in itertools.product(args.batch_sizes, args.shared_prefixes,
                                                                  args.unique_lens, args.page_sizes, args.orders):
-        if shared < page:
-            continue
         row = run_case(flashinfer, heads, kv_heads, dim, batch, args.group, shared, unique, page, order == "grouped")
         print(row, flush=True)
         rows.append(row)

@@ -170,14 +170,19 @@ def test_the_fp8_roofline_reads_one_byte_per_quantized_weight_at_twice_the_peak(
 
 
 def _benchmark(name: str):
-    """A script of benchmarks/, imported as a module."""
+    """A script of benchmarks/, imported as a module, with its own folder on
+    the path while it loads (as when it runs: scripts import their neighbours)."""
     import importlib.util
-    import os
+    import sys
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
+    folder = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(folder, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
     return module
 
 
@@ -222,7 +227,6 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "benchmarks"))  # their own helpers
     with pytest.raises(SystemExit) as exit_:
         _benchmark("step_breakdown").parse_args([])
     assert exit_.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
@@ -248,6 +252,8 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
                                                                  "--batch-sizes"),
     ("shared_prefix_attention", ["--orders", "random"], "--orders"),
     ("host_phases", ["--out", "/no/such/folder/x.json", "--", "--workload", "offline"], "--out"),
+    ("host_phases", ["--profile", "--", "--workload", "grpo"], "--profile"),
+    ("shared_prefix_attention", ["--shared-prefixes", "650"], "--shared-prefixes"),
 ])
 def test_benchmark_scripts_name_a_bad_flag_before_looking_for_a_gpu(name, argv, flag, capsys, monkeypatch):
     import torch
@@ -340,3 +346,22 @@ def test_shared_prefix_attention_lays_out_groups_sharing_their_prompt_pages():
         pages = torch.cat(group_pages + [own for _, own, _ in rows])
         assert len(set(pages.tolist())) == len(pages) == total - 1 and 0 not in pages.tolist()  # page 0 unused
         assert all(len(own) == -(-n // 16) and 25 <= n < 175 for _, own, n in rows)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--", "--workload", "serve"], "got --workload serve"),
+    (["--", "--workload", "grpo", "--replicas", "2"], "--replicas 2"),
+    (["--workload", "grpo"], "go after `--`"),
+])
+def test_host_phases_refuses_what_it_cannot_measure_in_one_line(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _benchmark("host_phases").parse_args(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and says in err and "\n" not in err, err
+
+
+def test_host_phases_leaves_no_report_when_the_bench_refuses_its_arguments(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert _benchmark("host_phases").main(["--out", str(out), "--", "--workload", "grpo", "--bogus", "3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--bogus" in captured.err and not out.exists()
