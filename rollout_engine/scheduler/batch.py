@@ -61,7 +61,12 @@ class Batch:
     def prompt_tokens(self) -> int:
         """Positions of the batch inside their prompts (prefill); the rest of
         `num_tokens` are decode positions."""
-        return sum(max(0, min(s.end, len(s.req.prompt_ids)) - s.start) for s in self.seqs)
+        total = 0
+        for s in self.seqs:  # per step, over every sequence: kept to one comparison for a decode past its prompt
+            n = len(s.req.prompt_ids)
+            if s.start < n:
+                total += min(s.start + s.extend_len, n) - s.start
+        return total
 
     def input_ids(self) -> np.ndarray:
         if self.is_decode:  # one token each
