@@ -17,7 +17,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from rollout_engine.bench.common import cuda_time_ms
+from gemm_shapes import graph_time_us  # benchmarks/, the script's own folder
 from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int, run_script
 from rollout_engine.models.presets import PRESETS
 
@@ -94,13 +94,7 @@ def fp8_tiles(x: torch.Tensor, w: torch.Tensor, sx: torch.Tensor, sw: torch.Tens
 
 def _graph_us(fn, copies) -> float:
     """Device time of fn(c) per call, replayed in a CUDA graph over the copies in turn."""
-    for c in copies:
-        fn(c)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in copies:
-            fn(c)
-    return cuda_time_ms(graph.replay, reps=20) * 1e3 / len(copies)
+    return graph_time_us(lambda: [fn(c) for c in copies], reps=10) / len(copies)
 
 
 def products(model: str) -> dict[str, tuple[int, int]]:

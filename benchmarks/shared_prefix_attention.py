@@ -27,21 +27,11 @@ import itertools
 import torch
 
 from decode_attention import flashinfer_or_exit, head_layout, write_rows  # benchmarks/, the script's own folder
-from rollout_engine.bench.common import cuda_time_ms
+from gemm_shapes import graph_time_us
 from rollout_engine.cli_args import ScriptParser, positive_int, run_script
 from rollout_engine.models.presets import PRESETS
 
 WORKSPACE = 256 << 20
-
-
-def _graph_ms(fn) -> tuple[float, object]:
-    """Device time of fn replayed in a CUDA graph, and its captured output."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    return cuda_time_ms(graph.replay, reps=30), out
 
 
 def _layout(batch: int, group: int, shared: int, unique_mean: int, page: int, grouped: bool, gen):
@@ -86,8 +76,7 @@ def run_case(fi, heads: int, kv_heads: int, dim: int, batch: int, group: int, sh
         return w
 
     whole = decode_wrapper(*table([torch.cat([group_pages[g], own]) for g, own, _ in rows]))
-    one_ms, reference = _graph_ms(lambda: whole.run(q, (k, v)))
-    reference = reference.clone()
+    one_us, reference = graph_time_us(lambda: whole.run(q, (k, v))), whole.run(q, (k, v))
 
     own_level = decode_wrapper(*table([own for _, own, _ in rows]))
     row_group = torch.tensor([g for g, _, _ in rows])
@@ -112,13 +101,13 @@ def run_case(fi, heads: int, kv_heads: int, dim: int, batch: int, group: int, sh
                                 mask)
         return o
 
-    two_ms, merged = _graph_ms(two_levels)
-    prompt_ms, _ = _graph_ms(lambda: prompt_level.run(q, (k, v), return_lse=True))
-    own_ms, _ = _graph_ms(lambda: own_level.run(q, (k, v), return_lse=True))
+    two_us, merged = graph_time_us(two_levels), two_levels()
+    prompt_us = graph_time_us(lambda: prompt_level.run(q, (k, v), return_lse=True))
+    own_us = graph_time_us(lambda: own_level.run(q, (k, v), return_lse=True))
     return {"batch": batch, "group": group, "shared_prefix": shared, "unique_mean": unique_mean, "page_size": page,
-            "order": "grouped" if grouped else "shuffled", "one_call_us": round(one_ms * 1e3, 1),
-            "two_levels_us": round(two_ms * 1e3, 1), "prompt_level_us": round(prompt_ms * 1e3, 1),
-            "own_level_us": round(own_ms * 1e3, 1), "speedup": round(one_ms / two_ms, 3),
+            "order": "grouped" if grouped else "shuffled", "one_call_us": round(one_us, 1),
+            "two_levels_us": round(two_us, 1), "prompt_level_us": round(prompt_us, 1),
+            "own_level_us": round(own_us, 1), "speedup": round(one_us / two_us, 3),
             "max_abs_diff": (merged.float() - reference.float()).abs().max().item()}
 
 

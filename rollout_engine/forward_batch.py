@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from rollout_engine.cache.kv_pool import KVPool
+from rollout_engine.host_block import BlockLayout
 from rollout_engine.plan import StepPlan
 
 if TYPE_CHECKING:
@@ -40,6 +41,10 @@ class TableMirror:
             self.tensor[w[0], w[1]] = w[2].to(torch.int32)
 
 
+# input ids, positions, KV slots (per token), request-table rows (per sequence), as they go to the device
+INDEX_DTYPES = (np.int64, np.int64, np.int64, np.int32)
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] new tokens of every sequence, concatenated
@@ -63,20 +68,14 @@ class ForwardBatch:
     @staticmethod
     def from_plan(plan: StepPlan, table: TableMirror, kv_pool: KVPool, backend: "AttentionBackend",
                   device: torch.device) -> "ForwardBatch":
-        # One host->device copy for all per-token index data. Each part starts
-        # 16-byte aligned whatever the token count: Triton compiles a kernel
-        # anew for each alignment of its pointers, mid-run otherwise.
+        # One host->device copy for all per-token index data (`host_block`).
         t = plan.num_tokens
-        stride = t + (t & 1)
-        host = np.zeros(3 * stride + len(plan.rows), dtype=np.int64)
-        for i, part in enumerate((plan.input_ids, plan.positions, plan.out_cache_loc)):
-            host[i * stride: i * stride + t] = part
-        host[3 * stride:] = plan.rows
-        packed = torch.from_numpy(host).to(device, non_blocking=True)
+        layout = BlockLayout(INDEX_DTYPES, (t, t, t, len(plan.rows)))
+        input_ids, positions, out_cache_loc, rows_device = layout.upload(
+            (plan.input_ids, plan.positions, plan.out_cache_loc, plan.rows), device)
         fb = ForwardBatch(
-            input_ids=packed[:t], positions=packed[stride: stride + t],
-            out_cache_loc=packed[2 * stride: 2 * stride + t], extend_lens=plan.extend_lens, seq_lens=plan.seq_lens,
-            rows=plan.rows, rows_device=packed[3 * stride:].to(torch.int32), table=table, kv_pool=kv_pool,
+            input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, extend_lens=plan.extend_lens,
+            seq_lens=plan.seq_lens, rows=plan.rows, rows_device=rows_device, table=table, kv_pool=kv_pool,
             attn_backend=backend,
             is_decode=plan.is_decode,
         )

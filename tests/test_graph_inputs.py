@@ -26,3 +26,19 @@ def test_a_plan_fills_its_rows_and_zeroes_the_padding(bucket, rows):
     assert inp.rows.dtype == torch.int32 and inp.input_ids.dtype == torch.int64
     views = (inp.input_ids, inp.positions, inp.out_cache_loc, inp.rows)
     assert all(v.data_ptr() % 16 == 0 and v.is_contiguous() and v.numel() == bucket for v in views)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 8])
+def test_arrays_of_mixed_types_travel_in_one_aligned_block(n):
+    from rollout_engine.host_block import BlockLayout
+
+    layout = BlockLayout((np.int64, np.int32, np.float32, np.float64, np.bool_), (n,) * 5)
+    arrays = (np.arange(n) + 5, np.arange(n) + 9, np.arange(n) / 3, np.arange(n) / 7, np.arange(n) % 2 == 0)
+    views = layout.upload(arrays, torch.device("cpu"))
+    for view, values, dtype in zip(views, arrays, layout.dtypes):
+        assert np.array_equal(view.numpy(), np.asarray(values, dtype=dtype)) and view.data_ptr() % 16 == 0
+    # written into a block that held something else: the arrays, zeros after them
+    out = np.full(layout.words, -1, dtype=np.int64)
+    layout.host((np.arange(n // 2),) * 5, out=out)
+    assert all(v.tolist() == list(range(n // 2)) + [0] * (n - n // 2)
+               for v in layout.views(torch.from_numpy(out))[:2])

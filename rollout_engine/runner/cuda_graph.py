@@ -23,7 +23,8 @@ import torch
 
 from rollout_engine.attention.base import AttentionBackend
 from rollout_engine.cache.kv_pool import KVPool
-from rollout_engine.forward_batch import ForwardBatch, TableMirror
+from rollout_engine.forward_batch import INDEX_DTYPES, ForwardBatch, TableMirror
+from rollout_engine.host_block import BlockLayout
 from rollout_engine.memory.saver import plain_graph_capture
 from rollout_engine.plan import StepPlan
 from rollout_engine.runner.device_lock import DEVICE_WIDE
@@ -37,30 +38,21 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 
 class StaticInputs:
-    """The inputs a graph of `bs` rows reads, in one int64 block on the
-    device: input ids, positions, KV slots (padding rows: 0, the reserved
-    page), then the request-table rows as int32, each row on a 16-byte
-    boundary. A replay fills it with one copy from a host block of the same
-    layout (each host-to-device copy is a driver call, and the host's work
-    per step is what small batches wait on)."""
+    """The inputs a graph of `bs` rows reads: input ids, positions, KV slots
+    (padding rows: 0, the reserved page) and the request-table rows (int32),
+    in one block (`host_block`) that one copy fills before each replay."""
 
     def __init__(self, bs: int, device: torch.device):
-        self.bs = bs
-        self.stride = m = bs + (bs & 1)
-        self.block = torch.zeros(3 * m + m // 2, dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.out_cache_loc = self.block[: 3 * m].view(3, m)[:, :bs]
-        self.rows = self.block[3 * m:].view(torch.int32)[:bs]
-        self._host = np.zeros(self.block.numel(), dtype=np.int64)
+        self.layout = BlockLayout(INDEX_DTYPES, (bs,) * 4)
+        self.block = torch.zeros(self.layout.words, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.out_cache_loc, self.rows = self.layout.views(self.block)
+        self._host = np.zeros(self.layout.words, dtype=np.int64)
 
     def fill(self, plan: StepPlan) -> None:
         """This plan's rows first, zeros after them (padding). The host block
         is written afresh each time: a copy from pageable memory has read it
         by the time the call returns."""
-        n, m, host = plan.batch_size, self.stride, self._host
-        host.fill(0)
-        for i, values in enumerate((plan.input_ids, plan.positions, plan.out_cache_loc)):
-            host[i * m: i * m + n] = values
-        host[3 * m:].view(np.int32)[:n] = plan.rows
+        host = self.layout.host((plan.input_ids, plan.positions, plan.out_cache_loc, plan.rows), out=self._host)
         self.block.copy_(torch.from_numpy(host), non_blocking=True)
 
 

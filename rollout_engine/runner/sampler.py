@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from rollout_engine.kernels._triton import use_kernel
+from rollout_engine.host_block import BlockLayout
 from rollout_engine.kernels.draw import draw_from_weights, sample_rows
 from rollout_engine.kernels.greedy import argmax_logsumexp, argmax_logsumexp_ref
 from rollout_engine.kernels.row_scan import row_cumsum
@@ -65,30 +66,17 @@ class SamplingBatch:
 
     @staticmethod
     def build(plan: SamplingPlan, device: torch.device, max_top_logprobs: int | None = None) -> "SamplingBatch":
-        # One host block, one asynchronous copy, no conversion on the device
-        # (each would be a driver call on the host's side of the step): four
-        # int64 rows (the uniforms as the bits of their float64s), three
-        # float32 rows, the flags as bytes. Every row starts on a 16-byte
-        # boundary, as a fresh tensor does (Triton specializes kernels on it).
+        # One copy, no conversion on the device (`host_block`): each would be a
+        # driver call on the host's side of the step.
         n = len(plan)
-        m, f = n + (n & 1), -(-n // 4) * 4  # row lengths: int64 words, float32s
         uniforms = np.zeros(n) if plan.all_greedy else seeded_uniform(plan.seeds, plan.positions)
-        floats_at, flags_at = 4 * m, 4 * m + 3 * f // 2
-        block = np.zeros(flags_at + 2 * -(-n // 16), dtype=np.int64)
-        rows = block[:floats_at].reshape(4, m)
-        for i, values in enumerate((plan.top_ks, plan.seeds, plan.positions, uniforms.view(np.int64))):
-            rows[i, :n] = values
-        float_rows = block[floats_at:flags_at].view(np.float32).reshape(3, f)
-        for i, values in enumerate((plan.temperatures, plan.top_ps, plan.min_ps)):
-            float_rows[i, :n] = values
-        block[flags_at:].view(np.uint8)[:n] = plan.raw_logprobs
-        dev = torch.from_numpy(block).to(device, non_blocking=True)
-        ints = dev[:floats_at].view(4, m)[:, :n]
-        floats = dev[floats_at:flags_at].view(torch.float32).view(3, f)[:, :n]
+        layout = BlockLayout((np.int64,) * 3 + (np.float64,) + (np.float32,) * 3 + (np.bool_,), (n,) * 8)
+        top_ks, seeds, positions, uniforms, temperatures, top_ps, min_ps, raw = layout.upload(
+            (plan.top_ks, plan.seeds, plan.positions, uniforms, plan.temperatures, plan.top_ps, plan.min_ps,
+             plan.raw_logprobs), device)
         return SamplingBatch(
-            temperatures=floats[0], top_ps=floats[1], min_ps=floats[2],
-            top_ks=ints[0], seeds=ints[1], positions=ints[2], uniforms=ints[3].view(torch.float64),
-            raw_logprobs=dev[flags_at:].view(torch.uint8)[:n].view(torch.bool),
+            temperatures=temperatures, top_ps=top_ps, min_ps=min_ps, top_ks=top_ks, seeds=seeds, positions=positions,
+            uniforms=uniforms, raw_logprobs=raw,
             use_sort_filters=plan.use_sort_filters, use_min_p=plan.use_min_p, all_greedy=plan.all_greedy,
             max_top_logprobs=plan.max_top_logprobs if max_top_logprobs is None else max_top_logprobs,
             unit_temperature=bool(np.isin(plan.temperatures, (0.0, 1.0)).all()),
