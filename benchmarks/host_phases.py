@@ -90,6 +90,7 @@ class Phases:
         for name in ("launch", "_sample"):
             self.wrap(ModelRunner, name, f"runner.{name.lstrip('_')}")
         self.wrap(CudaGraphRunner, "replay", "runner.graph_replay")
+        self.wrap(CudaGraphRunner, "replay_sampled", "runner.graph_replay_sampled")
         try:
             from rollout_engine.attention.flashinfer_backend import FlashInferAttentionBackend
 

@@ -16,7 +16,8 @@ leaves the target unreached, the chunk's last token of positive weight.
 temperature 0 keep their greedy token, and a row reports its raw logprob
 (x - log-sum-exp of the row) where it asks for raw logprobs or is greedy
 (elementwise passes on the device would each be a launch, and on the host a
-launch costs a small step's time).
+launch costs a small step's time). A greedy row reads none of its logits
+there beyond its token's, so an all-greedy step costs two short launches.
 
 `draw_from_weights` runs the same two launches over a [B, V] table of
 weights already computed (the processed probabilities of deterministic
@@ -71,7 +72,7 @@ def _kernels():
 
     @triton.jit
     def chunk_sums_kernel(x_ptr, stride, V, CHUNK, m_ptr, t_ptr, s_ptr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                          WEIGHTS: tl.constexpr = False):
+                          WEIGHTS: tl.constexpr = False, FINISH: tl.constexpr = False):
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         m, inv_t = 0.0, 1.0
@@ -79,11 +80,14 @@ def _kernels():
             m = tl.load(m_ptr + row)
             inv_t = inverse_temperature(t_ptr, row)
         lo = part * CHUNK
+        end = V
+        if FINISH:  # a greedy row's weights are not used: no reads (its sums are 0)
+            end = tl.where(tl.load(t_ptr + row) > 0, V, 0)
         acc = tl.zeros([BLOCK], tl.float32)
         for start in range(0, CHUNK, BLOCK):
             local = start + tl.arange(0, BLOCK)
             offs = lo + local
-            acc += weight_of(x_ptr, row, stride, offs, (offs < V) & (local < CHUNK), m, inv_t, WEIGHTS=WEIGHTS)
+            acc += weight_of(x_ptr, row, stride, offs, (offs < end) & (local < CHUNK), m, inv_t, WEIGHTS=WEIGHTS)
         tl.store(s_ptr + row * SPLITS + part, tl.sum(acc, axis=0))
 
     @triton.jit
@@ -108,10 +112,13 @@ def _kernels():
         found = V
         last = -1  # the chunk's last token of positive weight
         carry = before
+        end = V
+        if FINISH:  # a greedy row keeps its argmax: no scan
+            end = tl.where(tl.load(t_ptr + row) > 0, V, 0)
         for start in range(0, CHUNK, BLOCK):
             local = start + tl.arange(0, BLOCK)
             offs = lo + local
-            ok = (offs < V) & (local < CHUNK)
+            ok = (offs < end) & (local < CHUNK)
             w = weight_of(x_ptr, row, stride, offs, ok, m, inv_t, WEIGHTS=WEIGHTS)
             c = tl.cumsum(w, axis=0) + carry
             found = tl.minimum(found, tl.min(tl.where(ok & (c > target), offs, V), axis=0))
@@ -143,9 +150,9 @@ def _launch(x: torch.Tensor, temps, row_max, greedy, uniforms, tokens, logprobs,
     chunk = -(-vocab // SPLITS)
     sums = torch.empty((rows, SPLITS), dtype=torch.float32, device=x.device)
     chunk_sums, pick = _kernels()
-    chunk_sums[(rows, SPLITS)](x, x.stride(0), vocab, chunk, row_max, temps, sums, SPLITS=SPLITS, BLOCK=BLOCK,
-                               WEIGHTS=weights)
     finish = log_norm is not None
+    chunk_sums[(rows, SPLITS)](x, x.stride(0), vocab, chunk, row_max, temps, sums, SPLITS=SPLITS, BLOCK=BLOCK,
+                               WEIGHTS=weights, FINISH=finish)
     pick[(rows,)](x, x.stride(0), vocab, chunk, row_max, temps, sums, uniforms, greedy, tokens, logprobs,
                   log_norm if finish else row_max, raw if finish else greedy,
                   SPLITS=SPLITS, BLOCK=BLOCK, WEIGHTS=weights, FINISH=finish)

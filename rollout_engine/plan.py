@@ -59,6 +59,12 @@ class SamplingPlan:
     def max_top_logprobs(self) -> int:
         return int(self.top_logprobs.max(initial=0))
 
+    @property
+    def plain(self) -> bool:
+        """Every row samples at its temperature (or greedily) without top-k,
+        top-p or min-p and asks for no top logprobs."""
+        return not (self.use_sort_filters or self.use_min_p or self.max_top_logprobs)
+
 
 @dataclass
 class StepPlan:

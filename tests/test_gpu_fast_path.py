@@ -370,3 +370,56 @@ def test_a_dropped_engine_collected_during_the_next_capture_does_not_break_it(gp
     got = engine.generate(input_ids=PROMPTS, sampling_params=params)
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in expected]
     engine.shutdown()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_graph_tails_sample_as_the_sampler_over_a_run(gpu_models, monkeypatch, page_size):
+    """Decode steps whose rows sample plainly take the LM head and sampling
+    inside the graphs (a tail per bucket): over a run whose batch shrinks
+    through the buckets, with greedy, tempered, raw and processed rows, each
+    tail gives the sampler's bits on the same hidden states, and the engine
+    returns those tokens and logprobs; steps with a filter or top logprobs
+    sample after the replay as before."""
+    from rollout_engine.runner.cuda_graph import CudaGraphRunner
+    from rollout_engine.runner.sampler import SamplingBatch, sample
+
+    _, folder = gpu_models[("qwen3", False)]
+    drawn = {}  # (seed, position) -> (token, logprob) of each row a tail sampled
+    tails = []
+    replay_sampled = CudaGraphRunner.replay_sampled
+
+    def checked(self, plan, input_ids=None):
+        out, bucket = replay_sampled(self, plan, input_ids)
+        bs = plan.batch_size
+        logits = self.model.compute_logits(self.outputs[bucket])[:bs]  # the tail's product shape
+        ref = sample(logits, SamplingBatch.build(plan.sampling, self.device))
+        assert torch.equal(out.tokens[:bs], ref.tokens) and torch.equal(out.logprobs[:bs], ref.logprobs)
+        for seed, pos, tok, lp in zip(plan.sampling.seeds, plan.sampling.positions, out.tokens[:bs].tolist(),
+                                      out.logprobs[:bs].double().tolist()):
+            drawn[(int(seed), int(pos))] = (tok, lp)
+        tails.append(bs)
+        return out, bucket
+
+    monkeypatch.setattr(CudaGraphRunner, "replay_sampled", checked)
+    engine = RolloutEngine(folder, device="cuda", attention_backend="flashinfer", max_total_tokens=8192,
+                           cuda_graph_max_batch_size=16, page_size=page_size)
+    prompts = [PROMPTS[i % 4] + [i] for i in range(13)]
+    params = [SamplingParams(max_new_tokens=6 + 5 * i, temperature=[0.0, 0.7, 1.0][i % 3], seed=100 + i,
+                             logprob_mode=["processed", "raw"][i % 2], ignore_eos=True) for i in range(13)]
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert {b for b in tails} >= {13, 8, 4, 1}  # the batch went down through the buckets
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        returned = list(zip(o.output_token_ids, o.output_logprobs))
+        # The j-th output sampled at position len(p) + j (the plan's count of the sequence, with the
+        # token being drawn); only the prefill's token, and one drawn past the end, are not both there.
+        pairs = [(drawn.get((100 + i, len(p) + j)), r) for j, r in enumerate(returned)]
+        assert sum(d is not None for d, _ in pairs) >= len(returned) - 1, (i, sorted(k for k in drawn if k[0] == 100 + i))
+        assert all(d == r for d, r in pairs if d is not None)
+    tails.clear()
+    filtered = [SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=1, ignore_eos=True),
+                SamplingParams(max_new_tokens=8, temperature=0.0, top_logprobs=2, ignore_eos=True)]
+    for sp in filtered:
+        out = engine.generate(input_ids=prompts[:3], sampling_params=sp)
+        assert all(len(o.output_token_ids) == 8 for o in out)
+    assert not tails
+    engine.check_integrity()

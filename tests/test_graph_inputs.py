@@ -42,3 +42,34 @@ def test_arrays_of_mixed_types_travel_in_one_aligned_block(n):
     layout.host((np.arange(n // 2),) * 5, out=out)
     assert all(v.tolist() == list(range(n // 2)) + [0] * (n - n // 2)
                for v in layout.views(torch.from_numpy(out))[:2])
+
+
+@pytest.mark.parametrize("bucket,rows,greedy", [(1, 1, False), (8, 5, False), (16, 9, True), (48, 33, False)])
+def test_a_sampled_plan_fills_the_tails_rows_and_pads_them_greedy(bucket, rows, greedy):
+    """With a tail (LM head and sampling in the graph), the block also holds
+    each row's temperature, seeded uniform and raw-logprob flag; padding
+    rows are greedy (temperature 0) and draw nothing."""
+    from rollout_engine.plan import SamplingPlan
+    from rollout_engine.runner.sampler import seeded_uniform
+
+    inp = StaticInputs(bucket, torch.device("cpu"), sampling=True)
+    inp.block.fill_(-1)
+    temps = np.zeros(rows, np.float32) if greedy else ((np.arange(rows) + 1) % 3 * 0.5).astype(np.float32)
+    seeds, positions = np.arange(rows) + 11, np.arange(rows) + 40
+    ones, zeros = np.ones(rows, np.float32), np.zeros(rows, np.int64)
+    sampling = SamplingPlan(temperatures=temps, top_ps=ones, min_ps=ones * 0, top_ks=zeros, seeds=seeds,
+                            positions=positions, raw_logprobs=np.arange(rows) % 2 == 0, top_logprobs=zeros)
+    plan = SimpleNamespace(batch_size=rows, input_ids=np.arange(rows), positions=positions,
+                           out_cache_loc=np.arange(rows) + 1, rows=np.arange(rows), sampling=sampling)
+    inp.fill(plan, sampling=True)
+    pad = bucket - rows
+    assert inp.temperatures.tolist() == temps.tolist() + [0.0] * pad
+    uniforms = np.zeros(rows) if greedy else seeded_uniform(seeds, positions)
+    assert inp.uniforms.tolist() == uniforms.tolist() + [0.0] * pad
+    assert inp.raw_logprobs.tolist() == [i % 2 == 0 for i in range(rows)] + [False] * pad
+    assert inp.input_ids.tolist() == list(range(rows)) + [0] * pad
+    views = (inp.input_ids, inp.rows, inp.temperatures, inp.uniforms, inp.raw_logprobs)
+    assert all(v.data_ptr() % 16 == 0 and v.numel() == bucket for v in views)
+    # a plan the tail does not sample fills the indices only
+    inp.fill(plan)
+    assert inp.temperatures.tolist() == [0.0] * bucket and inp.input_ids.tolist() == list(range(rows)) + [0] * pad

@@ -22,8 +22,8 @@ from rollout_engine.kernels._triton import triton_available, use_kernel
 from rollout_engine.kernels.batch_gemm import new_counters, use_counters
 from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.runner.routes import RoutesCopy, RoutesPart
-from rollout_engine.runner.sampler import (INVARIANT_ROWS, TORCH_ROWS, SamplingBatch, raw_logprobs_per_row, sample,
-                                           sample_per_row, score)
+from rollout_engine.runner.sampler import (INVARIANT_ROWS, TORCH_ROWS, SampleResult, SamplingBatch,
+                                           raw_logprobs_per_row, sample, sample_per_row, score)
 
 SCORE_ROWS = 256  # processed prompt logprobs: rows per block (a [rows, vocab] distribution each)
 
@@ -41,12 +41,16 @@ def _pack(pieces: list[torch.Tensor]) -> torch.Tensor:
 
 @dataclass
 class StepHandle:
-    """A launched step: its results are on their way to `host`."""
+    """A launched step: its results are on their way to `host`. `bucket`: a
+    step sampled in its decode graph's tail, whose `host` holds the tail's
+    packed rows (tokens, then logprobs, `bucket` each; pooled, see
+    `ModelRunner._pinned`)."""
 
     plan: StepPlan
     sampled: Any
     host: torch.Tensor | None
     event: Any
+    bucket: int = 0
 
 
 class ModelRunner:
@@ -61,6 +65,11 @@ class ModelRunner:
         self.table = TableMirror(*table_shape, device, on_device=backend.needs_device_table,
                                  on_host=not backend.needs_device_table)
         self.graphs = None  # a CudaGraphRunner once captured
+        # Reused between steps (each new one is host time): events, and the
+        # pinned buffers a graph tail's packed rows land in, by bucket. Each
+        # goes back to its pool when its step is collected.
+        self._events: list[torch.cuda.Event] = []
+        self._pinned: dict[int, list[torch.Tensor]] = {}
         # The split small-batch products' counters (kernels/batch_gemm.py): this
         # runner's own, allocated here, outside the memory-saver regions.
         self.gemm_counters = new_counters(device) if device.type == "cuda" and triton_available() else None
@@ -68,8 +77,11 @@ class ModelRunner:
     def capture_cuda_graphs(self, max_bs: int, capture_context) -> None:
         from rollout_engine.runner.cuda_graph import CudaGraphRunner
 
+        # The tail graphs sample as the eager sampler's fused path does; deterministic mode samples by
+        # its own formula, on every path.
+        sample = self.device.type == "cuda" and triton_available() and not self.batch_invariant
         self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_pool, self.table, max_bs, self.device,
-                                      capture_context)
+                                      capture_context, sample=sample)
         with use_counters(self.gemm_counters):  # the graphs' split products count on this runner's counters
             self.graphs.capture()
 
@@ -83,8 +95,11 @@ class ModelRunner:
         the device for the next plan."""
         self.table.apply(plan.table_writes)
         input_ids = self._inputs_from_prev(plan, prev)
-        if self.graphs is not None and plan.logits_for_all_rows and self.graphs.can_run(plan):
-            hidden = self.graphs.replay(plan, input_ids)
+        graphs = self.graphs
+        if graphs is not None and plan.logits_for_all_rows and graphs.can_run(plan):
+            if graphs.samples and self._samples_in_tail(plan):
+                return self._launch_tail(plan, input_ids, to_host)
+            hidden = graphs.replay(plan, input_ids)
         else:
             fb = ForwardBatch.from_plan(plan, self.table, self.kv_pool, self.backend, self.device)
             if input_ids is not None:
@@ -102,16 +117,42 @@ class ModelRunner:
         if device_out.is_cuda:
             host = torch.empty(device_out.shape, dtype=device_out.dtype, pin_memory=True)
             host.copy_(device_out, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host, event = device_out, None
-        return StepHandle(plan, sampled, host, event)
+            return StepHandle(plan, sampled, host, self._record())
+        return StepHandle(plan, sampled, device_out, None)
+
+    @staticmethod
+    def _samples_in_tail(plan: StepPlan) -> bool:
+        """A plan the decode graphs' tails sample: one plain sampling row per
+        row (`SamplingPlan.plain`), no prompt logprobs."""
+        return (plan.sampling is not None and plan.sampling.plain and not len(plan.prompt_rows)
+                and plan.samples_every_logit_row)
+
+    def _launch_tail(self, plan: StepPlan, input_ids: torch.Tensor | None, to_host: bool) -> StepHandle:
+        out, bucket = self.graphs.replay_sampled(plan, input_ids)
+        bs = plan.batch_size
+        sampled = SampleResult(out.tokens[:bs], out.logprobs[:bs], None, None)
+        if not to_host:
+            return StepHandle(plan, sampled, None, None)
+        free = self._pinned.setdefault(bucket, [])
+        host = free.pop() if free else torch.empty(out.packed.shape, dtype=out.packed.dtype, pin_memory=True)
+        host.copy_(out.packed, non_blocking=True)
+        return StepHandle(plan, sampled, host, self._record(), bucket)
+
+    def _record(self) -> torch.cuda.Event:
+        event = self._events.pop() if self._events else torch.cuda.Event()
+        event.record()
+        return event
 
     def collect(self, handle: StepHandle) -> StepOutput:
         """Wait for a launched step (the step's one host sync) and unpack it."""
         if handle.event is not None:
             handle.event.synchronize()
+            self._events.append(handle.event)
+        if handle.bucket:  # the tail's rows, copied out of the pooled buffer before it goes back
+            n, packed = handle.plan.batch_size, handle.host.numpy()
+            tokens, logprobs = packed[:n].astype(np.int64), packed[handle.bucket: handle.bucket + n].copy()
+            self._pinned[handle.bucket].append(handle.host)
+            return StepOutput(tokens, logprobs, None, None, np.zeros(0))
         return self._unpack(handle.plan, handle.sampled, None if handle.host is None else handle.host.numpy())
 
     def routes_of(self, slot_lists: list[np.ndarray]) -> list[RoutesPart]:
