@@ -36,9 +36,11 @@ class TableMirror:
             return
         if self.host is not None:
             self.host[writes[0], writes[1]] = writes[2]
-        if self.tensor is not None:
-            w = torch.from_numpy(writes).to(self.tensor.device, non_blocking=True)
-            self.tensor[w[0], w[1]] = w[2].to(torch.int32)
+        if self.tensor is not None:  # one copy and one scatter into the flat table (indexing would be several)
+            n = writes.shape[1]
+            flat, slots = BlockLayout((np.int64, np.int32), (n, n)).upload(
+                (writes[0] * self.tensor.shape[1] + writes[1], writes[2]), self.tensor.device)
+            self.tensor.view(-1).scatter_(0, flat, slots)
 
 
 # input ids, positions, KV slots (per token), request-table rows (per sequence), as they go to the device

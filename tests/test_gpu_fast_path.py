@@ -33,6 +33,13 @@ def test_page_indices_kernel_matches_reference():
         indptr = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), pages[1:].cumsum(0).int()])
         got = build_page_indices(table, rows, indptr, page_size, int(indptr[-1]))
         assert torch.equal(got, build_page_indices_ref(table, rows, indptr, page_size))
+        # a captured graph's padding sequences after them: one page each, page 0, in the same launch
+        total, pad = int(indptr[-1]), 3
+        padded = torch.cat([indptr, total + torch.arange(1, pad + 1, device="cuda", dtype=torch.int32)])
+        out = torch.full((total + pad + 5,), -1, device="cuda", dtype=torch.int32)
+        got = build_page_indices(table, rows, padded, page_size, total, out=out, pad=pad)
+        assert torch.equal(got[:total], build_page_indices_ref(table, rows, indptr, page_size))
+        assert got[total:].tolist() == [0] * pad and out[total + pad:].tolist() == [-1] * 5
 
 
 def _gap_vs_hf(engine, hf, prompts):

@@ -89,7 +89,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._plan_copied.synchronize()
 
     def _after_plan(self) -> None:
-        self._plan_copied = torch.cuda.Event()
+        if self._plan_copied is None:  # one event, recorded again after each plan (a new one is host time)
+            self._plan_copied = torch.cuda.Event()
         self._plan_copied.record()
 
     def split_args(self, batch: int) -> dict:
@@ -99,11 +100,12 @@ class FlashInferAttentionBackend(AttentionBackend):
             return {"disable_split_kv": True}
         return {}
 
-    def plan_decode(self, wrapper, pt: PageTable, indices: torch.Tensor, batch: int) -> None:
+    def plan_decode(self, wrapper, pt: PageTable, indices: torch.Tensor, batch: int,
+                    seq_lens: torch.Tensor | None = None) -> None:
         s = self.shape
         self._before_plan()
         wrapper.plan(torch.from_numpy(pt.indptr), indices, torch.from_numpy(pt.last_page_len),
-                     s.num_heads, s.num_kv_heads, s.head_dim, s.page_size,
+                     s.num_heads, s.num_kv_heads, s.head_dim, s.page_size, seq_lens=seq_lens,
                      q_data_type=s.dtype, kv_data_type=s.cache_dtype, non_blocking=True, **self.split_args(batch))
         self._after_plan()
 
@@ -148,18 +150,24 @@ class FlashInferAttentionBackend(AttentionBackend):
         return wrapper
 
     def prepare_replay(self, bs: int, bucket: int, seq_lens: np.ndarray, fb: "ForwardBatch") -> None:
+        """Plan a replay of `bucket` rows for `bs` sequences: FlashInfer's plan
+        copies the page table (padding sequences: one page, the reserved page
+        0, one token) into the graph's buffers, then one kernel builds the
+        page indices from the device table and those buffers, padding
+        included. Host time is the cost here (each device call is tens of
+        microseconds on the hosts measured): the indices are not passed to
+        the plan (it would copy the buffer onto itself), and the sequence
+        lengths are (it would derive them with tensor ops on the host)."""
         pad = bucket - bs
         real = PageTable.of(seq_lens, self.shape.page_size)
         total = int(real.indptr[-1])
-        # Padding sequences: one page (the reserved page 0), one token.
         pt = PageTable(np.concatenate([real.indptr, total + np.arange(1, pad + 1, dtype=np.int32)]),
                        np.concatenate([real.last_page_len, np.ones(pad, dtype=np.int32)]))
-        indptr = torch.from_numpy(real.indptr).to(self.shape.device, non_blocking=True)
-        build_page_indices(fb.table.tensor, fb.rows_device[:bs], indptr, self.shape.page_size, total,
-                           out=self.indices_buf)
-        if pad:
-            self.indices_buf[total: total + pad].zero_()
-        self.plan_decode(self.graph_wrappers[bucket], pt, self.indices_buf[: total + pad], bucket)
+        lens = np.ones(bucket, dtype=np.int32)
+        lens[:bs] = seq_lens
+        self.plan_decode(self.graph_wrappers[bucket], pt, self.indices_buf[:0], bucket, torch.from_numpy(lens))
+        build_page_indices(fb.table.tensor, fb.rows_device[:bs], self.indptr_buf[: bucket + 1], self.shape.page_size,
+                           total, out=self.indices_buf, pad=pad)
 
     # ---- the layer call ------------------------------------------------------
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
