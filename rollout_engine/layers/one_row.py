@@ -3,10 +3,11 @@
 At one row the linear layers and the LM head run Triton gemv kernels
 (`kernels/gemv.py`; fp8 layers `kernels/fp8_row.py`; in decoder layers with
 the norm, rotary embedding or activation inside: their `compile_one_row`),
-compiled per weight shape and output dtype on first use. CUDA-graph capture compiles the layers' kernels,
-but the LM head runs outside the graphs (and without graphs nothing is
-captured), so the first step that decodes a single request would wait on the
-compiler mid-run (~0.2 s for the LM head's fp32 variant)."""
+compiled per weight shape and output dtype on first use. CUDA-graph capture compiles the layers' kernels
+and the LM head's in the graphs' tails, but a step that samples with filters
+or top logprobs runs the LM head outside the graphs (and without graphs
+nothing is captured), so its first batch-1 step would wait on the compiler
+mid-run (~0.2 s for the LM head's fp32 variant)."""
 from __future__ import annotations
 
 import torch
