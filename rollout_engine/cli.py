@@ -40,7 +40,13 @@ BENCH_ENGINE_FIELDS = ("model", "load_format", "attention_backend", "max_total_t
 
 
 class Parser(argparse.ArgumentParser):
-    """Reports a usage error as one line (through main) instead of usage + exit."""
+    """Reports a usage error as one line (through main) instead of usage + exit.
+    A flag is taken only as spelled in full (a shortened or misspelled one is
+    an error, not another flag)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see '{self.prog} --help')")

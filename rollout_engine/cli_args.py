@@ -315,7 +315,7 @@ class ScriptParser(argparse.ArgumentParser):
     one line with exit status 2, as `rollout-engine` does."""
 
     def __init__(self, prog: str, doc: str | None) -> None:
-        super().__init__(prog=prog, description=doc, formatter_class=_ScriptHelpFormatter)
+        super().__init__(prog=prog, description=doc, formatter_class=_ScriptHelpFormatter, allow_abbrev=False)
 
     def error(self, message: str) -> NoReturn:
         message = " ".join(message.split())

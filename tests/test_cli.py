@@ -189,6 +189,16 @@ def test_unrecognized_arguments_point_at_the_subcommands_help(argv, capsys, no_m
     assert f"unrecognized arguments: {argv[1]}" in line and line.endswith(f"(see 'rollout-engine {argv[0]} --help')")
 
 
+@pytest.mark.parametrize("argv,flag", [(["generate", "--max-new-token", "8", "--input-ids", "1"], "--max-new-token"),
+                                       (["bench", "--workload", "offline", "--graphs", "--load-format", "dummy"],
+                                        "--graphs")])
+def test_a_shortened_flag_is_refused_not_taken_for_the_full_one(argv, flag, capsys, no_model_load):
+    """A typo that is a prefix of a flag (--max-new-token for --max-new-tokens)
+    is an error, as any misspelling is, not a silent match."""
+    assert main(argv) == 2
+    assert f"unrecognized arguments: {flag}" in _one_line_error(capsys)
+
+
 @pytest.mark.parametrize("argv,words", [(["generate", "--input-ids", "1,2", "hi"], "not both"),
                                         (["run"], "run needs a program"),
                                         (["bench", "--model", "smollm2-135m"], "a zoo model: add --load-format auto")])
