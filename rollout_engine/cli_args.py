@@ -153,10 +153,10 @@ def check_prompt_args(config: EngineConfig, prompts: list[str] | None, ids: list
                       params: SamplingParams) -> None:
     """What the engine would refuse in the prompts, said before it loads:
     an empty text prompt, a prompt and its new tokens past
-    --max-total-tokens (a text prompt counted as one token at least), and for
-    token-id prompts a token id outside the model's vocabulary or a prompt and
-    its new tokens past the model's context (both read from the model's
-    config, not its weights)."""
+    --max-total-tokens or the model's context (a text prompt counted as one
+    token at least), and for token-id prompts a token id outside the model's
+    vocabulary (the context and vocabulary read from the model's config, not
+    its weights)."""
     for i, prompt in enumerate(prompts or []):
         if not prompt:
             raise UsageError(f"argument prompts: prompt {i} is empty")
@@ -167,12 +167,15 @@ def check_prompt_args(config: EngineConfig, prompts: list[str] | None, ids: list
         raise UsageError(f"argument --max-total-tokens: a KV cache of {capacity} token{'s' * (capacity != 1)} "
                          f"cannot hold {prompt} "
                          f"and --max-new-tokens {params.max_new_tokens}")
-    if not ids:
-        return
     from rollout_engine.model_zoo import resolve_model_path
     from rollout_engine.runner.model_loader import read_hf_config
 
     mc = ModelConfig.from_hf(*read_hf_config(resolve_model_path(config.model, config.load_format)))
+    if not ids:
+        if 1 + params.max_new_tokens > mc.max_position:
+            raise UsageError(f"argument --max-new-tokens: {params.max_new_tokens} new tokens after a prompt of one "
+                             f"token at least exceed the context of {config.model} ({mc.max_position} tokens)")
+        return
     # The KV cache's capacity was checked above (unset, it is not known before the engine sizes it).
     limits = Limits(mc.vocab_size, mc.max_position, kv_capacity=capacity or mc.max_position)
     for i, row in enumerate(ids):

@@ -111,11 +111,11 @@ def check_request(i: int, prompt: list[int], params: SamplingParams, limits: Lim
     total = len(prompt) + params.max_new_tokens
     if total > limits.max_context:
         _fail(i, "sampling_params.max_new_tokens",
-              f"({params.max_new_tokens}) plus the prompt ({len(prompt)} tokens) exceeds the model's "
+              f"({params.max_new_tokens}) plus the prompt ({len(prompt)} token{'s' * (len(prompt) != 1)}) exceeds the model's "
               f"context of {limits.max_context} tokens")
     if total > limits.kv_capacity:
         _fail(i, "sampling_params.max_new_tokens",
-              f"({params.max_new_tokens}) plus the prompt ({len(prompt)} tokens) exceeds the KV cache "
+              f"({params.max_new_tokens}) plus the prompt ({len(prompt)} token{'s' * (len(prompt) != 1)}) exceeds the KV cache "
               f"capacity of {limits.kv_capacity} tokens (raise max_total_tokens)")
     if params.stop and not has_tokenizer:
         _fail(i, "sampling_params.stop", "needs a tokenizer")

@@ -157,6 +157,21 @@ def test_an_empty_text_prompt_is_refused_before_the_model_loads(smollm2_dir, cap
     assert "argument prompts:" in line and "prompt 1 is empty" in line
 
 
+def test_new_tokens_past_the_context_after_a_text_prompt_are_refused_before_the_model_loads(smollm2_dir, capsys,
+                                                                                            no_model_load):
+    """A text prompt's length is known once tokenized, but it is one token at
+    least: more new tokens than the context leaves after one are named as
+    the flag, before anything loads."""
+    import json
+    import os
+
+    with open(os.path.join(smollm2_dir, "config.json")) as f:
+        context = json.load(f)["max_position_embeddings"]
+    assert main(["generate", "--model", smollm2_dir, "--max-new-tokens", str(context), "hello"]) == 2
+    line = _one_line_error(capsys)
+    assert "argument --max-new-tokens:" in line and f"({context} tokens)" in line
+
+
 def test_unknown_model_is_named(capsys, no_model_load):
     assert main(["generate", "--model", "no-such-model"]) == 2
     assert "--model" in _one_line_error(capsys)
