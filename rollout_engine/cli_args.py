@@ -345,7 +345,7 @@ def run_script(main: Callable[[], Any]) -> int:
     try:
         code = main()
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        print(f"{prog}: error: interrupted", file=sys.stderr)  # as rollout-engine says it
         return 130
     except (ValueError, FileNotFoundError) as exc:
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)

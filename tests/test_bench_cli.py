@@ -286,7 +286,7 @@ def test_benchmark_scripts_help_shows_the_whole_docstring_and_the_defaults(capsy
 
 def test_scripts_end_on_ctrl_c_and_refused_input_with_one_line(capsys, monkeypatch):
     """Every script under benchmarks/ runs its main through run_script:
-    Ctrl-C is `<script>: interrupted` (130), the engine's ValueError one
+    Ctrl-C is `<script>: error: interrupted` (130, as rollout-engine says it), the engine's ValueError one
     error line (2), not a traceback."""
     import glob
     import sys
@@ -306,7 +306,7 @@ def test_scripts_end_on_ctrl_c_and_refused_input_with_one_line(capsys, monkeypat
         raise ValueError("model 'nosuch' is not a folder,\n  a known model")
 
     assert run_script(interrupted) == 130 and run_script(refused) == 2
-    assert capsys.readouterr().err == ("fp8_fidelity.py: interrupted\n"
+    assert capsys.readouterr().err == ("fp8_fidelity.py: error: interrupted\n"
                                        "fp8_fidelity.py: error: model 'nosuch' is not a folder, a known model\n")
     assert run_script(lambda: None) == 0 and run_script(lambda: 3) == 3
 
