@@ -73,3 +73,30 @@ def test_a_sampled_plan_fills_the_tails_rows_and_pads_them_greedy(bucket, rows, 
     # a plan the tail does not sample fills the indices only
     inp.fill(plan)
     assert inp.temperatures.tolist() == [0.0] * bucket and inp.input_ids.tolist() == list(range(rows)) + [0] * pad
+
+
+def test_a_tail_step_is_read_from_its_bucket_rows_and_its_buffer_goes_back_to_the_pool():
+    """A graph tail packs a bucket's tokens then its logprobs (`bucket` each):
+    collecting a step of 5 rows in the 8 bucket reads the first 5 of each,
+    and the pinned buffer returns to the runner's pool for the next step,
+    the values already copied out."""
+    from rollout_engine.plan import SamplingPlan
+    from rollout_engine.runner.model_runner import ModelRunner, StepHandle
+
+    rows, bucket = 5, 8
+    zeros = np.zeros(rows, np.int64)
+    sampling = SamplingPlan(temperatures=np.ones(rows, np.float32), top_ps=np.ones(rows, np.float32),
+                            min_ps=np.zeros(rows, np.float32), top_ks=zeros, seeds=zeros, positions=zeros,
+                            raw_logprobs=zeros.astype(bool), top_logprobs=zeros)
+    plan = SimpleNamespace(batch_size=rows, sampling=sampling)
+    host = torch.full((2 * bucket,), -9.0, dtype=torch.float64)
+    host[:rows] = torch.arange(rows) + 100
+    host[bucket: bucket + rows] = -torch.arange(rows) / 4
+    runner = ModelRunner.__new__(ModelRunner)  # the collect path alone: no model
+    runner._events, runner._pinned = [], {bucket: []}
+    out = runner.collect(StepHandle(plan, None, host, None, bucket))
+    assert out.tokens.tolist() == [100, 101, 102, 103, 104] and out.tokens.dtype == np.int64
+    assert out.logprobs.tolist() == [0.0, -0.25, -0.5, -0.75, -1.0] and len(out.prompt_logprobs) == 0
+    assert runner._pinned[bucket] == [host]
+    host.fill_(7.0)  # the next step's copy into the reused buffer leaves this step's results as they were
+    assert out.tokens.tolist() == [100, 101, 102, 103, 104] and out.logprobs[1] == -0.25

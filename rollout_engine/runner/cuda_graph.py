@@ -35,7 +35,7 @@ from rollout_engine.host_block import BlockLayout
 from rollout_engine.memory.saver import plain_graph_capture
 from rollout_engine.plan import StepPlan
 from rollout_engine.runner.device_lock import DEVICE_WIDE
-from rollout_engine.runner.sampler import seeded_uniform
+from rollout_engine.runner.sampler import pack, plan_uniforms
 
 GraphContext = Callable[[torch.cuda.CUDAGraph, object], ContextManager]
 
@@ -72,8 +72,7 @@ class StaticInputs:
         arrays = [plan.input_ids, plan.positions, plan.out_cache_loc, plan.rows]
         if sampling:
             sp = plan.sampling
-            uniforms = np.zeros(len(sp)) if sp.all_greedy else seeded_uniform(sp.seeds, sp.positions)
-            arrays += [sp.temperatures, uniforms, sp.raw_logprobs]
+            arrays += [sp.temperatures, plan_uniforms(sp), sp.raw_logprobs]
         host = self.layout.host(arrays, out=self._host)
         self.block.copy_(torch.from_numpy(host), non_blocking=True)
 
@@ -168,10 +167,7 @@ class CudaGraphRunner:
         greedy, row_max, log_norm = argmax_logsumexp(logits)
         tokens, logprobs = sample_rows(logits, inp.temperatures, row_max, log_norm, greedy, inp.uniforms,
                                        inp.raw_logprobs)
-        packed = torch.empty(2 * bs, dtype=torch.float64, device=self.device)
-        packed[:bs].copy_(tokens)
-        packed[bs:].copy_(logprobs)
-        return TailOutputs(tokens, logprobs, packed)
+        return TailOutputs(tokens, logprobs, pack([tokens, logprobs]))
 
     def _capture_tail(self, bs: int) -> None:
         """The LM head and sampling of bucket `bs`, reading its decoder

@@ -22,21 +22,10 @@ from rollout_engine.kernels._triton import triton_available, use_kernel
 from rollout_engine.kernels.batch_gemm import new_counters, use_counters
 from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.runner.routes import RoutesCopy, RoutesPart
-from rollout_engine.runner.sampler import (INVARIANT_ROWS, TORCH_ROWS, SampleResult, SamplingBatch,
+from rollout_engine.runner.sampler import (INVARIANT_ROWS, TORCH_ROWS, SampleResult, SamplingBatch, pack,
                                            raw_logprobs_per_row, sample, sample_per_row, score)
 
 SCORE_ROWS = 256  # processed prompt logprobs: rows per block (a [rows, vocab] distribution each)
-
-
-def _pack(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """The pieces flattened end to end into one float64 tensor (one copy
-    each: on the GPU every launch is host time a small step waits on)."""
-    out = torch.empty(sum(p.numel() for p in pieces), dtype=torch.float64, device=pieces[0].device)
-    at = 0
-    for p in pieces:
-        out[at: at + p.numel()].copy_(p.reshape(-1))
-        at += p.numel()
-    return out
 
 
 @dataclass
@@ -148,11 +137,10 @@ class ModelRunner:
         if handle.event is not None:
             handle.event.synchronize()
             self._events.append(handle.event)
-        if handle.bucket:  # the tail's rows, copied out of the pooled buffer before it goes back
-            n, packed = handle.plan.batch_size, handle.host.numpy()
-            tokens, logprobs = packed[:n].astype(np.int64), packed[handle.bucket: handle.bucket + n].copy()
+        if handle.bucket:  # the tail's rows, `bucket` apart, copied out of the pooled buffer before it goes back
+            packed = handle.host.numpy().copy()
             self._pinned[handle.bucket].append(handle.host)
-            return StepOutput(tokens, logprobs, None, None, np.zeros(0))
+            return self._unpack(handle.plan, handle.sampled, packed, stride=handle.bucket)
         return self._unpack(handle.plan, handle.sampled, None if handle.host is None else handle.host.numpy())
 
     def routes_of(self, slot_lists: list[np.ndarray]) -> list[RoutesPart]:
@@ -213,7 +201,7 @@ class ModelRunner:
             else:
                 lps = torch.log_softmax(prompt_logits, dim=-1)
                 pieces.append(lps.gather(-1, targets[:, None]).squeeze(1))
-        return sampled, _pack(pieces)
+        return sampled, pack(pieces)
 
     def _score_processed(self, logits: torch.Tensor, targets: torch.Tensor, sp: SamplingPlan) -> torch.Tensor:
         """Prompt logprobs in each row's mode, SCORE_ROWS rows at a time (a
@@ -232,13 +220,17 @@ class ModelRunner:
         return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(self.device, non_blocking=True)
 
     @staticmethod
-    def _unpack(plan: StepPlan, sampled, host: np.ndarray | None) -> StepOutput:
+    def _unpack(plan: StepPlan, sampled, host: np.ndarray | None, stride: int | None = None) -> StepOutput:
+        """`host`: the step's tokens, logprobs, top logprobs and prompt
+        logprobs end to end (`pack`); `stride`: where the logprobs start when
+        the tokens fill more than the plan's rows (a graph tail's bucket)."""
         n = len(plan.sampling) if plan.sampling is not None else 0
         empty = np.zeros(0)
         if host is None:
             return StepOutput(empty.astype(np.int64), empty, None, None, empty)
-        tokens, lps = host[:n].astype(np.int64), host[n: 2 * n]
-        at = 2 * n
+        stride = n if stride is None else stride
+        tokens, lps = host[:n].astype(np.int64), host[stride: stride + n]
+        at = 2 * stride
         top_ids = top_lps = None
         k = sampled.top_ids.shape[1] if sampled is not None and sampled.top_ids is not None else 0
         if k:

@@ -48,6 +48,23 @@ def seeded_uniform(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return (h.astype(np.float64) + 0.5) / 4294967296.0
 
 
+def plan_uniforms(plan: SamplingPlan) -> np.ndarray:
+    """Each row's draw (`seeded_uniform`); zeros when every row is greedy."""
+    return np.zeros(len(plan)) if plan.all_greedy else seeded_uniform(plan.seeds, plan.positions)
+
+
+def pack(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces flattened end to end into one float64 tensor, for one copy
+    to the host (one copy each: on the GPU every launch is host time a small
+    step waits on)."""
+    out = torch.empty(sum(p.numel() for p in pieces), dtype=torch.float64, device=pieces[0].device)
+    at = 0
+    for p in pieces:
+        out[at: at + p.numel()].copy_(p.reshape(-1))
+        at += p.numel()
+    return out
+
+
 @dataclass
 class SamplingBatch:
     temperatures: torch.Tensor  # [B] float32; 0 = greedy
@@ -69,7 +86,7 @@ class SamplingBatch:
         # One copy, no conversion on the device (`host_block`): each would be a
         # driver call on the host's side of the step.
         n = len(plan)
-        uniforms = np.zeros(n) if plan.all_greedy else seeded_uniform(plan.seeds, plan.positions)
+        uniforms = plan_uniforms(plan)
         layout = BlockLayout((np.int64,) * 3 + (np.float64,) + (np.float32,) * 3 + (np.bool_,), (n,) * 8)
         top_ks, seeds, positions, uniforms, temperatures, top_ps, min_ps, raw = layout.upload(
             (plan.top_ks, plan.seeds, plan.positions, uniforms, plan.temperatures, plan.top_ps, plan.min_ps,
