@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rollout_engine.kernels._triton import cdiv, next_pow2, use_kernel
+from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args, use_kernel
 from rollout_engine.kernels.moe_align import _align
 
 
@@ -124,8 +124,13 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         return first + (pid % width) % size, (pid % width) // size
 
     @triton.jit
-    def _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M: tl.constexpr):
-        """A block's pair ids, which are real pairs, and its expert (int64)."""
+    def _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M: tl.constexpr, ONE: tl.constexpr = False):
+        """A block's pair ids, which are real pairs, and its expert (int64).
+        ONE (one token, kernels/moe_token.py): block j is pair j alone in its
+        first row, its expert ids[j] (block_expert_ptr holds the ids)."""
+        if ONE:
+            first = tl.arange(0, BLOCK_M) == 0
+            return tl.where(first, block, P), first, tl.load(block_expert_ptr + block).to(tl.int64)
         pair = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         return pair, pair < P, tl.load(block_expert_ptr + block).to(tl.int64)
 
@@ -140,13 +145,19 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     def moe_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H, I,
                       stride_x, stride_we, stride_wn, TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, ONE: tl.constexpr = False, PDL: tl.constexpr = False):
         """One block of sorted pairs and one column tile of I: gate and up
-        tiles over K = H, act = silu(gate) * up."""
+        tiles over K = H, act = silu(gate) * up. ONE: `_block_rows`. PDL:
+        launched with programmatic dependent launch, waiting for the kernel
+        before (the routing) before it reads anything."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         block, nt = _tile(tl.program_id(0), NB, tl.cdiv(I, BLOCK_N), GROUP)
-        if block * BLOCK_M >= tl.load(total_ptr):
-            return
-        pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M)
+        if not ONE:
+            if block * BLOCK_M >= tl.load(total_ptr):
+                return
+        pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE)
         rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < I
         rk = tl.arange(0, BLOCK_K)
@@ -232,12 +243,17 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               invariant: bool = False) -> torch.Tensor:
     """fused_moe_ref's result: on the GPU in five launches or fewer (align,
-    up, down, slot sum) that never wait for the host, so the call can be
+    up, down, slot sum; two for one token: kernels/moe_token.py) that never
+    wait for the host, so the call can be
     captured in a CUDA graph and replayed with new ids and weights of the
     same T; the reference elsewhere. `invariant`: one launch shape whatever
     T, so that a token's output has the same bits in any batch."""
     if not use_kernel(x):
         return fused_moe_ref(x, w13, w2, weights, ids, invariant)
+    if x.shape[0] == 1 and not invariant:  # batch-1 decode: no align, no slot-sum launch
+        from rollout_engine.kernels.moe_token import fused_moe_token  # it builds on this module
+
+        return fused_moe_token(x, w13, w2, weights, ids)
     return _fused_moe_triton(x, w13, w2, weights, ids, pick(x.shape[0], ids.shape[1], w13.shape[0], invariant))
 
 
@@ -251,7 +267,11 @@ def _fit(t: Tiles, dtype: torch.dtype) -> Tiles:
     return t._replace(block_k=max(16, t.block_k // 2)) if dtype == torch.float32 else t
 
 
-def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, block_m: int, t: Tiles) -> torch.Tensor:
+def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, block_m: int, t: Tiles,
+        one: bool = False) -> torch.Tensor:
+    """The gate/up launch. `one` (kernels/moe_token.py): `aligned` holds the
+    token's ids [k] as its block experts, one block per pair, and the
+    launch waits for the routing by programmatic dependent launch."""
     sorted_ids, block_expert, total = aligned
     hidden = x.shape[1]
     inter = w13.shape[1] // 2
@@ -262,7 +282,7 @@ def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, blo
         x, w13, act, sorted_ids, block_expert, total, pairs, blocks, hidden, inter, x.stride(0), w13.stride(0),
         w13.stride(1), TOPK=top_k, GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, EVEN_N=inter % t.block_n == 0, IEEE=x.dtype == torch.float32,
-        num_warps=t.warps, num_stages=t.stages)
+        num_warps=t.warps, num_stages=t.stages, ONE=one, **(pdl_args(x) if one else {}))
     return act
 
 
