@@ -157,6 +157,15 @@ def token_sweep(x, w13, w2, weights, ids) -> list[dict]:
     for launch in TOKEN_SWEEP:
         us = round(graph_us(lambda: moe_token.fused_moe_token(x, w13, w2, weights, ids, launch), calls=3, reps=15), 2)
         out.append({"up": list(launch.up), "down": list(launch.down), "us": us})
+    from rollout_engine.kernels import _triton
+
+    _triton.PDL_ENABLED = False  # the default shape without programmatic dependent launch
+    try:
+        us = round(graph_us(lambda: moe_token.fused_moe_token(x, w13, w2, weights, ids), calls=3, reps=15), 2)
+    finally:
+        _triton.PDL_ENABLED = True
+    print(f"  one token, default shape without PDL: {us} us")
+    out.append({"up": list(moe_token.TOKEN.up), "down": list(moe_token.TOKEN.down), "pdl": False, "us": us})
     best = min(out, key=lambda r: r["us"])
     print(f"  one token: default {moe_token.TOKEN.up.block_n}/{moe_token.TOKEN.down.block_n} "
           f"best {best['us']} us up {tuple(best['up'])} down {tuple(best['down'])}; "

@@ -125,13 +125,15 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 
     @triton.jit
     def _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M: tl.constexpr, ONE: tl.constexpr = False):
-        """A block's pair ids, which are real pairs, and its expert (int64).
-        ONE (one token, kernels/moe_token.py): block j is pair j alone in its
-        first row, its expert ids[j] (block_expert_ptr holds the ids)."""
+        """A block's pair ids (int32), which are real pairs, and its expert
+        (int64). ONE (one token, kernels/moe_token.py): block j is pair j
+        alone in its first row, its expert ids[j] (block_expert_ptr holds
+        the ids)."""
+        r = tl.arange(0, BLOCK_M)
         if ONE:
-            first = tl.arange(0, BLOCK_M) == 0
-            return tl.where(first, block, P), first, tl.load(block_expert_ptr + block).to(tl.int64)
-        pair = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+            pair = tl.where(r == 0, block, P).to(tl.int32)
+        else:
+            pair = tl.load(sorted_ptr + block * BLOCK_M + r).to(tl.int32)
         return pair, pair < P, tl.load(block_expert_ptr + block).to(tl.int64)
 
     @triton.jit

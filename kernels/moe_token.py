@@ -6,9 +6,7 @@ its expert ids[j]. The gate/up launch is moe.moe_up_kernel with `ONE`; the
 down launch (`moe_token_down_kernel`) takes every slot of the token for one
 column tile of H and adds their weighted products in slot order, so the slot
 sum needs no launch of its own. Both are launched with programmatic
-dependent launch (kernels/_triton.py): the down launch reads its first
-weight tile, and the ids the routing wrote two launches before, while the
-gate/up launch finishes.
+dependent launch (kernels/_triton.py).
 
 Each pair's products are the blocks path's (the same BLOCK_K slices in the
 same order, one real row per block) and a slot's weighted product is rounded
@@ -48,61 +46,47 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     from rollout_engine.kernels.moe import _mma
 
     @triton.jit
-    def _down_slice(a_ptr, w_ptrs, m_ok, n_ok, k0, I, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                    EVEN_N: tl.constexpr):
-        """The act row's slice at k0 ([BLOCK_M, BLOCK_K], row 0 real) and the
-        weight's ([BLOCK_N, BLOCK_K])."""
-        rk = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            a = tl.load(a_ptr + rk[None, :] + 0 * m_ok[:, None], mask=m_ok[:, None], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_ptrs + k0)
-            else:
-                w = tl.load(w_ptrs + k0, mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = (rk < I)[None, :]
-            a = tl.load(a_ptr + rk[None, :] + 0 * m_ok[:, None], mask=m_ok[:, None] & k_ok, other=0.0)
-            w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok, other=0.0)
-        return a, w
-
-    @triton.jit
     def moe_token_down_kernel(act_ptr, w_ptr, out_ptr, rw_ptr, ids_ptr, H, I, stride_we, stride_wn,
                               TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                               IEEE: tl.constexpr, PDL: tl.constexpr):
         """One column tile of H for every slot j of the token: act[j] @
         w2[ids[j]]^T, times the slot's routing weight, rounded to the output
-        dtype, added in slot order in fp32."""
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < H
-        m_ok = tl.arange(0, BLOCK_M) == 0
-        cols = tl.arange(0, BLOCK_K)[None, :]
-        # Before the wait: the weights, and the ids the routing wrote two launches before (the gate/up
-        # launch between waited for it before it let this one start).
-        e0 = tl.load(ids_ptr).to(tl.int64)
-        w_first = w_ptr + e0 * stride_we + rn[:, None].to(tl.int64) * stride_wn + cols
-        if EVEN_K and EVEN_N:
-            w0 = tl.load(w_first)
-        else:
-            w0 = tl.load(w_first, mask=n_ok[:, None] & (cols < I), other=0.0)
+        dtype, added in slot order in fp32. The slots' K slices run in one
+        pipelined loop (a slot's accumulator joins the total at its last
+        slice), so the next slot's weights are read while one finishes."""
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < H
+        m_ok = tl.arange(0, BLOCK_M) == 0
+        rk = tl.arange(0, BLOCK_K)
+        rows = rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         dt = out_ptr.dtype.element_ty
+        slices = tl.cdiv(I, BLOCK_K)
         total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for j in tl.static_range(TOPK):
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for it in range(0, TOPK * slices):
+            j = it // slices
+            k0 = (it - j * slices) * BLOCK_K
             e = tl.load(ids_ptr + j).to(tl.int64)
-            w_ptrs = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn + cols
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            start = 0
-            if j == 0:  # the first slice's weight is read already
-                a, _ = _down_slice(act_ptr, w_ptrs, m_ok, n_ok, 0, I, BLOCK_K, EVEN_K, EVEN_N)
-                acc = _mma(a, w0, acc, IEEE=IEEE)
-                start = BLOCK_K
-            for k0 in range(start, I, BLOCK_K):
-                a, w = _down_slice(act_ptr + j * I, w_ptrs, m_ok, n_ok, k0, I, BLOCK_K, EVEN_K, EVEN_N)
-                acc = _mma(a, w, acc, IEEE=IEEE)
-            total += (acc * tl.load(rw_ptr + j)).to(dt).to(tl.float32)
+            a_ptrs = act_ptr + j * I + k0 + rk[None, :] + 0 * m_ok[:, None]
+            w_ptrs = w_ptr + e * stride_we + k0 + rows
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+                if EVEN_N:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = (k0 + rk < I)[None, :]
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
+            acc = _mma(a, w, acc, IEEE=IEEE)
+            if k0 + BLOCK_K >= I:  # the slot's last slice
+                total += (acc * tl.load(rw_ptr + j)).to(dt).to(tl.float32)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         tl.store(out_ptr + rn[None, :] + 0 * m_ok[:, None], total.to(dt), mask=m_ok[:, None] & n_ok[None, :])
 
 
