@@ -12,9 +12,9 @@ bf16 rate of an 8192^3 matmul. On a CUDA GPU:
 
     python3 benchmarks/moe_kernel.py --shape qwen3-30b-a3b --tokens 8,64,256,2048 --out /tmp/moe.json
 
-At one token the report also has the blocks path's time (`blocks_us`: align,
-16-pair blocks, slot sum) beside the one-token path's (`moe_us`,
-kernels/moe_token.py), and each of TOKEN_SWEEP's launch shapes.
+At one token the report also has the blocks path's time (`blocks_us`: with
+the align launch) beside the one-token path's (`moe_us`: one pair per block,
+no align).
 
 `--sweep` also times every candidate launch shape of the two products per
 block size (SWEEP_UP, SWEEP_DOWN), the data behind moe.pick's tables."""
@@ -28,7 +28,7 @@ from gemm_shapes import write_out  # benchmarks/, the script's own folder
 
 from rollout_engine.bench.roofline import measure_device
 from rollout_engine.cli_args import ScriptParser, needs_cuda, run_script
-from rollout_engine.kernels import moe, moe_align, moe_route, moe_token
+from rollout_engine.kernels import moe, moe_align, moe_route
 from rollout_engine.kernels.moe import Tiles
 
 SHAPES = {  # experts, top_k, hidden, intermediate (per expert), renormalize
@@ -120,10 +120,9 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
                "down_us": graph_us(lambda: moe._down(act, w2, weights.reshape(-1), aligned, cfg.block_m, cfg.down),
                                    calls=3),
                "sum_us": graph_us(lambda: moe._sum_slots(y, t, top_k), calls=10)}
-        if t == 1:  # the one-token path (kernels/moe_token.py) against the blocks path it replaces
+        if t == 1:  # one token without the align launch (moe._fused_moe_one) against the blocks path
             row["blocks_us"] = round(graph_us(lambda: moe._fused_moe_triton(x, w13, w2, weights, ids, moe.DECODE),
                                               calls=3), 2)
-            row["token_sweep"] = token_sweep(x, w13, w2, weights, ids)
         row["share"] = round(row["limit_us"] / row["moe_us"], 3)
         row["invariant_share"] = round(row["limit_us"] / row["invariant_us"], 3)
         ref = moe.fused_moe_ref(x, w13, w2, weights, ids)
@@ -145,32 +144,6 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
         del aligned, act, y
     return {"shape": name, "experts": experts, "top_k": top_k, "hidden": hidden, "intermediate": inter,
             "rows": rows, "sweep": sweeps}
-
-
-TOKEN_SWEEP = [moe_token.TokenLaunch(16, Tiles(n_up, k, w, st, group=1), Tiles(n_down, k, w, st, group=1))
-               for n_up in (16, 32, 64) for n_down in (16, 32) for k, w, st in ((256, 4, 3), (128, 4, 4))]
-
-
-def token_sweep(x, w13, w2, weights, ids) -> list[dict]:
-    """The one-token path's time per launch shape (TOKEN_SWEEP)."""
-    out = []
-    for launch in TOKEN_SWEEP:
-        us = round(graph_us(lambda: moe_token.fused_moe_token(x, w13, w2, weights, ids, launch), calls=3, reps=15), 2)
-        out.append({"up": list(launch.up), "down": list(launch.down), "us": us})
-    from rollout_engine.kernels import _triton
-
-    _triton.PDL_ENABLED = False  # the default shape without programmatic dependent launch
-    try:
-        us = round(graph_us(lambda: moe_token.fused_moe_token(x, w13, w2, weights, ids), calls=3, reps=15), 2)
-    finally:
-        _triton.PDL_ENABLED = True
-    print(f"  one token, default shape without PDL: {us} us")
-    out.append({"up": list(moe_token.TOKEN.up), "down": list(moe_token.TOKEN.down), "pdl": False, "us": us})
-    best = min(out, key=lambda r: r["us"])
-    print(f"  one token: default {moe_token.TOKEN.up.block_n}/{moe_token.TOKEN.down.block_n} "
-          f"best {best['us']} us up {tuple(best['up'])} down {tuple(best['down'])}; "
-          + " ".join(f"{r['up'][0]}/{r['down'][0]}/{r['up'][1]}={r['us']}" for r in out))
-    return out
 
 
 def sweep_tokens(name, t, x, w13, w2, weights, ids) -> list[dict]:

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args, use_kernel
+from rollout_engine.kernels._triton import cdiv, next_pow2, use_kernel
 from rollout_engine.kernels.moe_align import _align
 
 
@@ -126,9 +126,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     @triton.jit
     def _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M: tl.constexpr, ONE: tl.constexpr = False):
         """A block's pair ids (int32), which are real pairs, and its expert
-        (int64). ONE (one token, kernels/moe_token.py): block j is pair j
-        alone in its first row, its expert ids[j] (block_expert_ptr holds
-        the ids)."""
+        (int64). ONE (one token: `_fused_moe_one`): block j is pair j alone
+        in its first row, its expert ids[j] (block_expert_ptr holds the ids)."""
         r = tl.arange(0, BLOCK_M)
         if ONE:
             pair = tl.where(r == 0, block, P).to(tl.int32)
@@ -147,14 +146,9 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     def moe_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H, I,
                       stride_x, stride_we, stride_wn, TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                      IEEE: tl.constexpr, ONE: tl.constexpr = False, PDL: tl.constexpr = False):
+                      IEEE: tl.constexpr, ONE: tl.constexpr = False):
         """One block of sorted pairs and one column tile of I: gate and up
-        tiles over K = H, act = silu(gate) * up. ONE: `_block_rows`. PDL:
-        launched with programmatic dependent launch, waiting for the kernel
-        before (the routing) before it reads anything."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        tiles over K = H, act = silu(gate) * up. ONE: `_block_rows`."""
         block, nt = _tile(tl.program_id(0), NB, tl.cdiv(I, BLOCK_N), GROUP)
         if not ONE:
             if block * BLOCK_M >= tl.load(total_ptr):
@@ -197,13 +191,15 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     @triton.jit(do_not_specialize=["P", "NB"])
     def moe_down_kernel(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H, I,
                         stride_we, stride_wn, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+                        ONE: tl.constexpr = False):
         """One block of sorted pairs and one column tile of H: act @ w2[e]^T
-        over K = I, times the routing weight, to y[pair]."""
+        over K = I, times the routing weight, to y[pair]. ONE: `_block_rows`."""
         block, nt = _tile(tl.program_id(0), NB, tl.cdiv(H, BLOCK_N), GROUP)
-        if block * BLOCK_M >= tl.load(total_ptr):
-            return
-        pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M)
+        if not ONE:
+            if block * BLOCK_M >= tl.load(total_ptr):
+                return
+        pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE)
         rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < H
         rk = tl.arange(0, BLOCK_K)
@@ -245,17 +241,15 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               invariant: bool = False) -> torch.Tensor:
     """fused_moe_ref's result: on the GPU in five launches or fewer (align,
-    up, down, slot sum; two for one token: kernels/moe_token.py) that never
+    up, down, slot sum; three for one token: `_fused_moe_one`) that never
     wait for the host, so the call can be
     captured in a CUDA graph and replayed with new ids and weights of the
     same T; the reference elsewhere. `invariant`: one launch shape whatever
     T, so that a token's output has the same bits in any batch."""
     if not use_kernel(x):
         return fused_moe_ref(x, w13, w2, weights, ids, invariant)
-    if x.shape[0] == 1 and not invariant:  # batch-1 decode: no align, no slot-sum launch
-        from rollout_engine.kernels.moe_token import fused_moe_token  # it builds on this module
-
-        return fused_moe_token(x, w13, w2, weights, ids)
+    if x.shape[0] == 1 and not invariant:  # batch-1 decode: no align launch
+        return _fused_moe_one(x, w13, w2, weights, ids, DECODE)
     return _fused_moe_triton(x, w13, w2, weights, ids, pick(x.shape[0], ids.shape[1], w13.shape[0], invariant))
 
 
@@ -271,9 +265,8 @@ def _fit(t: Tiles, dtype: torch.dtype) -> Tiles:
 
 def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, block_m: int, t: Tiles,
         one: bool = False) -> torch.Tensor:
-    """The gate/up launch. `one` (kernels/moe_token.py): `aligned` holds the
-    token's ids [k] as its block experts, one block per pair, and the
-    launch waits for the routing by programmatic dependent launch."""
+    """The gate/up launch. `one` (`_fused_moe_one`): `aligned` holds the
+    token's ids [k] as its block experts, one block per pair."""
     sorted_ids, block_expert, total = aligned
     hidden = x.shape[1]
     inter = w13.shape[1] // 2
@@ -284,11 +277,12 @@ def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, blo
         x, w13, act, sorted_ids, block_expert, total, pairs, blocks, hidden, inter, x.stride(0), w13.stride(0),
         w13.stride(1), TOPK=top_k, GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, EVEN_N=inter % t.block_n == 0, IEEE=x.dtype == torch.float32,
-        num_warps=t.warps, num_stages=t.stages, ONE=one, **(pdl_args(x) if one else {}))
+        num_warps=t.warps, num_stages=t.stages, ONE=one)
     return act
 
 
-def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_m: int, t: Tiles) -> torch.Tensor:
+def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_m: int, t: Tiles,
+          one: bool = False) -> torch.Tensor:
     sorted_ids, block_expert, total = aligned
     pairs, inter = act.shape
     hidden = w2.shape[1]
@@ -299,7 +293,7 @@ def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_
         act, w2, y, rw, sorted_ids, block_expert, total, pairs, blocks, hidden, inter, w2.stride(0), w2.stride(1),
         GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
         EVEN_N=hidden % t.block_n == 0, IEEE=act.dtype == torch.float32, num_warps=t.warps,
-        num_stages=t.stages)
+        num_stages=t.stages, ONE=one)
     return y
 
 
@@ -311,6 +305,27 @@ def _sum_slots(y: torch.Tensor, tokens: int, top_k: int, block_h: int = 1024) ->
     return out
 
 
+def _prepare(x, w13, w2, weights):
+    """Operands with unit last strides, and the routing weights flat in fp32."""
+    rw = weights.reshape(-1)
+    return _unit_last(x), _unit_last(w13), _unit_last(w2), rw if rw.dtype == torch.float32 else rw.float()
+
+
+def _fused_moe_one(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   config: MoeLaunch) -> torch.Tensor:
+    """One token (batch-1 decode) without the align launch: its k slots are
+    k blocks of one pair each, block j on expert ids[j] (distinct experts,
+    as the routing gives them; a repeated one is read once per slot). The
+    products are the blocks path's with the same launch shape, row for row,
+    so the result has its bits (a GPU test holds it)."""
+    top_k = ids.shape[1]
+    x, w13, w2, rw = _prepare(x, w13, w2, weights)
+    flat = ids.reshape(-1)
+    blocks = (flat, flat, flat)  # block experts = the ids; no sorted ids, no total
+    act = _up(x, w13, blocks, top_k, top_k, config.block_m, config.up, one=True)
+    return _sum_slots(_down(act, w2, rw, blocks, config.block_m, config.down, one=True), 1, top_k)
+
+
 def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, config: MoeLaunch) -> torch.Tensor:
     """The Triton path with the launch shape `config` (benchmarks, and tests
@@ -320,10 +335,7 @@ def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         return x.new_empty((0, hidden))
     top_k = ids.shape[1]
     pairs = tokens * top_k
-    x, w13, w2 = _unit_last(x), _unit_last(w13), _unit_last(w2)
-    rw = weights.reshape(-1)
-    if rw.dtype != torch.float32:
-        rw = rw.float()
+    x, w13, w2, rw = _prepare(x, w13, w2, weights)
     aligned = _align(ids, w13.shape[0], config.block_m)
     act = _up(x, w13, aligned, pairs, top_k, config.block_m, config.up)
     y = _down(act, w2, rw, aligned, config.block_m, config.down)

@@ -11,7 +11,7 @@ import importlib.util
 
 import torch
 
-from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args, use_kernel
+from rollout_engine.kernels._triton import cdiv, next_pow2, use_kernel
 
 
 def route_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,15 +33,10 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     @triton.jit(do_not_specialize=["T"])
     def moe_route_kernel(x_ptr, w_ptr, id_ptr, loc_ptr, rec_ptr, T, E, stride_x, stride_rec, ROWS: tl.constexpr,
                          BLOCK_E: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
-                         RECORD: tl.constexpr, PDL: tl.constexpr = False):
+                         RECORD: tl.constexpr):
         """ROWS tokens: softmax over E in fp32, then TOPK rounds of argmax
         (leftmost on ties) with the chosen expert masked out. RECORD: the ids
-        also go to rec[loc[t]] (a token's KV slot: routing capture). PDL:
-        launched with programmatic dependent launch, waiting for the router's
-        product before it reads anything."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        also go to rec[loc[t]] (a token's KV slot: routing capture)."""
         t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         e = tl.arange(0, BLOCK_E)
         e_ok = e < E
@@ -102,5 +97,5 @@ def _route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, record: R
     moe_route_kernel[(cdiv(tokens, rows),)](logits, weights, ids, loc, dest, tokens, experts, logits.stride(0),
                                             dest.stride(0), ROWS=rows, BLOCK_E=next_pow2(experts), TOPK=top_k,
                                             BLOCK_K=next_pow2(top_k), RENORM=renormalize,
-                                            RECORD=record is not None, num_warps=warps, **pdl_args(logits))
+                                            RECORD=record is not None, num_warps=warps)
     return weights, ids

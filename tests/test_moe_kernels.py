@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout_engine.kernels import moe, moe_align, moe_route, moe_token
+from rollout_engine.kernels import moe, moe_align, moe_route
 from rollout_engine.kernels.moe import MoeLaunch, Tiles
 
 interpreted = pytest.mark.skipif(
@@ -190,13 +190,12 @@ def test_interpreted_invariant_rows():
 @pytest.mark.parametrize("load", ["uniform", "hot"])
 @pytest.mark.parametrize("experts,top_k,hidden,inter", [(8, 2, 32, 24), (16, 4, 64, 40), (4, 3, 48, 16)])
 def test_interpreted_one_token(experts, top_k, hidden, inter, load):
-    """The one-token path (no align, the slot sum in the down launch), also
-    with every slot on one expert and K or N not a multiple of the tiles."""
-    launch = moe_token.TokenLaunch(16, Tiles(16, 16, 4, 2, group=1), Tiles(16, 32, 4, 2, group=1))
+    """The one-token path (one pair per block, no align), also with every
+    slot on one expert and K or N not a multiple of the tiles."""
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         x, w13, w2, weights, ids = _problem(1, experts, top_k, hidden, inter, dtype, load=load)
         ref32 = moe.fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
-        out = moe_token.fused_moe_token(x, w13, w2, weights, ids.long(), launch)
+        out = moe._fused_moe_one(x, w13, w2, weights, ids.long(), TINY[1])
         assert out.dtype == dtype and out.shape == (1, hidden) and _rel(out, ref32) < tol
 
 
@@ -280,9 +279,9 @@ def test_fused_moe_matches_reference(tokens, load):
 @pytest.mark.parametrize("experts,top_k,inter,hidden", [(128, 8, 768, 2048), (64, 8, 1024, 2048), (8, 2, 1792, 4096),
                                                         (128, 8, 384, 2048), (60, 4, 24, 64)])
 def test_one_token_path_has_the_blocks_paths_bits(experts, top_k, inter, hidden, load):
-    """One token takes moe_token's two launches; its result is the blocks
-    path's (align, 16-pair blocks, slot sum) bit for bit, at real expert
-    shapes and a tensor-parallel slice (384), with ids as int32 or int64."""
+    """One token skips the align launch; its result is the blocks path's
+    (align, 16-pair blocks, slot sum) bit for bit, at real expert shapes and
+    a tensor-parallel slice (384), with ids as int32 or int64."""
     for seed in range(3):
         x, w13, w2, weights, ids = _problem(1, experts, top_k, hidden, inter, torch.bfloat16, "cuda", load, seed=seed)
         blocks = moe._fused_moe_triton(x, w13, w2, weights, ids, moe.DECODE)
@@ -296,10 +295,8 @@ def test_one_token_path_has_the_blocks_paths_bits(experts, top_k, inter, hidden,
 @needs_cuda
 def test_one_token_path_replays_after_the_router_in_a_graph():
     """The launches as a decode step runs them, captured in a CUDA graph and
-    replayed with new inputs: the router's product, the routing, and the two
-    one-token launches, each started early by programmatic dependent launch
-    (the down launch reads the ids before its wait): every replay gives the
-    eager result."""
+    replayed with new inputs: the router's product, the routing and the
+    one-token launches: every replay gives the eager result."""
     from rollout_engine.kernels.gemv import linear
 
     experts, top_k, hidden, inter = 128, 8, 2048, 768
