@@ -5,7 +5,8 @@ The routing is kernels/moe_route.py. `fused_moe`, for ids [T, k] (pair
 p = t * k + j is slot j of token t):
 1. align (kernels/moe_align.py): the pairs sorted by expert, each expert's
    run padded to a multiple of BLOCK_M, on the device (programs past the
-   padded total return at once).
+   padded total return at once). One token needs none: its slots are
+   distinct experts, each slot a block (`_fused_moe_one`).
 2. up: per block and tile of the intermediate size I, the gate and up rows
    of w13[e] in one program; writes silu(gate) * up, rounded as
    `silu_and_mul` rounds it, to act [T*k, I].
@@ -241,10 +242,9 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               invariant: bool = False) -> torch.Tensor:
     """fused_moe_ref's result: on the GPU in five launches or fewer (align,
-    up, down, slot sum; three for one token: `_fused_moe_one`) that never
-    wait for the host, so the call can be
-    captured in a CUDA graph and replayed with new ids and weights of the
-    same T; the reference elsewhere. `invariant`: one launch shape whatever
+    up, down, slot sum; no align for one token: `_fused_moe_one`) that
+    never wait for the host, so the call can be captured in a CUDA graph and
+    replayed with new ids and weights of the same T; the reference elsewhere. `invariant`: one launch shape whatever
     T, so that a token's output has the same bits in any batch."""
     if not use_kernel(x):
         return fused_moe_ref(x, w13, w2, weights, ids, invariant)
