@@ -14,7 +14,9 @@ bf16 rate of an 8192^3 matmul. On a CUDA GPU:
 
 At one token the report also has the blocks path's time (`blocks_us`: with
 the align launch) beside the one-token path's (`moe_us`: one pair per block,
-no align).
+no align), and the whole sparse MLP after the attention (norm, router,
+routing, experts) in kernels/moe_row.py's three launches (`row_us`) and
+unfused (`row_unfused_us`).
 
 `--sweep` also times every candidate launch shape of the two products per
 block size (SWEEP_UP, SWEEP_DOWN), the data behind moe.pick's tables."""
@@ -28,7 +30,9 @@ from gemm_shapes import write_out  # benchmarks/, the script's own folder
 
 from rollout_engine.bench.roofline import measure_device
 from rollout_engine.cli_args import ScriptParser, needs_cuda, run_script
-from rollout_engine.kernels import moe, moe_align, moe_route
+from rollout_engine.kernels import moe, moe_align, moe_route, moe_row
+from rollout_engine.kernels.gemv import linear
+from rollout_engine.kernels.rmsnorm import rmsnorm
 from rollout_engine.kernels.moe import Tiles
 
 SHAPES = {  # experts, top_k, hidden, intermediate (per expert), renormalize
@@ -123,6 +127,7 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
         if t == 1:  # one token without the align launch (moe._fused_moe_one) against the blocks path
             row["blocks_us"] = round(graph_us(lambda: moe._fused_moe_triton(x, w13, w2, weights, ids, moe.DECODE),
                                               calls=3), 2)
+            row.update(sparse_mlp_row_us(x, w13, w2, top_k, renorm))
         row["share"] = round(row["limit_us"] / row["moe_us"], 3)
         row["invariant_share"] = round(row["limit_us"] / row["invariant_us"], 3)
         ref = moe.fused_moe_ref(x, w13, w2, weights, ids)
@@ -144,6 +149,27 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
         del aligned, act, y
     return {"shape": name, "experts": experts, "top_k": top_k, "hidden": hidden, "intermediate": inter,
             "rows": rows, "sweep": sweeps}
+
+
+def sparse_mlp_row_us(x, w13, w2, top_k, renorm) -> dict:
+    """One token's whole sparse MLP after the attention: kernels/moe_row.py's
+    three launches (`row_us`) against the launches they replace
+    (`row_unfused_us`: norm, router product, routing, experts)."""
+    hidden, experts = x.shape[1], w13.shape[0]
+    residual = torch.randn_like(x)
+    norm_w = torch.ones(hidden, device=x.device, dtype=x.dtype)
+    router = torch.randn(experts, hidden, device=x.device, dtype=x.dtype) * 0.02
+
+    def unfused():
+        h, r = rmsnorm(x, norm_w, 1e-6, residual)
+        weights, ids = moe_route.route(linear(h, router), top_k, renorm)
+        return moe.fused_moe(h, w13, w2, weights, ids), r
+
+    out = {"row_us": graph_us(lambda: moe_row.moe_row(x, residual, norm_w, 1e-6, router, w13, w2, top_k, renorm),
+                              calls=3),
+           "row_unfused_us": graph_us(unfused, calls=3)}
+    print(f"  one token's sparse MLP: {out['row_us']:.2f} us in three launches, {out['row_unfused_us']:.2f} unfused")
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def sweep_tokens(name, t, x, w13, w2, weights, ids) -> list[dict]:

@@ -115,6 +115,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     import triton
     import triton.language as tl
 
+    from rollout_engine.kernels.row_parts import row_input
+
     @triton.jit
     def _tile(pid, NB, tiles, GROUP: tl.constexpr):
         """Program pid's (block, column tile): GROUP blocks in a row take
@@ -147,25 +149,49 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     def moe_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H, I,
                       stride_x, stride_we, stride_wn, TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                      IEEE: tl.constexpr, ONE: tl.constexpr = False):
+                      IEEE: tl.constexpr, ONE: tl.constexpr = False, COUNTS: tl.constexpr = 1):
         """One block of sorted pairs and one column tile of I: gate and up
-        tiles over K = H, act = silu(gate) * up. ONE: `_block_rows`."""
+        tiles over K = H, act = silu(gate) * up. ONE: `_block_rows`, and
+        program 0 zeroes the down launch's COUNTS tile counters (total_ptr)."""
         block, nt = _tile(tl.program_id(0), NB, tl.cdiv(I, BLOCK_N), GROUP)
-        if not ONE:
+        if ONE:
+            if tl.program_id(0) == 0:
+                tl.store(total_ptr + tl.arange(0, COUNTS), tl.zeros([COUNTS], tl.int32))
+        else:
             if block * BLOCK_M >= tl.load(total_ptr):
                 return
         pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE)
+        gate_up_tile(x_ptr, x_ptr, 1.0, w_ptr, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we, stride_wn,
+                     TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, False)
+
+    @triton.jit
+    def gate_up_tile(x_ptr, g_ptr, inv, w_ptr, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we, stride_wn,
+                     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr):
+        """act[pair] for column tile nt of I: the pairs' rows of x (token pair
+        // TOPK; real rows m_ok) times expert e's gate and up rows over K = H,
+        then silu(gate) * up. NORM (one token, kernels/moe_row.py): x's row
+        0 is RMSNorm'd on the fly (norm weight at g_ptr, `inv` = 1 / rms),
+        rounded as the norm kernel rounds it."""
         rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < I
         rk = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x + rk[None, :]
         g_ptrs = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         u_ptrs = g_ptrs + I * stride_wn
+        dt = act_ptr.dtype.element_ty
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for i in range(0, tl.cdiv(H, BLOCK_K)):
-            if EVEN_K:
+            k_ok = (i * BLOCK_K + rk < H)[None, :]
+            if NORM:
+                row = row_input(x_ptr, x_ptr, g_ptr, i * BLOCK_K + rk, i * BLOCK_K + rk < H, inv, True, False)
+                a = tl.where(m_ok[:, None], row.to(dt)[None, :], 0.0).to(dt)
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+            if EVEN_K:
                 if EVEN_N:
                     g = tl.load(g_ptrs)
                     u = tl.load(u_ptrs)
@@ -173,8 +199,6 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                     g = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
                     u = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
             else:
-                k_ok = (i * BLOCK_K + rk < H)[None, :]
-                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
                 g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
                 u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
             acc_g = _mma(a, g, acc_g, IEEE=IEEE)
@@ -182,7 +206,6 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-        dt = act_ptr.dtype.element_ty
         gate = acc_g.to(dt).to(tl.float32)  # rounded as the unfused gate_up product is
         up = acc_u.to(dt).to(tl.float32)
         act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up  # rounded like F.silu, then the product
@@ -190,12 +213,15 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                  mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit(do_not_specialize=["P", "NB"])
-    def moe_down_kernel(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H, I,
-                        stride_we, stride_wn, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def moe_down_kernel(act_ptr, w_ptr, y_ptr, out_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H,
+                        I, stride_we, stride_wn, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
                         ONE: tl.constexpr = False):
         """One block of sorted pairs and one column tile of H: act @ w2[e]^T
-        over K = I, times the routing weight, to y[pair]. ONE: `_block_rows`."""
+        over K = I, times the routing weight, to y[pair]. ONE: `_block_rows`,
+        and the slot sum too: total_ptr counts the tile's finished slots
+        (zeroed by the gate/up launch), and the slot that finishes last adds
+        the tile's rows of y in slot order into out, as moe_sum_kernel does."""
         block, nt = _tile(tl.program_id(0), NB, tl.cdiv(H, BLOCK_N), GROUP)
         if not ONE:
             if block * BLOCK_M >= tl.load(total_ptr):
@@ -224,6 +250,15 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0)
         tl.store(y_ptr + pair.to(tl.int64)[:, None] * H + rn[None, :], (acc * rw[:, None]).to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
+        if ONE:
+            # Every thread's stores before one thread's release; the last slot's acquire before its reads,
+            # which skip the L1 cache (other programs wrote those rows).
+            tl.debug_barrier()
+            if tl.atomic_add(total_ptr + nt, 1, sem="acq_rel", scope="gpu") == NB - 1:
+                total = tl.zeros([BLOCK_N], tl.float32)
+                for j in range(0, NB):
+                    total += tl.load(y_ptr + j * H + rn, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+                tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
     def moe_sum_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -242,7 +277,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               invariant: bool = False) -> torch.Tensor:
     """fused_moe_ref's result: on the GPU in five launches or fewer (align,
-    up, down, slot sum; no align for one token: `_fused_moe_one`) that
+    up, down, slot sum; two for one token: `_fused_moe_one`) that
     never wait for the host, so the call can be captured in a CUDA graph and
     replayed with new ids and weights of the same T; the reference elsewhere. `invariant`: one launch shape whatever
     T, so that a token's output has the same bits in any batch."""
@@ -266,7 +301,8 @@ def _fit(t: Tiles, dtype: torch.dtype) -> Tiles:
 def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, block_m: int, t: Tiles,
         one: bool = False) -> torch.Tensor:
     """The gate/up launch. `one` (`_fused_moe_one`): `aligned` holds the
-    token's ids [k] as its block experts, one block per pair."""
+    token's ids [k] as its block experts, one block per pair, and the down
+    launch's tile counters (a power of two of them) in place of the total."""
     sorted_ids, block_expert, total = aligned
     hidden = x.shape[1]
     inter = w13.shape[1] // 2
@@ -277,12 +313,14 @@ def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, blo
         x, w13, act, sorted_ids, block_expert, total, pairs, blocks, hidden, inter, x.stride(0), w13.stride(0),
         w13.stride(1), TOPK=top_k, GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, EVEN_N=inter % t.block_n == 0, IEEE=x.dtype == torch.float32,
-        num_warps=t.warps, num_stages=t.stages, ONE=one)
+        num_warps=t.warps, num_stages=t.stages, ONE=one, COUNTS=total.numel() if one else 1)
     return act
 
 
 def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_m: int, t: Tiles,
-          one: bool = False) -> torch.Tensor:
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """The down launch: y [pairs, H]. With `out` [1, H] (one token: `_up`'s
+    `one`), the slot sum too, into out."""
     sorted_ids, block_expert, total = aligned
     pairs, inter = act.shape
     hidden = w2.shape[1]
@@ -290,10 +328,11 @@ def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_
     y = torch.empty((pairs, hidden), dtype=act.dtype, device=act.device)
     blocks = block_expert.numel()
     moe_down_kernel[(blocks * cdiv(hidden, t.block_n),)](
-        act, w2, y, rw, sorted_ids, block_expert, total, pairs, blocks, hidden, inter, w2.stride(0), w2.stride(1),
+        act, w2, y, out if out is not None else y, rw, sorted_ids, block_expert, total, pairs, blocks, hidden, inter,
+        w2.stride(0), w2.stride(1),
         GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
         EVEN_N=hidden % t.block_n == 0, IEEE=act.dtype == torch.float32, num_warps=t.warps,
-        num_stages=t.stages, ONE=one)
+        num_stages=t.stages, ONE=out is not None)
     return y
 
 
@@ -313,17 +352,23 @@ def _prepare(x, w13, w2, weights):
 
 def _fused_moe_one(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    config: MoeLaunch) -> torch.Tensor:
-    """One token (batch-1 decode) without the align launch: its k slots are
-    k blocks of one pair each, block j on expert ids[j] (distinct experts,
-    as the routing gives them; a repeated one is read once per slot). The
-    products are the blocks path's with the same launch shape, row for row,
-    so the result has its bits (a GPU test holds it)."""
+    """One token (batch-1 decode) in two launches: no align, as its k slots
+    are k blocks of one pair each, block j on expert ids[j] (distinct
+    experts, as the routing gives them; a repeated one is read once per
+    slot), and the slot sum inside the down launch. The products are the
+    blocks path's with the same launch shape, row for row, and the sum adds
+    the same rounded rows in the same order, so the result has its bits (a
+    GPU test holds it)."""
     top_k = ids.shape[1]
     x, w13, w2, rw = _prepare(x, w13, w2, weights)
     flat = ids.reshape(-1)
-    blocks = (flat, flat, flat)  # block experts = the ids; no sorted ids, no total
+    tiles = cdiv(w2.shape[1], _fit(config.down, x.dtype).block_n)
+    counts = torch.empty(next_pow2(tiles), dtype=torch.int32, device=x.device)  # zeroed by the gate/up launch
+    blocks = (flat, flat, counts)  # block experts = the ids; no sorted ids
     act = _up(x, w13, blocks, top_k, top_k, config.block_m, config.up, one=True)
-    return _sum_slots(_down(act, w2, rw, blocks, config.block_m, config.down, one=True), 1, top_k)
+    out = torch.empty((1, w2.shape[1]), dtype=x.dtype, device=x.device)
+    _down(act, w2, rw, blocks, config.block_m, config.down, out=out)
+    return out
 
 
 def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

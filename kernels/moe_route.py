@@ -30,6 +30,27 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     import triton
     import triton.language as tl
 
+    @triton.jit
+    def top_k_rows(x, e, e_ok, TOPK: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+        """For fp32 logits x [rows, BLOCK_E] (lanes e; e_ok: real experts):
+        the softmax, then TOPK rounds of argmax (leftmost on ties) with the
+        chosen expert masked out. Returns (weights fp32, ids int32), each
+        [rows, BLOCK_K], divided by their sum when RENORM."""
+        p = tl.exp(x - tl.max(x, axis=1)[:, None])
+        prob = tl.where(e_ok[None, :], p / tl.sum(p, axis=1)[:, None], -1.0)
+        j = tl.arange(0, BLOCK_K)
+        vals = tl.zeros([x.shape[0], BLOCK_K], tl.float32)
+        idx = tl.zeros([x.shape[0], BLOCK_K], tl.int32)
+        for i in tl.static_range(TOPK):
+            v = tl.max(prob, axis=1)
+            a = tl.argmax(prob, axis=1, tie_break_left=True)
+            vals = tl.where(j[None, :] == i, v[:, None], vals)
+            idx = tl.where(j[None, :] == i, a[:, None], idx)
+            prob = tl.where(e[None, :] == a[:, None], -2.0, prob)
+        if RENORM:
+            vals = vals / tl.sum(vals, axis=1)[:, None]
+        return vals, idx
+
     @triton.jit(do_not_specialize=["T"])
     def moe_route_kernel(x_ptr, w_ptr, id_ptr, loc_ptr, rec_ptr, T, E, stride_x, stride_rec, ROWS: tl.constexpr,
                          BLOCK_E: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
@@ -42,20 +63,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         e_ok = e < E
         row = tl.minimum(t, T - 1).to(tl.int64)  # rows past T repeat the last one, never stored
         x = tl.load(x_ptr + row[:, None] * stride_x + e[None, :], mask=e_ok[None, :], other=float("-inf"))
-        x = x.to(tl.float32)
-        p = tl.exp(x - tl.max(x, axis=1)[:, None])
-        prob = tl.where(e_ok[None, :], p / tl.sum(p, axis=1)[:, None], -1.0)
+        vals, idx = top_k_rows(x.to(tl.float32), e, e_ok, TOPK, BLOCK_K, RENORM)
         j = tl.arange(0, BLOCK_K)
-        vals = tl.zeros([ROWS, BLOCK_K], tl.float32)
-        idx = tl.zeros([ROWS, BLOCK_K], tl.int32)
-        for i in tl.static_range(TOPK):
-            v = tl.max(prob, axis=1)
-            a = tl.argmax(prob, axis=1, tie_break_left=True)
-            vals = tl.where(j[None, :] == i, v[:, None], vals)
-            idx = tl.where(j[None, :] == i, a[:, None], idx)
-            prob = tl.where(e[None, :] == a[:, None], -2.0, prob)
-        if RENORM:
-            vals = vals / tl.sum(vals, axis=1)[:, None]
         out = t[:, None].to(tl.int64) * TOPK + j[None, :]
         ok = (t < T)[:, None] & (j < TOPK)[None, :]
         tl.store(w_ptr + out, vals, mask=ok)

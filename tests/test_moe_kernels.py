@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout_engine.kernels import moe, moe_align, moe_route
+from rollout_engine.kernels import moe, moe_align, moe_route, moe_row
+from rollout_engine.kernels.rmsnorm import rmsnorm_ref
 from rollout_engine.kernels.moe import MoeLaunch, Tiles
 
 interpreted = pytest.mark.skipif(
@@ -199,6 +200,48 @@ def test_interpreted_one_token(experts, top_k, hidden, inter, load):
         assert out.dtype == dtype and out.shape == (1, hidden) and _rel(out, ref32) < tol
 
 
+def _row_problem(experts, top_k, hidden, inter, dtype, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x, w13, w2, _, _ = _problem(1, experts, top_k, hidden, inter, dtype, device, seed=seed)
+    residual = torch.randn(1, hidden, generator=g).to(device, dtype)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device, dtype)
+    router = (torch.randn(experts, hidden, generator=g) / hidden ** 0.5).to(device, dtype)
+    return x, residual, norm_w, router, w13, w2
+
+
+def _row_unfused(x, residual, norm_w, router, w13, w2, top_k, renormalize):
+    """The one-token sparse MLP as the unfused launches compute it, in torch."""
+    h, r = rmsnorm_ref(x, norm_w, 1e-6, residual)
+    weights, ids = moe_route.route_ref(F.linear(h, router), top_k, renormalize)
+    return moe.fused_moe_ref(h, w13, w2, weights, ids), r, ids
+
+
+@interpreted
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("experts,top_k,hidden,inter", [(8, 2, 32, 24), (12, 4, 64, 40)])
+def test_interpreted_moe_row(experts, top_k, hidden, inter, renormalize, monkeypatch):
+    """The one-token sparse MLP in three launches (norm inside the router's
+    product; routing, norm and gate/up; down with the slot sum): the unfused
+    result, the new residual stream, and the routing record in its slot.
+    The router's one-row product is the GPU's alone (its kernel is built
+    inside a function, out of the interpreter's sight): torch's here."""
+    def norm_product(h, residual, norm_w, eps, router):
+        normed, r = rmsnorm_ref(h, norm_w, eps, residual)
+        return F.linear(normed, router), r
+
+    monkeypatch.setattr(moe_row, "norm_gemv", norm_product)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
+        x, residual, norm_w, router, w13, w2 = _row_problem(experts, top_k, hidden, inter, dtype)
+        ref, ref_r, ref_ids = _row_unfused(x, residual, norm_w, router, w13, w2, top_k, renormalize)
+        dest = torch.full((10, 3, top_k), 99, dtype=torch.int16)
+        loc = torch.tensor([6])
+        out, r = moe_row.moe_row(x, residual, norm_w, 1e-6, router, w13, w2, top_k, renormalize,
+                                 (dest[:, 1], loc), TINY[1])
+        assert out.dtype == dtype and out.shape == (1, hidden) and _rel(out, ref) < tol
+        assert torch.equal(r, ref_r)
+        assert dest[6, 1].tolist() == ref_ids[0].tolist() and (dest[:6] == 99).all() and (dest[6, 0] == 99).all()
+
+
 # ---------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
@@ -317,6 +360,66 @@ def test_one_token_path_replays_after_the_router_in_a_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, layer())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("experts,top_k,inter,hidden,renormalize",
+                         [(128, 8, 768, 2048, True), (64, 8, 1024, 2048, False), (8, 2, 1792, 4096, True),
+                          (128, 8, 384, 2048, True), (60, 4, 24, 64, True)])
+def test_moe_row_matches_the_unfused_launches(experts, top_k, inter, hidden, renormalize):
+    """The one-token sparse MLP in three launches against the launches it
+    replaces: the residual stream bit for bit, the routing the routing
+    kernel gives on the same logits (recorded in the token's slot), and the
+    experts' sum within the rounding of the norm's sum of squares."""
+    from rollout_engine.kernels.gemv import norm_gemv
+    from rollout_engine.kernels.rmsnorm import rmsnorm
+
+    for seed in range(3):
+        x, residual, norm_w, router, w13, w2 = _row_problem(experts, top_k, hidden, inter, torch.bfloat16, "cuda",
+                                                            seed)
+        logits, r = norm_gemv(x, residual, norm_w, 1e-6, router)
+        weights, ids = moe_route.route(logits, top_k, renormalize)
+        h, _ = rmsnorm(x, norm_w, 1e-6, residual)
+        unfused = moe.fused_moe(h, w13, w2, weights, ids)
+        dest = torch.full((5, 2, top_k), 99, dtype=torch.int16, device="cuda")
+        loc = torch.tensor([3], device="cuda")
+        out, r_row = moe_row.moe_row(x, residual, norm_w, 1e-6, router, w13, w2, top_k, renormalize,
+                                     (dest[:, 0], loc))
+        assert torch.equal(r_row, r)
+        assert dest[3, 0].tolist() == ids[0].tolist() and (dest[:3] == 99).all() and (dest[3, 1] == 99).all()
+        ref32 = _row_unfused(x.float(), residual.float(), norm_w.float(), router.float(), w13.float(), w2.float(),
+                             top_k, renormalize)[0]
+        assert _rel(out, unfused) < 2e-3 and _rel(out, ref32) < 1e-2, (seed, _rel(out, unfused), _rel(out, ref32))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_moe_row_replays_in_a_graph_with_new_tokens():
+    """moe_row captured in a CUDA graph (with the routing record) and
+    replayed with new rows: each replay equals the eager call, its record
+    included (the tile counters start from zero at every call)."""
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+    x, residual, norm_w, router, w13, w2 = _row_problem(experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+    dest = torch.zeros((4, 1, top_k), dtype=torch.int16, device="cuda")
+    loc = torch.tensor([2], device="cuda")
+
+    def call():
+        return moe_row.moe_row(x, residual, norm_w, 1e-6, router, w13, w2, top_k, True, (dest[:, 0], loc))
+
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, r = call()
+    g = torch.Generator(device="cpu").manual_seed(5)
+    for _ in range(20):
+        x.copy_(torch.randn(1, hidden, generator=g).to(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.clone(), r.clone(), dest.clone()
+        want = call()
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], dest)
 
 
 @pytest.mark.gpu

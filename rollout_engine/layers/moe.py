@@ -19,9 +19,10 @@ from torch import nn
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
-from rollout_engine.kernels.gemv import linear
+from rollout_engine.kernels.gemv import NORM_MAX_K, linear, one_row
 from rollout_engine.kernels.moe import fused_moe
 from rollout_engine.kernels.moe_route import route
+from rollout_engine.kernels.moe_row import moe_row
 from rollout_engine.layers.invariant import invariant_linear, per_row
 from rollout_engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _param, divide
 from rollout_engine.layers.weight_copy import copy_into
@@ -127,6 +128,26 @@ class SparseMoeBlock(nn.Module):
             gate = per_row(torch.sigmoid, gate) if self.batch_invariant and not gate.is_cuda else torch.sigmoid(gate)
             out = out + gate * self.shared_expert(x)
         return self.comm.all_reduce(out)
+
+
+    def fuses_one_row(self, h: torch.Tensor, norm: nn.Module) -> bool:
+        """Whether `one_row` takes this token (`kernels.moe_row`): one row on
+        the GPU, no shared expert, not in batch-invariant mode."""
+        return (h.shape[0] == 1 and one_row(h, self.gate.weight) and h.shape[1] <= NORM_MAX_K
+                and self.shared_expert is None and not self.batch_invariant and not self.gate.batch_invariant
+                and not norm.batch_invariant)
+
+    def one_row(self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                fb: "ForwardBatch | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token after the attention (`fuses_one_row`): norm(h +
+        residual), the router, the routing and the experts in three launches.
+        Returns (this block's output, the new residual stream)."""
+        routes = fb.kv_pool.routes if fb is not None else None
+        record = (routes[:, self.moe_index], fb.out_cache_loc) if routes is not None else None
+        e = self.experts
+        out, residual = moe_row(h, residual.contiguous(), norm.weight, norm.eps, self.gate.weight, e.gate_up_proj,
+                                e.down_proj, self.top_k, self.renormalize, record)
+        return self.comm.all_reduce(out), residual
 
 
 class SharedExpert(nn.Module):

@@ -181,12 +181,16 @@ class DecoderLayer(nn.Module):
             p.norm_product(x, residual, norm, p.bias, rope=rope)
         if isinstance(mlp, DecoderMLP):
             mlp.one_row_act(x, x, self.post_attention_layernorm)
+        elif mlp.fuses_one_row(x, self.post_attention_layernorm):
+            mlp.one_row(x, x, self.post_attention_layernorm)
 
     def _forward_one_row(self, positions, x, residual, fb):
         attn, mlp = self.self_attn, self.mlp
         q, residual = attn.one_row_q(positions, x, residual, self.input_layernorm, fb)
         h = attn.attend(q, fb).contiguous()
         if not isinstance(mlp, DecoderMLP):  # the sparse MLP: its router and experts take the normed rows
+            if mlp.fuses_one_row(h, self.post_attention_layernorm):  # the norm inside its launches
+                return mlp.one_row(h, residual, self.post_attention_layernorm, fb)
             h, residual = self.post_attention_layernorm(h, residual)
             return mlp(h, fb), residual
         act, residual = mlp.one_row_act(h, residual, self.post_attention_layernorm)
