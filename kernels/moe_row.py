@@ -22,7 +22,7 @@ import torch
 
 from rollout_engine.kernels._triton import cdiv, next_pow2
 from rollout_engine.kernels.gemv import norm_gemv
-from rollout_engine.kernels.moe import DECODE, MoeLaunch, _down, _fit
+from rollout_engine.kernels.moe import DECODE, MoeLaunch, _down, _fit, _unit_last
 
 if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the kernels
     import triton
@@ -77,6 +77,7 @@ def moe_row(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, 
     `moe.fused_moe` give them. h, residual [1, H] contiguous (H at most
     gemv.NORM_MAX_K); router [E, H]; `record`: as `route`'s."""
     logits, r = norm_gemv(h, residual, norm_weight, eps, router)
+    w13, w2 = _unit_last(w13), _unit_last(w2)
     experts, hidden = router.shape
     inter = w13.shape[1] // 2
     dev = h.device

@@ -140,14 +140,22 @@ class SparseMoeBlock(nn.Module):
     def one_row(self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
                 fb: "ForwardBatch | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One token after the attention (`fuses_one_row`): norm(h +
-        residual), the router, the routing and the experts in three launches.
-        Returns (this block's output, the new residual stream)."""
+        residual), the router, the routing and the experts in three launches,
+        then the all-reduce. Returns (this block's output, the new residual
+        stream)."""
+        out, residual = self.one_row_local(h, residual, norm, fb)
+        return self.comm.all_reduce(out), residual
+
+    def one_row_local(self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                      fb: "ForwardBatch | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`one_row` before its all-reduce (this rank's partial sum); with
+        `fb` whose pool captures routing, the token's experts also go to its
+        KV slot's row."""
         routes = fb.kv_pool.routes if fb is not None else None
         record = (routes[:, self.moe_index], fb.out_cache_loc) if routes is not None else None
         e = self.experts
-        out, residual = moe_row(h, residual.contiguous(), norm.weight, norm.eps, self.gate.weight, e.gate_up_proj,
-                                e.down_proj, self.top_k, self.renormalize, record)
-        return self.comm.all_reduce(out), residual
+        return moe_row(h, residual.contiguous(), norm.weight, norm.eps, self.gate.weight, e.gate_up_proj,
+                       e.down_proj, self.top_k, self.renormalize, record)
 
 
 class SharedExpert(nn.Module):

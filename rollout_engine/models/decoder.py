@@ -181,8 +181,8 @@ class DecoderLayer(nn.Module):
             p.norm_product(x, residual, norm, p.bias, rope=rope)
         if isinstance(mlp, DecoderMLP):
             mlp.one_row_act(x, x, self.post_attention_layernorm)
-        elif mlp.fuses_one_row(x, self.post_attention_layernorm):
-            mlp.one_row(x, x, self.post_attention_layernorm)
+        elif mlp.fuses_one_row(x, self.post_attention_layernorm):  # no collective here
+            mlp.one_row_local(x, x, self.post_attention_layernorm)
 
     def _forward_one_row(self, positions, x, residual, fb):
         attn, mlp = self.self_attn, self.mlp
