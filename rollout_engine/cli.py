@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from rollout_engine.cli_args import (INPUT_IDS_HELP, HelpFormatter, UsageError, add_engine_args, add_sampling_args,
                                      build_config, build_sampling, check_engine_args, check_out_path,
                                      check_prompt_args, check_tp_args, has_tokenizer, input_ids, positive_int,
-                                     unit_fraction)
+                                     unit_fraction, unrecognized)
 from rollout_engine.config import EngineConfig
 from rollout_engine.model_zoo import ZOO
 
@@ -60,7 +60,7 @@ class SubcommandParser(Parser):
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
         parsed, extras = super().parse_known_args(args, namespace)
         if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            self.error(unrecognized(self, extras))
         return parsed, extras
 
 

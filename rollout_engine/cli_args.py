@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -308,6 +309,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's 'unrecognized arguments' message, with the parser's flag
+    closest to the first misspelled one (--temprature: did you mean
+    --temperature?)."""
+    known = [flag for flag in parser._option_string_actions if flag.startswith("--")]
+    for word in extras:
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.7)
+            if close:
+                return f"unrecognized arguments: {' '.join(extras)}; did you mean {close[0]}?"
+    return f"unrecognized arguments: {' '.join(extras)}"
+
+
 class _ScriptHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown, and the script's docstring kept as written."""
 
@@ -323,6 +337,13 @@ class ScriptParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         message = " ".join(message.split())
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        """argparse's, with the closest flag named for a misspelled one."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unrecognized(self, extras))
+        return parsed
 
     def parse_checked(self, argv: list[str] | None = None, outs: Iterable[str] = ("out",)) -> argparse.Namespace:
         """Parse, then check that every output path named by `outs` can be

@@ -214,6 +214,31 @@ def test_a_shortened_flag_is_refused_not_taken_for_the_full_one(argv, flag, caps
     assert f"unrecognized arguments: {flag}" in _one_line_error(capsys)
 
 
+@pytest.mark.parametrize("argv,words", [
+    (["generate", "--temprature", "0.5", "hi"], "unrecognized arguments: --temprature; did you mean --temperature?"),
+    (["generate", "--max-new-tokns=5", "hi"], "--max-new-tokns=5; did you mean --max-new-tokens?"),
+    (["bench", "--num-prompt", "4"], "--num-prompt 4; did you mean --num-prompts?")])
+def test_a_misspelled_flag_names_the_closest_one(argv, words, capsys, no_model_load):
+    assert main(argv) == 2
+    line = _one_line_error(capsys)
+    assert words in line and line.endswith(f"(see 'rollout-engine {argv[0]} --help')")
+
+
+def test_a_scripts_misspelled_flag_names_the_closest_one(capsys):
+    """The scripts under benchmarks/ too, one line with exit status 2; a
+    flag like none of them is named alone."""
+    from rollout_engine.cli_args import ScriptParser
+
+    p = ScriptParser("probe.py", "A probe.")
+    p.add_argument("--tokens", default="1")
+    for argv, end in ((["--token", "8"], "--token 8; did you mean --tokens? (see 'probe.py --help')"),
+                      (["--bogus"], "unrecognized arguments: --bogus (see 'probe.py --help')")):
+        with pytest.raises(SystemExit) as exc:
+            p.parse_args(argv)
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.strip().endswith(end)
+
+
 @pytest.mark.parametrize("argv,words", [(["generate", "--input-ids", "1,2", "hi"], "not both"),
                                         (["run"], "run needs a program"),
                                         (["bench", "--model", "smollm2-135m"], "a zoo model: add --load-format auto")])
