@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 
 import numpy as np
@@ -63,18 +64,24 @@ def main(argv: list[str] | None = None) -> dict:
     folder = resolve_model_path(args.model, args.load_format)
     kw = dict(load_format=args.load_format, device=args.device, dtype=args.dtype, max_total_tokens=16384,
               seed=args.seed)
+    what = " + ".join(x for x in (quantization and f"{quantization} weights",
+                                  args.kv_cache_dtype != "auto" and f"{args.kv_cache_dtype} KV") if x)
+    step(f"1/4 loading {args.model} unquantized (the reference)")
     ref = RolloutEngine(folder, **kw)
     ids = prompts(ref, args.prompts, args.prompt_len, args.seed)
     greedy = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
     sample = SamplingParams(max_new_tokens=args.output_len, temperature=1.0, seed=args.seed, ignore_eos=True,
                             logprobs=True, logprob_mode="raw")
     start = time.perf_counter()
-    ref_greedy = [o.output_token_ids for o in ref.generate(input_ids=ids, sampling_params=greedy)]
-    sampled = ref.generate(input_ids=ids, sampling_params=sample)
+    step("2/4 the reference's greedy and sampled rollouts")
+    ref_greedy = [o.output_token_ids for o in ref.generate(input_ids=ids, sampling_params=greedy, progress=True)]
+    sampled = ref.generate(input_ids=ids, sampling_params=sample, progress=True)
     device, dtype = str(ref.device), str(ref.dtype)
     ref.shutdown()
+    step(f"3/4 loading {args.model} with {what}")
     fp8 = RolloutEngine(folder, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype, **kw)
-    fp8_greedy = [o.output_token_ids for o in fp8.generate(input_ids=ids, sampling_params=greedy)]
+    step("4/4 its greedy rollouts, and its logprobs of the reference's samples")
+    fp8_greedy = [o.output_token_ids for o in fp8.generate(input_ids=ids, sampling_params=greedy, progress=True)]
     scored = score(fp8, [(p_, o.output_token_ids) for p_, o in zip(ids, sampled)])
     fp8.shutdown()
     first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
@@ -97,6 +104,11 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     return report
+
+
+def step(text: str) -> None:
+    """One line of progress on stderr (the report goes to stdout)."""
+    print(f"fp8_fidelity.py: {text}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
