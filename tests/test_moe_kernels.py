@@ -2,7 +2,9 @@
 the Triton kernels against them on the GPU and, at tiny sizes, under Triton's
 interpreter on the CPU (run with TRITON_INTERPRET=1 where Triton is
 installed; skipped otherwise; bf16 products are left to the GPU: the
-interpreter gets them wrong)."""
+interpreter gets them wrong). Triton 3.6's interpreter needs numpy < 2.4:
+with 2.4 every loop over a kernel argument fails in the interpreter itself
+("only 0-dimensional arrays can be converted to Python scalars")."""
 from __future__ import annotations
 
 import importlib.util
