@@ -3,17 +3,19 @@ to the experts' sum, in three launches: the router's product with the
 post-attention RMSNorm (and its residual add) inside it (`gemv.norm_gemv`);
 the routing, the norm and the gate/up product in `moe_row_up_kernel`; the
 down product with the slot sum inside it (`moe.moe_down_kernel`, one token).
-Unfused that is seven: the norm, the router, the routing, the align, gate/up,
-down, the slot sum.
+Unfused that is five: the norm, the router, the routing, gate/up, down with
+the slot sum (`moe.fused_moe` at one token; seven through the align).
 
 Every gate/up program computes the token's top k from the router's logits
-itself (`moe_route.top_k_rows`, the routing kernel's code) and takes its
-slot's expert; program 0 also writes the routing weights and ids for the
-down launch (and the routing record), and zeroes the down launch's tile
-counters. Each program normalises the token's residual row itself
-(`row_parts`), rounded as the norm kernel rounds it, its sum of squares
-possibly added in another order: the same rows as the unfused path up to
-that sum."""
+itself (`moe_route.top_k_rows`, the routing kernel's code, on one row where
+the routing kernel takes four: the softmax's and the renormalisation's sums
+may be added in another order, so a routing weight may differ from
+`route`'s in its last bit; the ids do not) and takes its slot's expert;
+program 0 also writes the routing weights and ids for the down launch (and
+the routing record), and zeroes the down launch's tile counters. Each
+program normalises the token's residual row itself (`row_parts`), rounded
+as the norm kernel rounds it, its sum of squares possibly added in another
+order."""
 from __future__ import annotations
 
 import importlib.util

@@ -96,6 +96,54 @@ def test_differential_stress_in_fp32_is_exact(models, kind):
     _check(engine, report, f"fp32 {kind}", retractions=False)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe", "qwen2_moe"])
+def test_batch_1_sparse_mlp_in_three_launches_with_random_norm_weights(tmp_path, monkeypatch, kind):
+    """At one row the sparse MLP takes the post-attention norm inside its
+    launches (kernels/moe_row.py; not with a shared expert: qwen2_moe). With
+    norm weights that differ per layer and per norm (the test models' are
+    all ones, so a norm weight taken from the wrong place would pass), a
+    batch-1 decode with CUDA graphs gives the tokens and, within bf16's
+    rounding, the logprobs of the same engine with the norm, routing and
+    experts unfused."""
+    from rollout_engine.layers.moe import SparseMoeBlock
+
+    hf = _peaked(kind)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand_like(p) + 0.5)
+    folder = save_model(hf, tmp_path)
+    prompt = [list(range(300, 340))]
+    params = SamplingParams(max_new_tokens=24, temperature=0, logprob_mode="raw", ignore_eos=True)
+
+    def run(**kw):
+        engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", max_total_tokens=2048,
+                               cuda_graph_max_batch_size=8, **kw)
+        layers = engine.core.parts.runner.model.model.layers
+        sparse = [layer for layer in layers if isinstance(layer.mlp, SparseMoeBlock)]
+        h = torch.zeros(1, SHAPES[kind]["hidden_size"], device="cuda", dtype=torch.bfloat16)
+        fused = [layer.mlp.fuses_one_row(h, layer.post_attention_layernorm) for layer in sparse]
+        out = engine.generate(input_ids=prompt, sampling_params=params)[0]
+        engine.shutdown()
+        return fused, out
+
+    fused, out = run()
+    assert sparse_fused(fused) == (kind != "qwen2_moe")
+    if kind == "qwen2_moe":
+        return
+    monkeypatch.setattr(SparseMoeBlock, "fuses_one_row", lambda self, h, norm: False)
+    _, unfused = run(cuda_graph=False)
+    assert out.output_token_ids == unfused.output_token_ids
+    gap = np.abs(np.array(out.output_logprobs) - np.array(unfused.output_logprobs))
+    assert gap.mean() < 1e-2 and gap.max() < 5e-2, (gap.mean(), gap.max())
+
+
+def sparse_fused(flags: list[bool]) -> bool:
+    """Every sparse layer fuses, or none does (a model is one or the other)."""
+    assert flags and len(set(flags)) == 1, flags
+    return flags[0]
+
+
 def _check(engine, report, what: str, retractions: bool = True) -> None:
     stats = engine.cache_stats()
     print(f"{what}: {report.summary()}; retractions {stats['retractions']}, hit rate {stats['hit_rate']:.2f}")
