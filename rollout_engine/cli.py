@@ -13,6 +13,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, NoReturn
 
@@ -88,8 +89,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ids = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
         kwargs = {"input_ids": ids} if ids is not None else {"prompts": prompts}
         start = time.perf_counter()
-        outs = engine.generate(sampling_params=params, progress=True, **kwargs)
+        outs, interrupted = _generate_keeping_partials(engine, sampling_params=params, progress=True, **kwargs)
         _print_outputs(outs, prompts or ids, params, time.perf_counter() - start)
+        if interrupted:  # the samples so far are printed (finish=abort); then the one line and status 130
+            raise KeyboardInterrupt
         template = getattr(engine.tokenizer, "chat_template", None)
         if not args.chat and template and any(o.finish_reason == "stop" and len(o.output_token_ids) <= 1
                                               for o in outs):
@@ -97,6 +100,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()  # the step loop (and any tensor-parallel ranks) end before the interpreter does
     return 0
+
+
+def _generate_keeping_partials(engine: Any, **kwargs: Any) -> tuple[list[Any], bool]:
+    """(engine.generate's outputs, whether Ctrl-C cut it short). generate
+    runs in a worker thread; a Ctrl-C aborts its requests, which then
+    finish with what they produced (finish_reason "abort"), so the samples
+    so far can be shown. A second Ctrl-C while they finish gives up on them."""
+    done: dict[str, Any] = {}
+    finished = threading.Event()  # waited on, not the thread: a join cut by Ctrl-C can leave it looking ended
+
+    def work() -> None:
+        try:
+            done["outs"] = engine.generate(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            done["error"] = exc
+        finally:
+            finished.set()
+
+    threading.Thread(target=work, name="generate", daemon=True).start()
+    interrupted = False
+    try:
+        while not finished.wait(0.1):
+            pass
+    except KeyboardInterrupt:
+        interrupted = True
+        engine.abort()
+        if not finished.wait(30):
+            raise
+    if "error" in done:
+        raise done["error"]
+    return done["outs"], interrupted
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -319,6 +319,35 @@ def test_ctrl_c_during_the_heavy_imports_lets_them_finish(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == console.INTERRUPTED
 
 
+def test_ctrl_c_during_generate_prints_the_samples_so_far(llama, capsys):
+    """Ctrl-C while the model generates aborts the requests: the samples so
+    far are printed (finish=abort, the tokens they have), then the one line
+    and status 130."""
+    import _thread
+    import threading
+
+    from rollout_engine.engine import RolloutEngine
+
+    started = threading.Event()
+    real = RolloutEngine.generate
+
+    def generate(self, *args, **kwargs):  # Ctrl-C once the run is under way
+        threading.Timer(1.0, _thread.interrupt_main).start()
+        started.set()
+        return real(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(RolloutEngine, "generate", generate)
+        status = main(["generate", "--model", llama[1], "--device", "cpu", "--input-ids", "[[5,6,7],[8,9]]",
+                       "-n", "64", "--max-new-tokens", "500", "--ignore-eos"])
+    assert started.is_set() and status == 130
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == "rollout-engine: error: interrupted"
+    assert "Traceback" not in captured.err
+    assert "128 samples" in captured.out and captured.out.count("--- [") == 128
+    assert "finish=abort" in captured.out and "500 tokens, finish=length" not in captured.out
+
+
 def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it(monkeypatch):
     """A script's background job starts with SIGINT ignored: the command
     neither catches it during startup nor installs a handler afterwards."""
