@@ -316,10 +316,24 @@ def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     known = [flag for flag in parser._option_string_actions if flag.startswith("--")]
     for word in extras:
         if word.startswith("--"):
-            close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.7)
+            flag = word.split("=", 1)[0]
+            # a shortened flag (--temp) first: the flags it begins, else the closest spelling
+            close = sorted(f for f in known if f.startswith(flag)) or \
+                difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
             if close:
-                return f"unrecognized arguments: {' '.join(extras)}; did you mean {close[0]}?"
+                return f"unrecognized arguments: {' '.join(extras)}; did you mean {' or '.join(close)}?"
     return f"unrecognized arguments: {' '.join(extras)}"
+
+
+def with_choice_hint(message: str) -> str:
+    """argparse's 'invalid choice' message with the closest choice named
+    (ofline: did you mean 'offline'?); other messages as they are."""
+    found = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if found:
+        close = difflib.get_close_matches(found.group(1), re.findall(r"'([^']*)'", found.group(2)), n=1, cutoff=0.6)
+        if close:
+            return f"{message}; did you mean '{close[0]}'?"
+    return message
 
 
 class _ScriptHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -335,7 +349,7 @@ class ScriptParser(argparse.ArgumentParser):
         super().__init__(prog=prog, description=doc, formatter_class=_ScriptHelpFormatter, allow_abbrev=False)
 
     def error(self, message: str) -> NoReturn:
-        message = " ".join(message.split())
+        message = with_choice_hint(" ".join(message.split()))
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]

@@ -217,7 +217,10 @@ def test_a_shortened_flag_is_refused_not_taken_for_the_full_one(argv, flag, caps
 @pytest.mark.parametrize("argv,words", [
     (["generate", "--temprature", "0.5", "hi"], "unrecognized arguments: --temprature; did you mean --temperature?"),
     (["generate", "--max-new-tokns=5", "hi"], "--max-new-tokns=5; did you mean --max-new-tokens?"),
-    (["bench", "--num-prompt", "4"], "--num-prompt 4; did you mean --num-prompts?")])
+    (["bench", "--num-prompt", "4"], "--num-prompt 4; did you mean --num-prompts?"),
+    (["generate", "--temp", "0", "hi"], "--temp; did you mean --temperature?"),
+    (["bench", "--workload", "ofline"], "invalid choice: 'ofline' (choose from"),
+    (["bench", "--workload", "ofline"], "; did you mean 'offline'?")])
 def test_a_misspelled_flag_names_the_closest_one(argv, words, capsys, no_model_load):
     assert main(argv) == 2
     line = _one_line_error(capsys)
@@ -346,6 +349,39 @@ def test_ctrl_c_during_generate_prints_the_samples_so_far(llama, capsys):
     assert "Traceback" not in captured.err
     assert "128 samples" in captured.out and captured.out.count("--- [") == 128
     assert "finish=abort" in captured.out and "500 tokens, finish=length" not in captured.out
+
+
+def test_two_quick_ctrl_cs_during_generate_end_in_one_line(llama):
+    """A second Ctrl-C right after the first gives up on the samples but
+    still ends with the one line and status 130: after the first, Ctrl-C
+    only sets a flag, so no KeyboardInterrupt lands in a library's cleanup
+    (which printed 'Exception ignored ... Traceback')."""
+    import threading
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "rollout_engine.console", "generate", "--model", llama[1],
+                             "--device", "cpu", "--input-ids", "[[5,6,7]]", "-n", "64", "--max-new-tokens", "500",
+                             "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    chunks = []
+
+    def read_err():
+        while chunk := proc.stderr.read1(4096):
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=read_err, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while b"tokens=" not in b"".join(chunks) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)  # generating: the progress bar counts tokens
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    reader.join(10)
+    text = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text and "Exception ignored" not in text, text
+    assert text.strip().splitlines()[-1] == "rollout-engine: error: interrupted"
 
 
 def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it(monkeypatch):
