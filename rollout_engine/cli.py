@@ -23,7 +23,7 @@ from rollout_engine.cli_args import (INPUT_IDS_HELP, HelpFormatter, UsageError, 
                                      check_prompt_args, check_tp_args, has_tokenizer, input_ids, positive_int,
                                      unit_fraction, unrecognized, with_choice_hint)
 from rollout_engine.config import EngineConfig
-from rollout_engine.console import DeferredInterrupt
+from rollout_engine.interrupts import DeferredInterrupt
 from rollout_engine.model_zoo import ZOO
 
 PROG = "rollout-engine"

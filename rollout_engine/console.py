@@ -16,20 +16,12 @@ import os
 import signal
 import sys
 
+from rollout_engine.interrupts import DeferredInterrupt
+
 INTERRUPTED = "rollout-engine: error: interrupted"
 # Commands that load a model, and what they import before they can start.
 HEAVY_IMPORTS = {command: ("torch", "rollout_engine.engine")
                  for command in ("generate", "demo", "run", "bench", "serve")}
-
-
-class DeferredInterrupt:
-    """A SIGINT handler that only notes the signal."""
-
-    def __init__(self) -> None:
-        self.hit = False
-
-    def __call__(self, signum, frame) -> None:
-        self.hit = True
 
 
 def _quiet_exit(signum, frame) -> None:
