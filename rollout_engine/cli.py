@@ -21,9 +21,10 @@ from typing import Any, NoReturn
 from rollout_engine.cli_args import (INPUT_IDS_HELP, HelpFormatter, UsageError, add_engine_args, add_sampling_args,
                                      build_config, build_sampling, check_engine_args, check_out_path,
                                      check_prompt_args, check_tp_args, has_tokenizer, input_ids, positive_int,
-                                     unit_fraction, unrecognized, with_choice_hint)
+                                     unit_fraction)
+from rollout_engine.suggest import unrecognized, with_choice_hint
 from rollout_engine.config import EngineConfig
-from rollout_engine.interrupts import DeferredInterrupt
+from rollout_engine.interrupts import generate_keeping_partials
 from rollout_engine.model_zoo import ZOO
 
 PROG = "rollout-engine"
@@ -92,7 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ids = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
         kwargs = {"input_ids": ids} if ids is not None else {"prompts": prompts}
         start = time.perf_counter()
-        outs, interrupted = _generate_keeping_partials(engine, handler is not None, sampling_params=params,
+        outs, interrupted = generate_keeping_partials(engine, handler is not None, sampling_params=params,
                                                        progress=True, **kwargs)
         _print_outputs(outs, prompts or ids, params, time.perf_counter() - start)
         if interrupted:  # the samples so far are printed (finish=abort); then the one line and status 130
@@ -106,47 +107,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if handler is not None:
             signal.signal(signal.SIGINT, handler)  # as it was, whatever a Ctrl-C changed
     return 0
-
-
-def _generate_keeping_partials(engine: Any, main_thread: bool, **kwargs: Any) -> tuple[list[Any], bool]:
-    """(engine.generate's outputs, whether Ctrl-C cut it short). generate
-    runs in a worker thread; a Ctrl-C aborts its requests, which then
-    finish with what they produced (finish_reason "abort"), so the samples
-    so far can be shown. A second Ctrl-C while they finish gives up on them;
-    after the first (from the main thread: `main_thread`), Ctrl-C only
-    sets a flag until the caller puts its handler back."""
-    if not main_thread:
-        return engine.generate(**kwargs), False
-    done: dict[str, Any] = {}
-    finished = threading.Event()  # waited on, not the thread: a join cut by Ctrl-C can leave it looking ended
-
-    def work() -> None:
-        try:
-            done["outs"] = engine.generate(**kwargs)
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-            done["error"] = exc
-        finally:
-            finished.set()
-
-    threading.Thread(target=work, name="generate", daemon=True).start()
-    interrupted = False
-    try:
-        while not finished.wait(0.1):
-            pass
-    except KeyboardInterrupt:
-        interrupted = True
-        # From here a Ctrl-C is only noted (the caller restores the handler): raised at any point, it
-        # could land in a library's cleanup and print a traceback there.
-        again = DeferredInterrupt()
-        signal.signal(signal.SIGINT, again)
-        engine.abort()
-        deadline = time.monotonic() + 30
-        while not finished.wait(0.05):
-            if again.hit or time.monotonic() > deadline:  # a second Ctrl-C: no samples
-                raise
-    if "error" in done:
-        raise done["error"]
-    return done["outs"], interrupted
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

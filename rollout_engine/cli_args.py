@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
 import os
 import re
@@ -17,6 +16,7 @@ from rollout_engine.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, 
                                    EngineConfig)
 from rollout_engine.model_zoo import DEFAULT_MODEL, NOT_A_MODEL_FOLDER, ZOO, is_model_folder
 from rollout_engine.models.config import ModelConfig
+from rollout_engine.suggest import unrecognized, with_choice_hint
 from rollout_engine.models.presets import PRESETS
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.tokenizer import has_tokenizer_files
@@ -307,33 +307,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
-
-
-def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
-    """argparse's 'unrecognized arguments' message, with the parser's flag
-    closest to the first misspelled one (--temprature: did you mean
-    --temperature?)."""
-    known = [flag for flag in parser._option_string_actions if flag.startswith("--")]
-    for word in extras:
-        if word.startswith("--"):
-            flag = word.split("=", 1)[0]
-            # a shortened flag (--temp) first: the flags it begins, else the closest spelling
-            close = sorted(f for f in known if f.startswith(flag)) or \
-                difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
-            if close:
-                return f"unrecognized arguments: {' '.join(extras)}; did you mean {' or '.join(close)}?"
-    return f"unrecognized arguments: {' '.join(extras)}"
-
-
-def with_choice_hint(message: str) -> str:
-    """argparse's 'invalid choice' message with the closest choice named
-    (ofline: did you mean 'offline'?); other messages as they are."""
-    found = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
-    if found:
-        close = difflib.get_close_matches(found.group(1), re.findall(r"'([^']*)'", found.group(2)), n=1, cutoff=0.6)
-        if close:
-            return f"{message}; did you mean '{close[0]}'?"
-    return message
 
 
 class _ScriptHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):

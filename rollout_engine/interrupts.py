@@ -1,7 +1,14 @@
 """Ctrl-C noted instead of raised, for the stretches where a
 KeyboardInterrupt landing anywhere would do harm (an import under way, a
-library's cleanup): the code checks the note at points of its own."""
+library's cleanup): the code checks the note at points of its own. And
+`generate` cut short by Ctrl-C with the samples so far kept (the CLI's
+generate and demo)."""
 from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any
 
 
 class DeferredInterrupt:
@@ -12,3 +19,44 @@ class DeferredInterrupt:
 
     def __call__(self, signum, frame) -> None:
         self.hit = True
+
+
+def generate_keeping_partials(engine: Any, main_thread: bool, **kwargs: Any) -> tuple[list[Any], bool]:
+    """(engine.generate's outputs, whether Ctrl-C cut it short). generate
+    runs in a worker thread; a Ctrl-C aborts its requests, which then
+    finish with what they produced (finish_reason "abort"), so the samples
+    so far can be shown. A second Ctrl-C while they finish gives up on them;
+    after the first (from the main thread: `main_thread`), Ctrl-C only
+    sets a flag until the caller puts its handler back."""
+    if not main_thread:
+        return engine.generate(**kwargs), False
+    done: dict[str, Any] = {}
+    finished = threading.Event()  # waited on, not the thread: a join cut by Ctrl-C can leave it looking ended
+
+    def work() -> None:
+        try:
+            done["outs"] = engine.generate(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            done["error"] = exc
+        finally:
+            finished.set()
+
+    threading.Thread(target=work, name="generate", daemon=True).start()
+    interrupted = False
+    try:
+        while not finished.wait(0.1):
+            pass
+    except KeyboardInterrupt:
+        interrupted = True
+        # From here a Ctrl-C is only noted (the caller restores the handler): raised at any point, it
+        # could land in a library's cleanup and print a traceback there.
+        again = DeferredInterrupt()
+        signal.signal(signal.SIGINT, again)
+        engine.abort()
+        deadline = time.monotonic() + 30
+        while not finished.wait(0.05):
+            if again.hit or time.monotonic() > deadline:  # a second Ctrl-C: no samples
+                raise
+    if "error" in done:
+        raise done["error"]
+    return done["outs"], interrupted

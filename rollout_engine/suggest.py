@@ -1,0 +1,34 @@
+"""The closest flag, command or choice for a misspelled one, in the usage
+errors of `rollout-engine` and the benchmark scripts."""
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+
+
+def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """argparse's 'unrecognized arguments' message, with the parser's flag
+    closest to the first misspelled one (--temprature: did you mean
+    --temperature?)."""
+    known = [flag for flag in parser._option_string_actions if flag.startswith("--")]
+    for word in extras:
+        if word.startswith("--"):
+            flag = word.split("=", 1)[0]
+            # a shortened flag (--temp) first: the flags it begins, else the closest spelling
+            close = sorted(f for f in known if f.startswith(flag)) or \
+                difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
+            if close:
+                return f"unrecognized arguments: {' '.join(extras)}; did you mean {' or '.join(close)}?"
+    return f"unrecognized arguments: {' '.join(extras)}"
+
+
+def with_choice_hint(message: str) -> str:
+    """argparse's 'invalid choice' message with the closest choice named
+    (ofline: did you mean 'offline'?); other messages as they are."""
+    found = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if found:
+        close = difflib.get_close_matches(found.group(1), re.findall(r"'([^']*)'", found.group(2)), n=1, cutoff=0.6)
+        if close:
+            return f"{message}; did you mean '{close[0]}'?"
+    return message
