@@ -116,9 +116,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, fb: "ForwardBatch | None" = None) -> torch.Tensor:
         """With `fb` whose pool captures routing, each token's experts also go
         to its KV slot's row (in the routing launch)."""
-        routes = fb.kv_pool.routes if fb is not None else None
-        record = (routes[:, self.moe_index], fb.out_cache_loc) if routes is not None else None
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize, record)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self._record(fb))
         e = self.experts
         out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, invariant=self.batch_invariant)
         if self.shared_expert is not None:  # partial sums too: one reduction for both
@@ -151,11 +149,15 @@ class SparseMoeBlock(nn.Module):
         """`one_row` before its all-reduce (this rank's partial sum); with
         `fb` whose pool captures routing, the token's experts also go to its
         KV slot's row."""
-        routes = fb.kv_pool.routes if fb is not None else None
-        record = (routes[:, self.moe_index], fb.out_cache_loc) if routes is not None else None
         e = self.experts
         return moe_row(h, residual.contiguous(), norm.weight, norm.eps, self.gate.weight, e.gate_up_proj,
-                       e.down_proj, self.top_k, self.renormalize, record)
+                       e.down_proj, self.top_k, self.renormalize, self._record(fb))
+
+    def _record(self, fb: "ForwardBatch | None"):
+        """Where routing capture puts this block's ids (its column of the
+        pool's record, each token's KV slot), or None without capture."""
+        routes = fb.kv_pool.routes if fb is not None else None
+        return (routes[:, self.moe_index], fb.out_cache_loc) if routes is not None else None
 
 
 class SharedExpert(nn.Module):
