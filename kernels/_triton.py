@@ -10,7 +10,8 @@ import torch
 # start while the kernel before it still runs, and waits (`gdc_wait`) for it
 # to finish before reading what it wrote. Kernels that take part read before
 # their wait only what no kernel of a forward pass writes (weights, norm
-# weights), write nothing before it, and let the next kernel start
+# weights) or what earlier steps wrote (the cache entries of earlier tokens),
+# write nothing before it, and let the next kernel start
 # (`gdc_launch_dependents`) only after it, so every kernel before the one
 # before has finished by then. Tests and A/B runs turn it off to compare.
 PDL_ENABLED = True

@@ -37,6 +37,21 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     import triton.language as tl
 
     @triton.jit
+    def online_update(q, k, v, allowed, scale, m, l, acc):
+        """One block of keys into the online softmax (running max m, sum l and
+        weighted values acc of the queries q), scores kept where `allowed`;
+        k and v in q's dtype."""
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        l = l * alpha + tl.sum(p, axis=1)
+        return m_new, l, acc
+
+    @triton.jit
     def attend_block(q, k_ptr, v_ptr, table_ptr, row, table_stride, start, kv_len, kvh, stride_ks, stride_kh, scale,
                      visible, m, l, acc, D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
         """One block of keys of the online softmax: the keys' slots come from
@@ -47,19 +62,11 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         slots = tl.load(table_ptr + row * table_stride + n, mask=valid, other=0).to(tl.int64)
         kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
         k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)  # an e4m3 cache: exact
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
         allowed = valid[None, :]
         if CAUSAL:
             allowed = allowed & (n[None, :] <= visible[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        l = l * alpha + tl.sum(p, axis=1)
-        return m_new, l, acc
+        return online_update(q, k, v, allowed, scale, m, l, acc)
 
     @triton.jit
     def sequence_of(qo_indptr_ptr, rows_ptr, lens_ptr, b):

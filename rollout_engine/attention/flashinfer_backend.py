@@ -2,7 +2,9 @@
 fa2 decode (tensor cores when 4+ query heads share a KV head, or from 128
 rows on). Planned once per step for all layers; page indices are built on
 the GPU from the device request table. An e4m3 KV cache is read by the same
-kernels (scale 1: no k_scale / v_scale). Decode wrappers for CUDA graphs plan into fixed buffers."""
+kernels (scale 1: no k_scale / v_scale). Decode wrappers for CUDA graphs plan into fixed buffers.
+A decode step of one sequence takes the engine's own one-launch kernel
+(`kernels.one_seq_attention`, no plan: it reads the length on the device)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ import numpy as np
 import torch
 
 from rollout_engine.attention.base import AttentionBackend, AttentionShape
+from rollout_engine.attention.one_seq import ONE_SEQ, one_seq, one_seq_shape, takes_one_seq
 from rollout_engine.kernels.kv_indices import build_page_indices
 
 if TYPE_CHECKING:
@@ -28,6 +31,10 @@ TENSOR_CORE_MIN_BATCH = 128
 # option here: replayed in a CUDA graph captured without splits, it returned
 # wrong outputs for the sequences it split.
 NO_SPLIT_MIN_BATCH = 64
+# Decode steps of one sequence through `kernels.one_seq_attention` (FlashInfer's
+# kernel and merge pass took ~12 us a layer at 1,000 tokens of context;
+# BENCHMARKS.md "Attention at batch 1"). A/B runs and tests turn it off.
+ONE_SEQ_ENABLED = True
 
 
 @dataclass
@@ -64,6 +71,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._decode: dict[bool, object] = {}  # eager decode wrappers, by tensor cores
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self._plan_copied: torch.cuda.Event | None = None
+        self.one_seq = one_seq_shape(shape)
+
+    def takes_one_seq(self, fb: "ForwardBatch") -> bool:
+        return takes_one_seq(ONE_SEQ_ENABLED and self.one_seq, fb)
 
     def tensor_cores(self, batch: int) -> bool:
         return batch >= self.tensor_core_min_batch
@@ -113,6 +124,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         s = self.shape
         pt = PageTable.of(fb.seq_lens, s.page_size)
         indices = self.page_indices(fb, pt)
+        if self.takes_one_seq(fb):
+            fb.attn_metadata = ONE_SEQ
+            return
         if fb.is_decode:
             wrapper = self.decode_wrapper(fb.batch_size)
             self.plan_decode(wrapper, pt, indices, fb.batch_size)
@@ -139,6 +153,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.graph_wrappers: dict[int, object] = {}
 
     def graph_metadata(self, bs: int, fb: "ForwardBatch"):
+        if self.takes_one_seq(fb):
+            return ONE_SEQ
         wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores(bs),
             paged_kv_indptr_buffer=self.indptr_buf[: bs + 1], paged_kv_indices_buffer=self.indices_buf,
@@ -158,6 +174,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         microseconds on the hosts measured): the indices are not passed to
         the plan (it would copy the buffer onto itself), and the sequence
         lengths are (it would derive them with tensor ops on the host)."""
+        if fb.attn_metadata is ONE_SEQ:  # the kernel reads the length on the device: nothing to plan
+            return
         pad = bucket - bs
         real = PageTable.of(seq_lens, self.shape.page_size)
         total = int(real.indptr[-1])
@@ -171,6 +189,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ---- the layer call ------------------------------------------------------
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
+        if fb.attn_metadata is ONE_SEQ:
+            return one_seq(q, layer, fb)
         pool = fb.kv_pool
         p = self.shape.page_size
         k_cache = pool.k[layer.layer_id].view(-1, p, layer.num_kv_heads, layer.head_dim)

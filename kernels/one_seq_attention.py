@@ -1,0 +1,146 @@
+"""Decode attention of one sequence (batch-1 steps) in one launch.
+
+At one query token the attention of a layer reads a few megabytes of K/V,
+about a microsecond of memory time, yet a decode kernel built for batches
+plus its merge pass take ~12 us of the step (BENCHMARKS.md, "Attention at
+batch 1"). Here the keys of each KV head are split over `SPLITS` programs
+(key block s, s + SPLITS, ... of BLOCK_N keys each); every program keeps
+its online-softmax state (max, sum, weighted values) for the GROUP query
+heads of its KV head, and the last program of the head to finish (a counter,
+as `kernels.batch_gemm` counts split products) merges the states in split
+order and writes the output. The sequence's request-table row and its
+length (the new token's position + 1) are read on the device, so a CUDA
+graph captured once serves every length, without a plan.
+
+With programmatic dependent launch the program loads its first block of
+keys and values before waiting for the kernel before it: the cache entries
+of earlier tokens were written by earlier steps. The new token's entry,
+which this step's rotary kernel (or qkv product) writes, is read after the
+wait.
+
+K/V are read through the request table (token -> slot), so any page size
+works; an e4m3 cache is widened as it loads."""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from rollout_engine.kernels._triton import next_pow2, pdl_args
+
+BLOCK_N = 64  # keys per block
+TARGET_PROGRAMS = 128  # splits x KV heads: about one program per SM of an H100 / H200
+
+
+def splits_for(num_kv_heads: int) -> int:
+    """Programs per KV head: a power of two from 4 to 64, about TARGET_PROGRAMS in all."""
+    return max(4, min(64, next_pow2(max(1, TARGET_PROGRAMS // num_kv_heads))))
+
+
+def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `one_seq_attention` takes these shapes: one query token of
+    bf16/fp16 heads whose size is a power of two from 16 to 256, a cache
+    laid out [slots, kv_heads, head_dim] with unit stride in the last, V as K."""
+    d = q.shape[-1]
+    return (q.dim() == 3 and q.shape[0] == 1 and q.dtype in (torch.bfloat16, torch.float16) and 16 <= d <= 256
+            and d & (d - 1) == 0 and q.stride(-1) == 1 and k_cache.dim() == 3 and q.shape[1] % k_cache.shape[1] == 0
+            and k_cache.shape[-1] == d and k_cache.stride(-1) == 1 and v_cache.shape == k_cache.shape
+            and v_cache.stride() == k_cache.stride())
+
+
+if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the helpers
+    import triton
+    import triton.language as tl
+
+    from rollout_engine.kernels.attention import attend_block, online_update
+
+    @triton.jit
+    def one_seq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, pos_ptr, part_ptr, ml_ptr, cnt_ptr,
+                       table_stride, scale, stride_qh, stride_ks, stride_kh,
+                       GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SPLITS: tl.constexpr, PDL: tl.constexpr):
+        s = tl.program_id(0)
+        kvh = tl.program_id(1)
+        row = tl.load(rows_ptr).to(tl.int64)
+        kv_len = tl.load(pos_ptr).to(tl.int32) + 1
+        blocks = tl.cdiv(kv_len, BLOCK_N)
+        active = tl.minimum(blocks, SPLITS)  # programs with keys to read
+        if s < active:
+            d = tl.arange(0, D)
+            n = s * BLOCK_N + tl.arange(0, BLOCK_N)
+            newest = kv_len - 1
+            slots = tl.load(table_ptr + row * table_stride + n, mask=n < kv_len, other=0).to(tl.int64)
+            off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+            earlier = (n < newest)[:, None]  # written by earlier steps: read before the wait
+            dt = q_ptr.dtype.element_ty  # an e4m3 cache: exact in it
+            k = tl.load(k_ptr + off, mask=earlier, other=0.0).to(dt)
+            v = tl.load(v_ptr + off, mask=earlier, other=0.0).to(dt)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            g = tl.arange(0, GROUP_P)
+            heads = kvh * GROUP + g
+            q = tl.load(q_ptr + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+            new = (n == newest)[:, None]  # this step's entry, written by the kernel before
+            k = tl.where(new, tl.load(k_ptr + off, mask=new, other=0.0).to(dt), k)
+            v = tl.where(new, tl.load(v_ptr + off, mask=new, other=0.0).to(dt), v)
+            m = tl.full([GROUP_P], float("-inf"), tl.float32)
+            l = tl.zeros([GROUP_P], tl.float32)
+            acc = tl.zeros([GROUP_P, D], tl.float32)
+            m, l, acc = online_update(q, k, v, (n < kv_len)[None, :], scale, m, l, acc)
+            for b in range(s + SPLITS, blocks, SPLITS):
+                m, l, acc = attend_block(q, k_ptr, v_ptr, table_ptr, row, table_stride, b * BLOCK_N, kv_len, kvh,
+                                         stride_ks, stride_kh, scale, g, m, l, acc, D=D, BLOCK_N=BLOCK_N,
+                                         CAUSAL=False)
+            # this program's state, then the count; the head's last program merges
+            state = kvh * SPLITS + s
+            tl.store(part_ptr + (state * GROUP_P + g[:, None]) * D + d[None, :], acc)
+            tl.store(ml_ptr + state * 2 * GROUP_P + g, m)
+            tl.store(ml_ptr + state * 2 * GROUP_P + GROUP_P + g, l)
+            tl.debug_barrier()  # every thread's state stored before the count
+            if tl.atomic_add(cnt_ptr + kvh, 1, sem="acq_rel", scope="gpu") == active - 1:
+                j = tl.arange(0, SPLITS)
+                first = kvh * SPLITS
+                ml = ml_ptr + (first + j)[:, None] * 2 * GROUP_P + g[None, :]
+                on = (j < active)[:, None]
+                ms = tl.load(ml, mask=on, other=float("-inf"), cache_modifier=".cg")  # [SPLITS, GROUP_P]
+                top = tl.max(ms, axis=0)
+                total = tl.sum(tl.load(ml + GROUP_P, mask=on, other=0.0, cache_modifier=".cg")
+                               * tl.exp(ms - top[None, :]), axis=0)
+                out = tl.zeros([GROUP_P, D], tl.float32)
+                for i in range(0, active):  # in split order
+                    mi = tl.load(ml_ptr + (first + i) * 2 * GROUP_P + g, cache_modifier=".cg")
+                    part = tl.load(part_ptr + ((first + i) * GROUP_P + g[:, None]) * D + d[None, :],
+                                   cache_modifier=".cg")
+                    out += part * tl.exp(mi - top)[:, None]
+                out = out / total[:, None]
+                tl.store(o_ptr + heads[:, None] * stride_qh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                         mask=(g < GROUP)[:, None])
+                tl.store(cnt_ptr + kvh, 0)  # back to zero for the next launch or replay
+
+
+def one_seq_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                      rows: torch.Tensor, positions: torch.Tensor, scale: float,
+                      counters: torch.Tensor) -> torch.Tensor:
+    """Attention of one new query token over its sequence: q [1, Hq, D];
+    caches [slots, Hk, D]; the sequence is table[rows[0], :positions[0] + 1]
+    (device tensors: `rows` int32/int64, `positions` the new token's
+    position). `counters`: at least Hk int32 zeros, left zero (launches in
+    stream order, as `kernels.batch_gemm.use_counters`). Returns [1, Hq, D]
+    in q's dtype (`supported` shapes)."""
+    _, hq, d = q.shape
+    hk = k_cache.shape[1]
+    group = hq // hk
+    group_p = max(16, next_pow2(group))  # the tensor cores' smallest tile
+    splits = splits_for(hk)
+    if counters.numel() < hk:
+        raise ValueError(f"one_seq_attention: {counters.numel()} counters for {hk} KV heads")
+    q = q.contiguous()  # the output takes its strides
+    out = torch.empty_like(q)
+    part = torch.empty(hk * splits * group_p * d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(hk * splits * 2 * group_p, dtype=torch.float32, device=q.device)
+    one_seq_kernel[(splits, hk)](q, k_cache, v_cache, out, table, rows, positions, part, ml, counters,
+                                 table.stride(0), scale, q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                                 GROUP=group, GROUP_P=group_p, D=d, BLOCK_N=BLOCK_N, SPLITS=splits,
+                                 num_warps=4, **pdl_args(q))
+    return out

@@ -1,0 +1,192 @@
+"""Decode attention of one sequence in one launch (kernels/one_seq_attention.py):
+against the torch reference under Triton's interpreter on the CPU (run with
+TRITON_INTERPRET=1 where Triton is installed; skipped otherwise) and on the
+GPU, where a CUDA graph captured once is replayed over sequences of other
+lengths, rows and caches, with the new token's K/V written by the kernel
+before it, as a decode step does."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from rollout_engine.kernels.attention import paged_attention_ref
+from rollout_engine.kernels.one_seq_attention import BLOCK_N, splits_for, supported
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+def _case(hq, hk, d, lens, dtype, device, kv_dtype=None, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    slots = 4 * max(lens) + 64
+    k = torch.randn(slots, hk, d, generator=g).to(device, dtype)
+    v = torch.randn(slots, hk, d, generator=g).to(device, dtype)
+    if kv_dtype is not None:
+        k, v = k.clamp(-448, 448).to(kv_dtype), v.clamp(-448, 448).to(kv_dtype)
+    table = torch.randperm(slots, generator=g)[: 3 * max(lens)].view(3, -1).to(device, torch.int32)
+    q = torch.randn(len(lens), hq, d, generator=g).to(device, dtype)
+    return q, k, v, table
+
+
+def _check(q, k, v, table, row, length, atol):
+    from rollout_engine.kernels.one_seq_attention import one_seq_attention
+
+    dev = q.device
+    counters = torch.zeros(k.shape[1], dtype=torch.int32, device=dev)
+    rows = torch.tensor([row], dtype=torch.int32, device=dev)
+    pos = torch.tensor([length - 1], dtype=torch.int64, device=dev)
+    scale = q.shape[-1] ** -0.5
+    got = one_seq_attention(q, k, v, table, rows, pos, scale, counters)
+    kr, vr = (k.to(q.dtype), v.to(q.dtype)) if k.dtype != q.dtype else (k, v)
+    ref = paged_attention_ref(q, kr, vr, table, [row], [length], [1], scale)
+    torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=atol)
+    assert int(counters.abs().sum()) == 0  # left zero for the next launch
+
+
+def test_splits_cover_the_gpu_and_stay_a_power_of_two():
+    for hk in (1, 2, 4, 8, 16, 32, 64):
+        s = splits_for(hk)
+        assert s & (s - 1) == 0 and 4 <= s <= 64
+        assert s * hk >= 128 or s == 64
+
+
+def test_supported_shapes():
+    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(10, 2, 128, dtype=torch.bfloat16)
+    assert supported(q, k, k)
+    assert not supported(q.float(), k, k)  # fp32 queries: the batch kernels
+    assert not supported(torch.zeros(2, 8, 128, dtype=torch.bfloat16), k, k)  # two tokens
+    assert not supported(torch.zeros(1, 8, 96, dtype=torch.bfloat16), k[..., :96], k[..., :96])  # not a power of two
+    assert not supported(torch.zeros(1, 7, 128, dtype=torch.bfloat16), k, k)  # heads that do not group
+
+
+@interpreted
+@pytest.mark.parametrize("hq,hk", [(4, 1), (8, 2), (6, 2)])
+@pytest.mark.parametrize("length", [1, 2, BLOCK_N - 1, BLOCK_N, BLOCK_N + 1, 5 * BLOCK_N + 3])
+def test_interpreted_matches_reference(hq, hk, length):
+    q, k, v, table = _case(hq, hk, 16, [length], torch.float32, "cpu")
+    _check(q, k, v, table, 2, length, 1e-4)
+
+
+@interpreted
+def test_interpreted_loops_over_more_blocks_than_programs():
+    hk = 2
+    length = (splits_for(hk) * 2 + 1) * BLOCK_N + 7  # every program two blocks or more
+    q, k, v, table = _case(4, hk, 16, [length], torch.float32, "cpu", seed=1)
+    _check(q, k, v, table, 1, length, 1e-4)
+
+
+@interpreted
+def test_interpreted_e4m3_cache():
+    q, k, v, table = _case(4, 2, 16, [150], torch.float32, "cpu", kv_dtype=torch.float8_e4m3fn, seed=2)
+    _check(q, k, v, table, 0, 150, 1e-4)
+
+
+# ---------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hk,d", [(32, 8, 128), (32, 4, 128), (16, 16, 64), (14, 2, 64)])
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 1100, 9000])
+def test_gpu_matches_reference(dtype, hq, hk, d, length):
+    q, k, v, table = _case(hq, hk, d, [length], dtype, "cuda")
+    _check(q, k, v, table, 1, length, 2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_e4m3_cache():
+    q, k, v, table = _case(32, 4, 128, [700], torch.bfloat16, "cuda", kv_dtype=torch.float8_e4m3fn)
+    _check(q, k, v, table, 2, 700, 2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replays_other_lengths_with_the_new_entry_written_just_before():
+    """One graph, captured at one length, replayed over others: a copy
+    kernel writes the new token's K/V (as the rotary kernel does) right
+    before the attention, which starts early (dependent launch) and must
+    still read the new entry, not the stale one."""
+    from rollout_engine.kernels.one_seq_attention import one_seq_attention
+
+    hq, hk, d = 32, 8, 128
+    q, k, v, table = _case(hq, hk, d, [3000], torch.bfloat16, "cuda")
+    rows = torch.zeros(1, dtype=torch.int32, device="cuda")
+    pos = torch.zeros(1, dtype=torch.int64, device="cuda")
+    slot = torch.zeros(1, dtype=torch.int64, device="cuda")
+    new_k = torch.empty(1, hk, d, dtype=k.dtype, device="cuda")
+    new_v = torch.empty_like(new_k)
+    counters = torch.zeros(hk, dtype=torch.int32, device="cuda")
+    scale = d ** -0.5
+
+    def step():
+        k.index_copy_(0, slot, new_k)  # this step's entry
+        v.index_copy_(0, slot, new_v)
+        return one_seq_attention(q[:1], k, v, table, rows, pos, scale, counters)
+
+    def set_inputs(row, length, seed):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        rows.fill_(row)
+        pos.fill_(length - 1)
+        slot.copy_(table[row, length - 1:length].long())
+        k[slot] = 0  # stale contents
+        new_k.copy_(torch.randn(new_k.shape, generator=g).to(new_k))
+        new_v.copy_(torch.randn(new_v.shape, generator=g).to(new_v))
+
+    set_inputs(0, 5, 0)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for i, (row, length) in enumerate([(1, 1), (2, 64), (0, 65), (1, 1000), (2, 2999), (0, 129)]):
+        set_inputs(row, length, i + 1)
+        graph.replay()
+        ref = paged_attention_ref(q[:1], k, v, table, [row], [length], [1], scale)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert int(counters.abs().sum()) == 0
+
+
+@pytest.fixture(scope="module")
+def one_seq_models(tmp_path_factory):
+    from models import make_hf_model, save_model
+    from test_gpu_fast_path import GPU_SHAPES, INIT_RANGE
+
+    out = {}
+    for kind in ("llama", "qwen3"):  # a group of 4; q/k norms in the rotary kernel
+        hf = make_hf_model(kind, False, initializer_range=INIT_RANGE, **GPU_SHAPES[kind])
+        out[kind] = hf.cuda().eval(), save_model(hf, tmp_path_factory.mktemp(kind))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_engine_batch_1_decode_takes_the_kernel_and_matches_hf(one_seq_models, monkeypatch, backend, page_size,
+                                                              cuda_graph):
+    """One request at a time, so every decode step has one sequence: the
+    steps take the kernel (eagerly or in the captured batch-1 graph), and
+    the greedy outputs' logprobs stay at HF's, over calls on one engine with
+    a prefix-cache hit and a context past several key blocks per program."""
+    from rollout_engine import RolloutEngine
+    from rollout_engine.kernels import one_seq_attention as kernel
+    from test_gpu_fast_path import _gaps_vs_hf
+
+    calls = []
+    real = kernel.one_seq_attention
+    monkeypatch.setattr(kernel, "one_seq_attention", lambda *a: calls.append(1) or real(*a))
+    for kind, (hf, folder) in one_seq_models.items():
+        engine = RolloutEngine(folder, device="cuda", attention_backend=backend, page_size=page_size,
+                               cuda_graph=cuda_graph, cuda_graph_max_batch_size=8, max_total_tokens=16384)
+        system = list(range(300, 300 + 2600))  # 41+ key blocks: more than one per program
+        for prompt in ([1, 2, 3, 4, 5], list(range(100, 140)), system + [5, 6], system + [9]):
+            before = len(calls)
+            (gap,), (out,) = _gaps_vs_hf(engine, hf, [prompt])
+            assert gap < 2e-2, (kind, len(prompt), gap)
+            assert cuda_graph or len(calls) > before  # eager steps call it per layer
+        assert out.num_cached_tokens >= 2600  # the last prompt hit the cache
+        assert calls  # with graphs: at capture
+        engine.check_integrity()
+        engine.shutdown()
