@@ -180,7 +180,7 @@ def test_engine_batch_1_decode_takes_the_kernel_and_matches_hf(one_seq_models, m
     for kind, (hf, folder) in one_seq_models.items():
         engine = RolloutEngine(folder, device="cuda", attention_backend=backend, page_size=page_size,
                                cuda_graph=cuda_graph, cuda_graph_max_batch_size=8, max_total_tokens=16384)
-        system = list(range(300, 300 + 2600))  # 41+ key blocks: more than one per program
+        system = [3 + (i * 7) % 500 for i in range(2600)]  # 41+ key blocks: more than one per program
         for prompt in ([1, 2, 3, 4, 5], list(range(100, 140)), system + [5, 6], system + [9]):
             before = len(calls)
             (gap,), (out,) = _gaps_vs_hf(engine, hf, [prompt])
