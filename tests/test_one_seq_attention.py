@@ -155,7 +155,7 @@ def one_seq_models(tmp_path_factory):
 
     out = {}
     for kind in ("llama", "qwen3"):  # a group of 4; q/k norms in the rotary kernel
-        hf = make_hf_model(kind, False, initializer_range=INIT_RANGE, **GPU_SHAPES[kind])
+        hf = make_hf_model(kind, False, initializer_range=INIT_RANGE, max_position_embeddings=4096, **GPU_SHAPES[kind])
         out[kind] = hf.cuda().eval(), save_model(hf, tmp_path_factory.mktemp(kind))
     return out
 
