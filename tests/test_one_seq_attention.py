@@ -186,7 +186,7 @@ def test_engine_batch_1_decode_takes_the_kernel_and_matches_hf(one_seq_models, m
             (gap,), (out,) = _gaps_vs_hf(engine, hf, [prompt])
             assert gap < 2e-2, (kind, len(prompt), gap)
             assert cuda_graph or len(calls) > before  # eager steps call it per layer
-        assert out.num_cached_tokens >= 2600  # the last prompt hit the cache
+        assert out.num_cached_tokens >= 2560  # the last prompt hit the cache (whole pages)
         assert calls  # with graphs: at capture
         engine.check_integrity()
         engine.shutdown()
