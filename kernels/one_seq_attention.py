@@ -33,8 +33,9 @@ TARGET_PROGRAMS = 128  # splits x KV heads: about one program per SM of an H100 
 
 
 def splits_for(num_kv_heads: int) -> int:
-    """Programs per KV head: a power of two from 4 to 64, about TARGET_PROGRAMS in all."""
-    return max(4, min(64, next_pow2(max(1, TARGET_PROGRAMS // num_kv_heads))))
+    """Programs per KV head: a power of two from 16 to 32, at least TARGET_PROGRAMS in all where
+    the context has the blocks (the merge adds the splits unrolled)."""
+    return max(16, min(32, next_pow2(max(1, TARGET_PROGRAMS // num_kv_heads))))
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -57,8 +58,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     @triton.jit
     def one_seq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, pos_ptr, part_ptr, ml_ptr, cnt_ptr,
                        table_stride, scale, stride_qh, stride_ks, stride_kh,
-                       GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                       SPLITS: tl.constexpr, PDL: tl.constexpr):
+                       GROUP: tl.constexpr, GROUP_P: tl.constexpr, GROUP_S: tl.constexpr, D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         row = tl.load(rows_ptr).to(tl.int64)
@@ -92,30 +93,35 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                 m, l, acc = attend_block(q, k_ptr, v_ptr, table_ptr, row, table_stride, b * BLOCK_N, kv_len, kvh,
                                          stride_ks, stride_kh, scale, g, m, l, acc, D=D, BLOCK_N=BLOCK_N,
                                          CAUSAL=False)
-            # this program's state, then the count; the head's last program merges
+            # this program's state (the group's real heads), then the count; the head's last program merges
             state = kvh * SPLITS + s
-            tl.store(part_ptr + (state * GROUP_P + g[:, None]) * D + d[None, :], acc)
-            tl.store(ml_ptr + state * 2 * GROUP_P + g, m)
-            tl.store(ml_ptr + state * 2 * GROUP_P + GROUP_P + g, l)
+            real = (g < GROUP_S)[:, None]
+            tl.store(part_ptr + (state * GROUP_S + g[:, None]) * D + d[None, :], acc, mask=real)
+            tl.store(ml_ptr + state * 2 * GROUP_S + g, m, mask=g < GROUP_S)
+            tl.store(ml_ptr + state * 2 * GROUP_S + GROUP_S + g, l, mask=g < GROUP_S)
             tl.debug_barrier()  # every thread's state stored before the count
             if tl.atomic_add(cnt_ptr + kvh, 1, sem="acq_rel", scope="gpu") == active - 1:
-                j = tl.arange(0, SPLITS)
                 first = kvh * SPLITS
-                ml = ml_ptr + (first + j)[:, None] * 2 * GROUP_P + g[None, :]
+                gs = tl.arange(0, GROUP_S)
+                j = tl.arange(0, SPLITS)
+                ml = ml_ptr + (first + j)[:, None] * 2 * GROUP_S + gs[None, :]
                 on = (j < active)[:, None]
-                ms = tl.load(ml, mask=on, other=float("-inf"), cache_modifier=".cg")  # [SPLITS, GROUP_P]
+                ms = tl.load(ml, mask=on, other=float("-inf"), cache_modifier=".cg")  # [SPLITS, GROUP_S]
                 top = tl.max(ms, axis=0)
-                total = tl.sum(tl.load(ml + GROUP_P, mask=on, other=0.0, cache_modifier=".cg")
+                total = tl.sum(tl.load(ml + GROUP_S, mask=on, other=0.0, cache_modifier=".cg")
                                * tl.exp(ms - top[None, :]), axis=0)
-                out = tl.zeros([GROUP_P, D], tl.float32)
-                for i in range(0, active):  # in split order
-                    mi = tl.load(ml_ptr + (first + i) * 2 * GROUP_P + g, cache_modifier=".cg")
-                    part = tl.load(part_ptr + ((first + i) * GROUP_P + g[:, None]) * D + d[None, :],
-                                   cache_modifier=".cg")
-                    out += part * tl.exp(mi - top)[:, None]
+                out = tl.zeros([GROUP_S, D], tl.float32)
+                for i in tl.static_range(SPLITS):  # unrolled, without branches: the loads go out at once
+                    used = i < active
+                    mi = tl.load(ml_ptr + (first + i) * 2 * GROUP_S + gs, mask=used, other=float("-inf"),
+                                 cache_modifier=".cg")
+                    part = tl.load(part_ptr + ((first + i) * GROUP_S + gs[:, None]) * D + d[None, :], mask=used,
+                                   other=0.0, cache_modifier=".cg")
+                    out += part * tl.exp(mi - top)[:, None]  # in split order
                 out = out / total[:, None]
-                tl.store(o_ptr + heads[:, None] * stride_qh + d[None, :], out.to(o_ptr.dtype.element_ty),
-                         mask=(g < GROUP)[:, None])
+                h = kvh * GROUP + gs
+                tl.store(o_ptr + h[:, None] * stride_qh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                         mask=(gs < GROUP)[:, None])
                 tl.store(cnt_ptr + kvh, 0)  # back to zero for the next launch or replay
 
 
@@ -131,16 +137,17 @@ def one_seq_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
-    group_p = max(16, next_pow2(group))  # the tensor cores' smallest tile
+    group_s = next_pow2(group)  # the heads each program's state keeps
+    group_p = max(16, group_s)  # the tensor cores' smallest tile
     splits = splits_for(hk)
     if counters.numel() < hk:
         raise ValueError(f"one_seq_attention: {counters.numel()} counters for {hk} KV heads")
     q = q.contiguous()  # the output takes its strides
     out = torch.empty_like(q)
-    part = torch.empty(hk * splits * group_p * d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(hk * splits * 2 * group_p, dtype=torch.float32, device=q.device)
+    part = torch.empty(hk * splits * group_s * d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(hk * splits * 2 * group_s, dtype=torch.float32, device=q.device)
     one_seq_kernel[(splits, hk)](q, k_cache, v_cache, out, table, rows, positions, part, ml, counters,
                                  table.stride(0), scale, q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                                 GROUP=group, GROUP_P=group_p, D=d, BLOCK_N=BLOCK_N, SPLITS=splits,
+                                 GROUP=group, GROUP_P=group_p, GROUP_S=group_s, D=d, BLOCK_N=BLOCK_N, SPLITS=splits,
                                  num_warps=4, **pdl_args(q))
     return out

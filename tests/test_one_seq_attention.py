@@ -50,8 +50,8 @@ def _check(q, k, v, table, row, length, atol):
 def test_splits_cover_the_gpu_and_stay_a_power_of_two():
     for hk in (1, 2, 4, 8, 16, 32, 64):
         s = splits_for(hk)
-        assert s & (s - 1) == 0 and 4 <= s <= 64
-        assert s * hk >= 128 or s == 64
+        assert s & (s - 1) == 0 and 16 <= s <= 32
+        assert s * hk >= 128 or s == 32
 
 
 def test_supported_shapes():
