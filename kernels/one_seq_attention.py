@@ -30,12 +30,14 @@ from rollout_engine.kernels._triton import next_pow2, pdl_args
 
 BLOCK_N = 64  # keys per block
 TARGET_PROGRAMS = 128  # splits x KV heads: about one program per SM of an H100 / H200
+SPLITS_RANGE = (16, 32)  # programs per KV head, powers of two (the merge adds the splits unrolled)
 
 
 def splits_for(num_kv_heads: int) -> int:
-    """Programs per KV head: a power of two from 16 to 32, at least TARGET_PROGRAMS in all where
-    the context has the blocks (the merge adds the splits unrolled)."""
-    return max(16, min(32, next_pow2(max(1, TARGET_PROGRAMS // num_kv_heads))))
+    """Programs per KV head: a power of two in SPLITS_RANGE, at least
+    TARGET_PROGRAMS in all where the context has the blocks."""
+    lo, hi = SPLITS_RANGE
+    return max(lo, min(hi, next_pow2(max(1, TARGET_PROGRAMS // num_kv_heads))))
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
