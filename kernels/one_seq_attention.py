@@ -4,7 +4,8 @@ At one query token the attention of a layer reads a few megabytes of K/V,
 about a microsecond of memory time, yet a decode kernel built for batches
 plus its merge pass take ~12 us of the step (BENCHMARKS.md, "Attention at
 batch 1"). Here the keys of each KV head are split over `SPLITS` programs
-(key block s, s + SPLITS, ... of BLOCK_N keys each); every program keeps
+(key block s, s + SPLITS, ... of BLOCK_N keys each: one block each up to
+SPLITS * BLOCK_N keys); every program keeps
 its online-softmax state (max, sum, weighted values) for the GROUP query
 heads of its KV head, and the last program of the head to finish (a counter,
 as `kernels.batch_gemm` counts split products) merges the states in split
@@ -29,15 +30,12 @@ import torch
 from rollout_engine.kernels._triton import next_pow2, pdl_args
 
 BLOCK_N = 64  # keys per block
-TARGET_PROGRAMS = 128  # splits x KV heads: about one program per SM of an H100 / H200
-SPLITS_RANGE = (16, 32)  # programs per KV head, powers of two (the merge adds the splits unrolled)
-
-
-def splits_for(num_kv_heads: int) -> int:
-    """Programs per KV head: a power of two in SPLITS_RANGE, at least
-    TARGET_PROGRAMS in all where the context has the blocks."""
-    lo, hi = SPLITS_RANGE
-    return max(lo, min(hi, next_pow2(max(1, TARGET_PROGRAMS // num_kv_heads))))
+# Programs per KV head (a power of two: the merge adds the splits unrolled). On
+# an H200, decode llama-3.1-8b batch 1 at 1,000 tokens: 3.90 ms a step with 32,
+# 3.92 with 16, 3.99 with 64; at 8,000 tokens more splits were slower (4.46 ms
+# with 16, 4.66 with 64) and FlashInfer faster (4.27): the FlashInfer backend
+# keeps longer sequences on its own kernels (`attention.one_seq.MAX_CONTEXT`).
+SPLITS = 32
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -141,7 +139,7 @@ def one_seq_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     group = hq // hk
     group_s = next_pow2(group)  # the heads each program's state keeps
     group_p = max(16, group_s)  # the tensor cores' smallest tile
-    splits = splits_for(hk)
+    splits = SPLITS
     if counters.numel() < hk:
         raise ValueError(f"one_seq_attention: {counters.numel()} counters for {hk} KV heads")
     q = q.contiguous()  # the output takes its strides

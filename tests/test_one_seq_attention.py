@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from rollout_engine.kernels.attention import paged_attention_ref
-from rollout_engine.kernels.one_seq_attention import BLOCK_N, splits_for, supported
+from rollout_engine.kernels.one_seq_attention import BLOCK_N, SPLITS, supported
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
@@ -47,13 +48,6 @@ def _check(q, k, v, table, row, length, atol):
     assert int(counters.abs().sum()) == 0  # left zero for the next launch
 
 
-def test_splits_cover_the_gpu_and_stay_a_power_of_two():
-    for hk in (1, 2, 4, 8, 16, 32, 64):
-        s = splits_for(hk)
-        assert s & (s - 1) == 0 and 16 <= s <= 32
-        assert s * hk >= 128 or s == 32
-
-
 def test_supported_shapes():
     q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(10, 2, 128, dtype=torch.bfloat16)
@@ -75,7 +69,7 @@ def test_interpreted_matches_reference(hq, hk, length):
 @interpreted
 def test_interpreted_loops_over_more_blocks_than_programs():
     hk = 2
-    length = (splits_for(hk) * 2 + 1) * BLOCK_N + 7  # every program two blocks or more
+    length = (SPLITS * 2 + 1) * BLOCK_N + 7  # every program two blocks or more
     q, k, v, table = _case(4, hk, 16, [length], torch.float32, "cpu", seed=1)
     _check(q, k, v, table, 1, length, 1e-4)
 
@@ -169,8 +163,11 @@ def test_engine_batch_1_decode_takes_the_kernel_and_matches_hf(one_seq_models, m
     """One request at a time, so every decode step has one sequence: the
     steps take the kernel (eagerly or in the captured batch-1 graph), and
     the greedy outputs' logprobs stay at HF's, over calls on one engine with
-    a prefix-cache hit and a context past several key blocks per program."""
+    a prefix-cache hit and a context past one key block per program. On
+    FlashInfer a sequence past `one_seq.MAX_CONTEXT` takes its kernels
+    (eagerly, or in the two-row graph, padded)."""
     from rollout_engine import RolloutEngine
+    from rollout_engine.attention.one_seq import MAX_CONTEXT
     from rollout_engine.kernels import one_seq_attention as kernel
     from test_gpu_fast_path import _gaps_vs_hf
 
@@ -185,8 +182,20 @@ def test_engine_batch_1_decode_takes_the_kernel_and_matches_hf(one_seq_models, m
             before = len(calls)
             (gap,), (out,) = _gaps_vs_hf(engine, hf, [prompt])
             assert gap < 2e-2, (kind, len(prompt), gap)
-            assert cuda_graph or len(calls) > before  # eager steps call it per layer
+            takes = backend == "triton" or len(prompt) + 48 <= MAX_CONTEXT
+            assert cuda_graph or (len(calls) > before) == takes  # eager steps call it per layer
         assert out.num_cached_tokens >= 2560  # the last prompt hit the cache (whole pages)
         assert calls  # with graphs: at capture
         engine.check_integrity()
         engine.shutdown()
+
+
+def test_long_sequences_alone_replay_the_two_row_graph():
+    from rollout_engine.attention.one_seq import MAX_CONTEXT, graph_rows
+
+    lens = lambda n: np.array([n])  # noqa: E731
+    assert graph_rows(True, 1, lens(MAX_CONTEXT), MAX_CONTEXT) == 1
+    assert graph_rows(True, 1, lens(MAX_CONTEXT + 1), MAX_CONTEXT) == 2
+    assert graph_rows(True, 1, lens(10 ** 6), None) == 1  # no limit (the Triton backend)
+    assert graph_rows(False, 1, lens(10 ** 6), MAX_CONTEXT) == 1  # the kernel off: nothing to avoid
+    assert graph_rows(True, 3, np.array([10 ** 6] * 3), MAX_CONTEXT) == 3

@@ -199,7 +199,8 @@ class CudaGraphRunner:
 
     def _replay(self, plan: StepPlan, input_ids: torch.Tensor | None, sampling: bool) -> int:
         bs = plan.batch_size
-        bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
+        rows = min(self.backend.graph_rows(bs, plan.seq_lens), self.max_bs)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, rows)]
         inp = self.inputs[bucket]
         inp.fill(plan, sampling)
         if input_ids is not None:
