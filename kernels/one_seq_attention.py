@@ -32,9 +32,8 @@ from rollout_engine.kernels._triton import next_pow2, pdl_args
 BLOCK_N = 64  # keys per block
 # Programs per KV head (a power of two: the merge adds the splits unrolled). On
 # an H200, decode llama-3.1-8b batch 1 at 1,000 tokens: 3.90 ms a step with 32,
-# 3.92 with 16, 3.99 with 64; at 8,000 tokens more splits were slower (4.46 ms
-# with 16, 4.66 with 64) and FlashInfer faster (4.27): the FlashInfer backend
-# keeps longer sequences on its own kernels (`attention.one_seq.MAX_CONTEXT`).
+# 3.92 with 16, 3.99 with 64; at 8,000 tokens 4.46 with 16, 4.66 with 64, and
+# FlashInfer's kernels 4.27 (`attention.one_seq`).
 SPLITS = 32
 
 

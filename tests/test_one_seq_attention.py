@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -163,11 +162,8 @@ def test_engine_batch_1_decode_takes_the_kernel_and_matches_hf(one_seq_models, m
     """One request at a time, so every decode step has one sequence: the
     steps take the kernel (eagerly or in the captured batch-1 graph), and
     the greedy outputs' logprobs stay at HF's, over calls on one engine with
-    a prefix-cache hit and a context past one key block per program. On
-    FlashInfer a sequence past `one_seq.MAX_CONTEXT` takes its kernels
-    (eagerly, or in the two-row graph, padded)."""
+    a prefix-cache hit and a context past one key block per program."""
     from rollout_engine import RolloutEngine
-    from rollout_engine.attention.one_seq import MAX_CONTEXT
     from rollout_engine.kernels import one_seq_attention as kernel
     from test_gpu_fast_path import _gaps_vs_hf
 
@@ -182,20 +178,9 @@ def test_engine_batch_1_decode_takes_the_kernel_and_matches_hf(one_seq_models, m
             before = len(calls)
             (gap,), (out,) = _gaps_vs_hf(engine, hf, [prompt])
             assert gap < 2e-2, (kind, len(prompt), gap)
-            takes = backend == "triton" or len(prompt) + 48 <= MAX_CONTEXT
-            assert cuda_graph or (len(calls) > before) == takes  # eager steps call it per layer
+            assert cuda_graph or len(calls) > before  # eager steps call it per layer
         assert out.num_cached_tokens >= 2560  # the last prompt hit the cache (whole pages)
         assert calls  # with graphs: at capture
         engine.check_integrity()
         engine.shutdown()
 
-
-def test_long_sequences_alone_replay_the_two_row_graph():
-    from rollout_engine.attention.one_seq import MAX_CONTEXT, graph_rows
-
-    lens = lambda n: np.array([n])  # noqa: E731
-    assert graph_rows(True, 1, lens(MAX_CONTEXT), MAX_CONTEXT) == 1
-    assert graph_rows(True, 1, lens(MAX_CONTEXT + 1), MAX_CONTEXT) == 2
-    assert graph_rows(True, 1, lens(10 ** 6), None) == 1  # no limit (the Triton backend)
-    assert graph_rows(False, 1, lens(10 ** 6), MAX_CONTEXT) == 1  # the kernel off: nothing to avoid
-    assert graph_rows(True, 3, np.array([10 ** 6] * 3), MAX_CONTEXT) == 3

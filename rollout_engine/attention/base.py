@@ -68,12 +68,6 @@ class AttentionBackend(ABC):
         one token of context); becomes `fb.attn_metadata` in the graph."""
         raise NotImplementedError
 
-    def graph_rows(self, bs: int, seq_lens: np.ndarray) -> int:
-        """The fewest rows of the captured graph a decode batch of `bs`
-        sequences of these lengths replays (a backend may send it to a larger
-        bucket, padded)."""
-        return bs
-
     def prepare_replay(self, bs: int, bucket: int, seq_lens: np.ndarray, fb: "ForwardBatch") -> None:
         """Before replaying the graph of `bucket` for a batch of `bs` real
         sequences: write their lengths (padding rows: one token in the

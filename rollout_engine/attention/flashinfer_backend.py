@@ -3,9 +3,8 @@ fa2 decode (tensor cores when 4+ query heads share a KV head, or from 128
 rows on). Planned once per step for all layers; page indices are built on
 the GPU from the device request table. An e4m3 KV cache is read by the same
 kernels (scale 1: no k_scale / v_scale). Decode wrappers for CUDA graphs plan into fixed buffers.
-A decode step of one sequence of up to `one_seq.MAX_CONTEXT` tokens takes the
-engine's own one-launch kernel (`kernels.one_seq_attention`, no plan: it reads
-the length on the device)."""
+A decode step of one sequence takes the engine's own one-launch kernel
+(`kernels.one_seq_attention`, no plan: it reads the length on the device)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ import numpy as np
 import torch
 
 from rollout_engine.attention.base import AttentionBackend, AttentionShape
-from rollout_engine.attention.one_seq import MAX_CONTEXT, ONE_SEQ, graph_rows, one_seq, one_seq_shape, takes_one_seq
+from rollout_engine.attention.one_seq import ONE_SEQ, one_seq, one_seq_shape, takes_one_seq
 from rollout_engine.kernels.kv_indices import build_page_indices
 
 if TYPE_CHECKING:
@@ -75,10 +74,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.one_seq = one_seq_shape(shape)
 
     def takes_one_seq(self, fb: "ForwardBatch") -> bool:
-        return takes_one_seq(ONE_SEQ_ENABLED and self.one_seq, fb, MAX_CONTEXT)
-
-    def graph_rows(self, bs: int, seq_lens: np.ndarray) -> int:
-        return graph_rows(ONE_SEQ_ENABLED and self.one_seq, bs, seq_lens, MAX_CONTEXT)
+        return takes_one_seq(ONE_SEQ_ENABLED and self.one_seq, fb)
 
     def tensor_cores(self, batch: int) -> bool:
         return batch >= self.tensor_core_min_batch

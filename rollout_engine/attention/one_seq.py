@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from rollout_engine.attention.base import AttentionShape
@@ -16,11 +15,13 @@ if TYPE_CHECKING:
     from rollout_engine.layers.attention import PagedAttention
 
 ONE_SEQ = "one sequence"  # a step's attn_metadata when it takes the kernel
-# The longest sequence the FlashInfer backend gives the kernel: FlashInfer's
-# kernels were faster at 8,000 and 16,000 tokens on an H200 (BENCHMARKS.md,
-# "Attention at batch 1"); a longer sequence alone replays the two-row graph.
-# The Triton backend has no limit: its batch kernel runs one program per KV head.
-MAX_CONTEXT = 2048
+# Sequences of every length take it. On an H200 FlashInfer's own kernels were
+# faster from some thousands of tokens on (decode llama-3.1-8b batch 1 at
+# 8,000 tokens: 4.27 ms a step against 4.46 with 16 programs a KV head; at
+# 1,000: 3.99 against 3.90-3.93); a second batch-1 graph with FlashInfer's
+# kernels for long sequences is the way to keep both (BENCHMARKS.md,
+# "Attention at batch 1"). A two-row graph is not: its products take the
+# small-batch path (12.7% slower at 8,000 tokens).
 
 
 def one_seq_shape(shape: AttentionShape) -> bool:
@@ -30,18 +31,9 @@ def one_seq_shape(shape: AttentionShape) -> bool:
             and 16 <= d <= 256 and d & (d - 1) == 0 and shape.num_heads % shape.num_kv_heads == 0)
 
 
-def takes_one_seq(enabled: bool, fb: "ForwardBatch", max_context: int | None = None) -> bool:
-    """A decode step of one sequence (of at most `max_context` tokens), on a
-    backend whose shape takes the kernel (`enabled`). A graph's captured
-    batch has one token a sequence."""
-    return (enabled and fb.is_decode and fb.batch_size == 1
-            and (max_context is None or int(fb.seq_lens[0]) <= max_context))
-
-
-def graph_rows(enabled: bool, bs: int, seq_lens: np.ndarray, max_context: int | None) -> int:
-    """`AttentionBackend.graph_rows`: a sequence alone and longer than
-    `max_context` replays the two-row graph, whose attention is the batch kernels'."""
-    return 2 if enabled and bs == 1 and max_context is not None and int(seq_lens[0]) > max_context else bs
+def takes_one_seq(enabled: bool, fb: "ForwardBatch") -> bool:
+    """A decode step of one sequence, on a backend whose shape takes the kernel (`enabled`)."""
+    return enabled and fb.is_decode and fb.batch_size == 1
 
 
 def one_seq(q: torch.Tensor, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:

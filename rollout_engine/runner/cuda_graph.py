@@ -199,8 +199,7 @@ class CudaGraphRunner:
 
     def _replay(self, plan: StepPlan, input_ids: torch.Tensor | None, sampling: bool) -> int:
         bs = plan.batch_size
-        rows = min(self.backend.graph_rows(bs, plan.seq_lens), self.max_bs)
-        bucket = self.buckets[bisect.bisect_left(self.buckets, rows)]
+        bucket = self.buckets[bisect.bisect_left(self.buckets, bs)]
         inp = self.inputs[bucket]
         inp.fill(plan, sampling)
         if input_ids is not None:
