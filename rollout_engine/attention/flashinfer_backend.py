@@ -121,12 +121,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._after_plan()
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        if self.takes_one_seq(fb):  # no page table, no plan
+            fb.attn_metadata = ONE_SEQ
+            return
         s = self.shape
         pt = PageTable.of(fb.seq_lens, s.page_size)
         indices = self.page_indices(fb, pt)
-        if self.takes_one_seq(fb):
-            fb.attn_metadata = ONE_SEQ
-            return
         if fb.is_decode:
             wrapper = self.decode_wrapper(fb.batch_size)
             self.plan_decode(wrapper, pt, indices, fb.batch_size)
