@@ -55,6 +55,12 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{with_choice_hint(message)} (see '{self.prog} --help')")
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        first = next(iter(sys.argv[1:] if args is None else args), "")  # the top parser: a flag it does not
+        if self._subparsers is not None and first.startswith("-") and first.split("=")[0] not in self._option_string_actions:  # noqa: E501
+            self.error(unrecognized(self, [first]))  # know is named (argparse would say the command is missing)
+        return super().parse_known_args(args, namespace)
+
 
 class SubcommandParser(Parser):
     """A subcommand's parser: an argument it does not know is reported here,

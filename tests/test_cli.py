@@ -204,6 +204,16 @@ def test_unrecognized_arguments_point_at_the_subcommands_help(argv, capsys, no_m
     assert f"unrecognized arguments: {argv[1]}" in line and line.endswith(f"(see 'rollout-engine {argv[0]} --help')")
 
 
+@pytest.mark.parametrize("argv,words", [(["--bogus"], "unrecognized arguments: --bogus"),
+                                        (["--bogus", "generate", "hi"], "unrecognized arguments: --bogus"),
+                                        (["--verson"], "--verson; did you mean --version?")])
+def test_an_unknown_flag_before_the_command_is_named(argv, words, capsys, no_model_load):
+    """Not 'the following arguments are required: COMMAND'."""
+    assert main(argv) == 2
+    line = _one_line_error(capsys)
+    assert words in line and line.endswith("(see 'rollout-engine --help')")
+
+
 @pytest.mark.parametrize("argv,flag", [(["generate", "--max-new-token", "8", "--input-ids", "1"], "--max-new-token"),
                                        (["bench", "--workload", "offline", "--graphs", "--load-format", "dummy"],
                                         "--graphs")])
