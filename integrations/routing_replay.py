@@ -6,6 +6,9 @@ experts the engine chose for it.
         logits = hf_moe_model(input_ids).logits
         loss.backward()
 
+Left-padded rows (a trainer that pads prompts on the left) pass their
+`attention_mask`: row i's array then starts at the row's first real token.
+
 An MoE router is a discontinuous function of its input: the few ulps between
 the engine's kernels and the trainer's, or one optimizer step of drift, flip
 a token's top-k and swap whole experts. The trainer's logprob of a sampled
@@ -13,7 +16,8 @@ token then describes a different network from the one that sampled it, and
 the importance ratios of an RL loss blow up on exactly those tokens. Replay
 removes the discrete part of the mismatch: inside the context every sparse
 MoE layer of a Hugging Face model (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE)
-takes the engine's expert ids for token (i, s) with s < len(routed_experts[i]).
+takes the engine's expert ids for token (i, s) with s < len(routed_experts[i])
+(counted from the row's first real token when an `attention_mask` is given).
 The gate weights stay the trainer's own: its router logits, softmax over all
 experts in fp32, the probabilities of the forced experts, renormalised where
 the router renormalises, cast as it casts, so gradients reach the router.
@@ -51,16 +55,19 @@ _CLASS_FORWARD = object()  # marks a router whose forward was the class's own
 
 
 @contextlib.contextmanager
-def replay(model: nn.Module, routed_experts: Sequence[np.ndarray]) -> Iterator[None]:
+def replay(model: nn.Module, routed_experts: Sequence[np.ndarray],
+           attention_mask: torch.Tensor | np.ndarray | None = None) -> Iterator[None]:
     """Route row i of every forward inside the context to `routed_experts[i]`
-    ([n_i, moe_layers, top_k] integer expert ids for positions 0..n_i-1). The
-    model may be wrapped (FSDP, torch.compile's `_orig_mod`). Raises
-    ValueError, before patching anything, for an unsupported model or a bad
-    array, and at forward time for a batch of another size or rows shorter
-    than some n_i."""
+    ([n_i, moe_layers, top_k] integer expert ids for positions 0..n_i-1, or
+    with `attention_mask` [batch, seq] for the n_i positions from the row's
+    first real token: left padding). The model may be wrapped (FSDP,
+    torch.compile's `_orig_mod`). Raises ValueError, before patching
+    anything, for an unsupported model, a bad array or mask, and at forward
+    time for a batch of another size or rows shorter than some n_i."""
     blocks = moe_blocks(model)
     router = blocks[0].gate
-    plan = _Plan(_stack(routed_experts, len(blocks), router.top_k, router.num_experts))
+    rows = _stack(routed_experts, len(blocks), router.top_k, router.num_experts)
+    plan = _Plan(rows, _starts(attention_mask, rows))
     saved: list[tuple[nn.Module, Any]] = []
     hooks = []
     try:
@@ -80,18 +87,20 @@ def replay(model: nn.Module, routed_experts: Sequence[np.ndarray]) -> Iterator[N
 
 
 @contextlib.contextmanager
-def agreement(model: nn.Module, routed_experts: Sequence[np.ndarray], out: list[float]) -> Iterator[None]:
+def agreement(model: nn.Module, routed_experts: Sequence[np.ndarray], out: list[float],
+              attention_mask: torch.Tensor | np.ndarray | None = None) -> Iterator[None]:
     """Measure instead of replay: appends to `out` the share of (token, MoE
     layer) where the model's own top-k, in the forward run inside (over a
-    right-padded batch, one row per array), equals the given experts, over
-    the positions the arrays cover. 1.0 means replay would change nothing.
-    The arrays are checked as `replay` checks them (ValueError naming the
-    row, before the forward; a batch of another size or rows shorter than
-    an array, at forward time)."""
+    right-padded batch, one row per array, or a left-padded one with its
+    `attention_mask`), equals the given experts, over the positions the
+    arrays cover. 1.0 means replay would change nothing. The arrays and the
+    mask are checked as `replay` checks them (ValueError naming the row,
+    before the forward; a batch of another size or rows shorter than an
+    array, at forward time)."""
     blocks = moe_blocks(model)
     router = blocks[0].gate
     rows = _stack(routed_experts, len(blocks), router.top_k, router.num_experts)
-    plan = _Plan(rows)
+    plan = _Plan(rows, _starts(attention_mask, rows))
     seen: list[tuple[int, torch.Tensor]] = []  # (MoE layer, its top-k) per router call
 
     def record(layer: int):
@@ -112,9 +121,9 @@ def agreement(model: nn.Module, routed_experts: Sequence[np.ndarray], out: list[
     same = total = 0
     for layer, picked in seen:
         picked = picked.view(len(rows), -1, picked.shape[-1]).sort(-1).values.cpu()
-        for row, r in enumerate(rows):
+        for row, (r, start) in enumerate(zip(rows, plan.starts)):
             engine = torch.from_numpy(r[:, layer]).sort(-1).values
-            same += int((picked[row, : len(r)] == engine).all(-1).sum())
+            same += int((picked[row, start: start + len(r)] == engine).all(-1).sum())
             total += len(r)
     out.append(same / max(1, total))
 
@@ -174,13 +183,39 @@ def _stack(routed_experts: Sequence[np.ndarray], num_layers: int, top_k: int, nu
     return rows
 
 
+def _starts(attention_mask: torch.Tensor | np.ndarray | None, rows: list[np.ndarray]) -> list[int]:
+    """Where each row's array starts in the batch: 0 without a mask, else the
+    row's first real token; ValueError naming the row for a mask of another
+    batch size, one whose real tokens are not in one run (packed rows), or
+    fewer real tokens than the row's array covers."""
+    if attention_mask is None:
+        return [0] * len(rows)
+    mask = np.asarray(attention_mask.detach().cpu() if isinstance(attention_mask, torch.Tensor) else attention_mask)
+    if mask.ndim != 2 or mask.shape[0] != len(rows):
+        raise ValueError(f"attention_mask: expected [batch, seq] with one row per array ({len(rows)}), "
+                         f"got shape {mask.shape}")
+    starts = []
+    for i, (real, row) in enumerate(zip(mask != 0, rows)):
+        where = np.flatnonzero(real)
+        start = int(where[0]) if len(where) else 0
+        if len(where) and where[-1] - start + 1 != len(where):
+            raise ValueError(f"attention_mask[{i}]: its real tokens are not one run (packed rows are not supported)")
+        if len(row) > len(where):
+            raise ValueError(f"routed_experts[{i}] covers {len(row)} positions, attention_mask[{i}] has "
+                             f"{len(where)} real tokens")
+        starts.append(start)
+    return starts
+
+
 class _Plan:
     """The forced experts of the whole batch, [rows, max n_i, moe_layers, k]
-    (zeros past each n_i, never used), and the shape of the block input the
-    next router call flattens."""
+    (zeros past each n_i, never used), where each row's start in the batch
+    (`starts`: left padding), and the shape of the block input the next
+    router call flattens."""
 
-    def __init__(self, rows: list[np.ndarray]):
+    def __init__(self, rows: list[np.ndarray], starts: list[int]):
         self.lengths = [len(r) for r in rows]
+        self.starts = starts
         padded = np.zeros((len(rows), max(self.lengths), *rows[0].shape[1:]), np.int64)
         for i, row in enumerate(rows):
             padded[i, : len(row)] = row
@@ -198,17 +233,20 @@ class _Plan:
         batch, seq_len = self.shape
         if batch != len(self.lengths):
             raise ValueError(f"the batch has {batch} rows but routed_experts has {len(self.lengths)} arrays")
-        too_long = [i for i, n in enumerate(self.lengths) if n > seq_len]
+        too_long = [i for i, n in enumerate(self.lengths) if self.starts[i] + n > seq_len]
         if too_long:
             i = too_long[0]
             raise ValueError(f"routed_experts[{i}] covers {self.lengths[i]} positions, the input has only "
-                             f"{seq_len}")
+                             f"{seq_len - self.starts[i]}" + (" from its first real token" if self.starts[i] else ""))
         if device not in self._on_device:
-            self._on_device[device] = (self.experts.to(device), torch.tensor(self.lengths, device=device))
-        experts, lengths = self._on_device[device]
-        experts = experts[:, :, layer]
-        experts = nn.functional.pad(experts, (0, 0, 0, seq_len - experts.shape[1]))
-        replayed = torch.arange(seq_len, device=device)[None, :] < lengths[:, None]
+            self._on_device[device] = (self.experts.to(device), torch.tensor(self.lengths, device=device),
+                                       torch.tensor(self.starts, device=device))
+        experts, lengths, starts = self._on_device[device]
+        experts = experts[:, :, layer]  # [batch, max n_i, k]
+        index = torch.arange(seq_len, device=device)[None, :] - starts[:, None]  # into each row's array
+        replayed = (index >= 0) & (index < lengths[:, None])
+        index = index.clamp(0, experts.shape[1] - 1)[..., None].expand(-1, -1, experts.shape[2])
+        experts = experts.gather(1, index)
         return replayed.reshape(-1), experts.reshape(batch * seq_len, -1)
 
 

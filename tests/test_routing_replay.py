@@ -257,3 +257,76 @@ def test_the_routers_are_restored_after_the_context_and_after_an_exception(model
         del blocks[1].gate.forward
         _assert_unpatched(model)
         assert torch.equal(model(input_ids).logits, free)
+
+
+def _left_padded(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The right-padded batch with each row's tokens moved to the end: (ids,
+    attention_mask, position_ids), as a trainer that pads on the left has them."""
+    seq_len = input_ids.shape[1]
+    ids = torch.zeros_like(input_ids)
+    mask = torch.zeros_like(input_ids)
+    for i, n in enumerate(ROW_LENS):
+        ids[i, seq_len - n:] = input_ids[i, :n]
+        mask[i, seq_len - n:] = 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_left_padded_rows_replay_from_their_first_real_token(models, kind):
+    """With the batch's attention_mask, row i's array covers its real tokens
+    wherever they start: the experts given are the forced ones there, and
+    the next-token logprobs equal the right-padded batch's under the same
+    replay; agreement with the model's own routing is 1.0."""
+    model, input_ids = models[kind], _batch()
+    num_experts = moe_blocks(model)[0].gate.num_experts
+    left, mask, positions = _left_padded(input_ids)
+    seq_len = input_ids.shape[1]
+    with torch.no_grad():
+        _, layers = _run(model, input_ids)
+        forced = _arrays(layers, shift=1, num_experts=num_experts)
+        with replay(model, forced):
+            right_logits, _ = _run(model, input_ids)
+        seen = []
+        handles = [b.experts.register_forward_pre_hook(lambda m, args: seen.append(args[1])) for b in moe_blocks(model)]
+        try:
+            with replay(model, forced, attention_mask=mask):
+                left_logits = model(left, attention_mask=mask, position_ids=positions).logits
+        finally:
+            for h in handles:
+                h.remove()
+        out = []
+        with agreement(model, _arrays(layers), out, attention_mask=mask):
+            model(left, attention_mask=mask, position_ids=positions)
+    assert out == [1.0]
+    for layer, ids in enumerate(seen):
+        ids = ids.reshape(len(ROW_LENS), seq_len, -1)
+        for i, n in enumerate(ROW_LENS):
+            want = torch.from_numpy(forced[i][:, layer].astype(np.int64)).sort(-1).values
+            assert torch.equal(ids[i, seq_len - n: seq_len - 1].sort(-1).values, want)
+    right = _next_token_logprobs(right_logits, input_ids)
+    moved = torch.cat([torch.log_softmax(left_logits[i, seq_len - n: -1].float(), -1)
+                       .gather(-1, left[i, seq_len - n + 1:, None])[:, 0] for i, n in enumerate(ROW_LENS)])
+    torch.testing.assert_close(moved, right, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("use", ["replay", "agreement"])
+def test_bad_attention_masks_are_refused_by_name(models, use):
+    model, input_ids = models["qwen3_moe"], _batch()
+    _, mask, _ = _left_padded(input_ids)
+    with torch.no_grad():
+        _, layers = _run(model, input_ids)
+    arrays = _arrays(layers)
+    holes = mask.clone()
+    holes[2, -2] = 0
+    short = mask.clone()
+    short[1, -7:-3] = 0  # row 1: 7 tokens, its array covers 6; now 3 real tokens, one run at the end
+    short[1, -3:] = 1
+    cases = [(mask[:3], r"attention_mask: expected \[batch, seq\] with one row per array \(4\)"),
+             (holes, r"attention_mask\[2\]: its real tokens are not one run"),
+             (short, r"routed_experts\[1\] covers 6 positions, attention_mask\[1\] has 3 real tokens")]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            with replay(model, arrays, attention_mask=bad) if use == "replay" else agreement(model, arrays, [],
+                                                                                              attention_mask=bad):
+                pass
+        _assert_unpatched(model)
