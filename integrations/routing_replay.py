@@ -67,7 +67,7 @@ def replay(model: nn.Module, routed_experts: Sequence[np.ndarray],
     blocks = moe_blocks(model)
     router = blocks[0].gate
     rows = _stack(routed_experts, len(blocks), router.top_k, router.num_experts)
-    plan = _Plan(rows, _starts(attention_mask, rows))
+    plan = _Plan(rows, *_starts(attention_mask, rows))
     saved: list[tuple[nn.Module, Any]] = []
     hooks = []
     try:
@@ -100,7 +100,7 @@ def agreement(model: nn.Module, routed_experts: Sequence[np.ndarray], out: list[
     blocks = moe_blocks(model)
     router = blocks[0].gate
     rows = _stack(routed_experts, len(blocks), router.top_k, router.num_experts)
-    plan = _Plan(rows, _starts(attention_mask, rows))
+    plan = _Plan(rows, *_starts(attention_mask, rows))
     seen: list[tuple[int, torch.Tensor]] = []  # (MoE layer, its top-k) per router call
 
     def record(layer: int):
@@ -183,13 +183,15 @@ def _stack(routed_experts: Sequence[np.ndarray], num_layers: int, top_k: int, nu
     return rows
 
 
-def _starts(attention_mask: torch.Tensor | np.ndarray | None, rows: list[np.ndarray]) -> list[int]:
-    """Where each row's array starts in the batch: 0 without a mask, else the
-    row's first real token; ValueError naming the row for a mask of another
-    batch size, one whose real tokens are not in one run (packed rows), or
-    fewer real tokens than the row's array covers."""
+def _starts(attention_mask: torch.Tensor | np.ndarray | None, rows: list[np.ndarray]
+            ) -> tuple[list[int], int | None]:
+    """Where each row's array starts in the batch (0 without a mask, else the
+    row's first real token) and the mask's width (None without one);
+    ValueError naming the row for a mask of another batch size, one whose
+    real tokens are not in one run (packed rows), or fewer real tokens than
+    the row's array covers."""
     if attention_mask is None:
-        return [0] * len(rows)
+        return [0] * len(rows), None
     mask = np.asarray(attention_mask.detach().cpu() if isinstance(attention_mask, torch.Tensor) else attention_mask)
     if mask.ndim != 2 or mask.shape[0] != len(rows):
         raise ValueError(f"attention_mask: expected [batch, seq] with one row per array ({len(rows)}), "
@@ -204,7 +206,7 @@ def _starts(attention_mask: torch.Tensor | np.ndarray | None, rows: list[np.ndar
             raise ValueError(f"routed_experts[{i}] covers {len(row)} positions, attention_mask[{i}] has "
                              f"{len(where)} real tokens")
         starts.append(start)
-    return starts
+    return starts, mask.shape[1]
 
 
 class _Plan:
@@ -213,9 +215,10 @@ class _Plan:
     (`starts`: left padding), and the shape of the block input the next
     router call flattens."""
 
-    def __init__(self, rows: list[np.ndarray], starts: list[int]):
+    def __init__(self, rows: list[np.ndarray], starts: list[int], mask_width: int | None = None):
         self.lengths = [len(r) for r in rows]
         self.starts = starts
+        self.mask_width = mask_width
         padded = np.zeros((len(rows), max(self.lengths), *rows[0].shape[1:]), np.int64)
         for i, row in enumerate(rows):
             padded[i, : len(row)] = row
@@ -233,6 +236,9 @@ class _Plan:
         batch, seq_len = self.shape
         if batch != len(self.lengths):
             raise ValueError(f"the batch has {batch} rows but routed_experts has {len(self.lengths)} arrays")
+        if self.mask_width is not None and self.mask_width != seq_len:
+            raise ValueError(f"attention_mask has {self.mask_width} columns but the input has {seq_len}: "
+                             f"the mask of this batch")
         too_long = [i for i, n in enumerate(self.lengths) if self.starts[i] + n > seq_len]
         if too_long:
             i = too_long[0]

@@ -330,3 +330,12 @@ def test_bad_attention_masks_are_refused_by_name(models, use):
                                                                                               attention_mask=bad):
                 pass
         _assert_unpatched(model)
+    # another batch's mask: one zero column more on the left moves every row's start by one
+    wider = torch.cat([torch.zeros(len(ROW_LENS), 1, dtype=mask.dtype), mask], dim=1)
+    left, _, positions = _left_padded(input_ids)
+    with pytest.raises(ValueError, match="attention_mask has 11 columns but the input has 10"):
+        with torch.no_grad():
+            with replay(model, arrays, attention_mask=wider) if use == "replay" else agreement(
+                    model, arrays, [], attention_mask=wider):
+                model(left, attention_mask=mask, position_ids=positions)
+    _assert_unpatched(model)
