@@ -381,8 +381,10 @@ def test_two_quick_ctrl_cs_during_generate_end_in_one_line(llama):
     reader = threading.Thread(target=read_err, daemon=True)
     reader.start()
     deadline = time.monotonic() + 120
-    while b"tokens=" not in b"".join(chunks) and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)  # generating: the progress bar counts tokens
+    while b"rollout:" not in b"".join(chunks) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)  # the rollout's progress bar is up
+    time.sleep(1.0)  # generating (500 tokens a sample take tens of seconds here)
+    assert proc.poll() is None
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
