@@ -71,10 +71,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._decode: dict[bool, object] = {}  # eager decode wrappers, by tensor cores
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self._plan_copied: torch.cuda.Event | None = None
-        self.one_seq = one_seq_shape(shape)
-
-    def takes_one_seq(self, fb: "ForwardBatch") -> bool:
-        return takes_one_seq(ONE_SEQ_ENABLED and self.one_seq, fb)
+        self.one_seq = ONE_SEQ_ENABLED and one_seq_shape(shape)  # read at construction (A/B runs set it before)
 
     def tensor_cores(self, batch: int) -> bool:
         return batch >= self.tensor_core_min_batch
@@ -121,7 +118,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._after_plan()
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
-        if self.takes_one_seq(fb):  # no page table, no plan
+        if takes_one_seq(self.one_seq, fb):  # no page table, no plan
             fb.attn_metadata = ONE_SEQ
             return
         s = self.shape
@@ -153,7 +150,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.graph_wrappers: dict[int, object] = {}
 
     def graph_metadata(self, bs: int, fb: "ForwardBatch"):
-        if self.takes_one_seq(fb):
+        if takes_one_seq(self.one_seq, fb):
             return ONE_SEQ
         wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores(bs),
