@@ -138,15 +138,14 @@ def one_seq_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     group = hq // hk
     group_s = next_pow2(group)  # the heads each program's state keeps
     group_p = max(16, group_s)  # the tensor cores' smallest tile
-    splits = SPLITS
     if counters.numel() < hk:
         raise ValueError(f"one_seq_attention: {counters.numel()} counters for {hk} KV heads")
     q = q.contiguous()  # the output takes its strides
     out = torch.empty_like(q)
-    part = torch.empty(hk * splits * group_s * d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(hk * splits * 2 * group_s, dtype=torch.float32, device=q.device)
-    one_seq_kernel[(splits, hk)](q, k_cache, v_cache, out, table, rows, positions, part, ml, counters,
+    part = torch.empty(hk * SPLITS * group_s * d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(hk * SPLITS * 2 * group_s, dtype=torch.float32, device=q.device)
+    one_seq_kernel[(SPLITS, hk)](q, k_cache, v_cache, out, table, rows, positions, part, ml, counters,
                                  table.stride(0), scale, q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                                 GROUP=group, GROUP_P=group_p, GROUP_S=group_s, D=d, BLOCK_N=BLOCK_N, SPLITS=splits,
+                                 GROUP=group, GROUP_P=group_p, GROUP_S=group_s, D=d, BLOCK_N=BLOCK_N, SPLITS=SPLITS,
                                  num_warps=4, **pdl_args(q))
     return out
