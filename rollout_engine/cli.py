@@ -56,9 +56,11 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{with_choice_hint(message)} (see '{self.prog} --help')")
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
-        first = next(iter(sys.argv[1:] if args is None else args), "")  # the top parser: a flag it does not
-        if self._subparsers is not None and first.startswith("-") and first.split("=")[0] not in self._option_string_actions:  # noqa: E501
-            self.error(unrecognized(self, [first]))  # know is named (argparse would say the command is missing)
+        # The top parser names a flag it does not know (argparse would say the command is missing).
+        first = next(iter(sys.argv[1:] if args is None else args), "")
+        if self._subparsers is not None and first.startswith("-"):
+            if first.split("=")[0] not in self._option_string_actions:
+                self.error(unrecognized(self, [first]))
         return super().parse_known_args(args, namespace)
 
 
