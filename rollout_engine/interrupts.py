@@ -11,6 +11,9 @@ import time
 from typing import Any
 
 
+LAST_OUTPUT_S = 2.0  # after a second Ctrl-C, how long the aborted run may take to write its last lines
+
+
 class DeferredInterrupt:
     """A SIGINT handler that only notes the signal."""
 
@@ -56,6 +59,9 @@ def generate_keeping_partials(engine: Any, main_thread: bool, **kwargs: Any) -> 
         deadline = time.monotonic() + 30
         while not finished.wait(0.05):
             if again.hit or time.monotonic() > deadline:  # a second Ctrl-C: no samples
+                # ...but the aborted run's own last output (its progress bar's final line) still comes
+                # before the caller's error line, if it ends within a moment
+                finished.wait(LAST_OUTPUT_S)
                 raise
     if "error" in done:
         raise done["error"]
