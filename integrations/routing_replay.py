@@ -196,6 +196,9 @@ def _starts(attention_mask: torch.Tensor | np.ndarray | None, rows: list[np.ndar
     if mask.ndim != 2 or mask.shape[0] != len(rows):
         raise ValueError(f"attention_mask: expected [batch, seq] with one row per array ({len(rows)}), "
                          f"got shape {mask.shape}")
+    if mask.dtype.kind not in "biuf" or not np.isin(mask, (0, 1)).all():
+        raise ValueError("attention_mask: expected 1 for real tokens and 0 for padding, got "
+                         f"{np.unique(mask)[:5].tolist() if mask.dtype.kind in 'biuf' else mask.dtype}")
     starts = []
     for i, (real, row) in enumerate(zip(mask != 0, rows)):
         where = np.flatnonzero(real)

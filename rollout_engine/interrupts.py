@@ -63,6 +63,8 @@ def generate_keeping_partials(engine: Any, main_thread: bool, **kwargs: Any) -> 
                 # before the caller's error line, if it ends within a moment
                 finished.wait(LAST_OUTPUT_S)
                 raise
+        if again.hit:  # a second Ctrl-C as the run ended: no samples either
+            raise
     if "error" in done:
         raise done["error"]
     return done["outs"], interrupted

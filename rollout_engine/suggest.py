@@ -11,12 +11,15 @@ def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     """argparse's 'unrecognized arguments' message, with the parser's flag
     closest to the first misspelled one (--temprature: did you mean
     --temperature?)."""
-    known = [flag for flag in parser._option_string_actions if flag.startswith("--")]
+    options = parser._option_string_actions
+    known = [flag for flag in options if flag.startswith("--")]
     for word in extras:
         if word.startswith("--"):
             flag = word.split("=", 1)[0]
-            # a shortened flag (--temp) first: the flags it begins, else the closest spelling
-            close = sorted(f for f in known if f.startswith(flag)) or \
+            # a short flag written long (--n for -n); a shortened flag (--temp): the few flags it
+            # begins; else the closest spelling
+            begun = sorted(f for f in known if f.startswith(flag))
+            close = [flag[1:]] if flag[1:] in options else begun if 0 < len(begun) <= 3 else \
                 difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
             if close:
                 return f"unrecognized arguments: {' '.join(extras)}; did you mean {' or '.join(close)}?"

@@ -229,6 +229,7 @@ def test_a_shortened_flag_is_refused_not_taken_for_the_full_one(argv, flag, caps
     (["generate", "--max-new-tokns=5", "hi"], "--max-new-tokns=5; did you mean --max-new-tokens?"),
     (["bench", "--num-prompt", "4"], "--num-prompt 4; did you mean --num-prompts?"),
     (["generate", "--temp", "0", "hi"], "--temp; did you mean --temperature?"),
+    (["demo", "--n", "2"], "--n 2; did you mean -n?"),  # not the seven --no-* flags it begins
     (["bench", "--workload", "ofline"], "invalid choice: 'ofline' (choose from"),
     (["bench", "--workload", "ofline"], "; did you mean 'offline'?")])
 def test_a_misspelled_flag_names_the_closest_one(argv, words, capsys, no_model_load):

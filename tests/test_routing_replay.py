@@ -322,6 +322,9 @@ def test_bad_attention_masks_are_refused_by_name(models, use):
     short[1, -7:-3] = 0  # row 1: 7 tokens, its array covers 6; now 3 real tokens, one run at the end
     short[1, -3:] = 1
     cases = [(mask[:3], r"attention_mask: expected \[batch, seq\] with one row per array \(4\)"),
+             (mask * 0.5, r"attention_mask: expected 1 for real tokens and 0 for padding, got \[0.0, 0.5\]"),
+             (-mask, r"attention_mask: expected 1 for real tokens and 0 for padding, got \[-1, 0\]"),
+             (np.array([["a"] * mask.shape[1]] * 4), r"attention_mask: expected 1 for real tokens .* got <U1"),
              (holes, r"attention_mask\[2\]: its real tokens are not one run"),
              (short, r"routed_experts\[1\] covers 6 positions, attention_mask\[1\] has 3 real tokens")]
     for bad, message in cases:
