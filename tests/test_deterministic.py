@@ -179,3 +179,20 @@ def test_the_matmul_tile_picks_keep_one_reduction_order():
             tiles = pick_tiles(m, n, k)
             assert (tiles, _splits(m, n, k, tiles, 132)) in compiled, (n, k, m)
     assert pick_tiles(256, 4096, 4096) == ROW_PICKS[2][1] and pick_tiles(257, WIDE_N, 4096) == ROW_PICKS[3][2]
+
+
+def test_the_invariant_backend_never_takes_the_one_sequence_kernel(monkeypatch):
+    """The one-sequence kernel splits a sequence's keys over programs, so a
+    decode step alone would round otherwise than in a batch: the invariant
+    backend keeps its own kernel (and its metadata) at batch 1."""
+    import torch
+
+    from rollout_engine.attention import one_seq
+    from rollout_engine.attention.base import AttentionShape
+    from rollout_engine.attention.invariant_backend import BatchInvariantTritonBackend
+    from rollout_engine.attention.triton_backend import TritonAttentionBackend
+
+    monkeypatch.setattr(one_seq, "triton_available", lambda: True)
+    shape = AttentionShape(8, 2, 128, 16, torch.bfloat16, torch.device("cuda"))
+    assert TritonAttentionBackend(shape).one_seq
+    assert not BatchInvariantTritonBackend(shape).one_seq

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rollout_engine.attention.base import AttentionBackend
+from rollout_engine.attention.base import AttentionBackend, AttentionShape
 from rollout_engine.attention.torch_backend import context_slots
 from rollout_engine.attention.triton_backend import TritonAttentionBackend
 from rollout_engine.kernels.attention import invariant_attention
@@ -54,7 +54,13 @@ class BatchInvariantTritonBackend(TritonAttentionBackend):
     a query's result is the same in a decode step or a prompt, chunked or not,
     after a cached prefix or not, whatever else runs. No split of the keys
     across programs, so long contexts at small batches run below FlashInfer's
-    speed. Captured in CUDA graphs like the Triton backend."""
+    speed. Captured in CUDA graphs like the Triton backend. Never the
+    one-sequence kernel: it splits the keys, so a sequence alone would not
+    equal itself in a batch."""
+
+    def __init__(self, shape: AttentionShape, **_):
+        super().__init__(shape)
+        self.one_seq = False
 
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         pool = fb.kv_pool
