@@ -45,21 +45,35 @@ SHAPES = {  # experts, top_k, hidden, intermediate (per expert), renormalize
 SWEEP_UP = {
     16: [Tiles(64, 128, 4, 4), Tiles(32, 128, 4, 4), Tiles(64, 256, 4, 3), Tiles(32, 256, 4, 4), Tiles(64, 128, 4, 6)],
     32: [Tiles(64, 128, 4, 4), Tiles(64, 256, 4, 3), Tiles(128, 64, 4, 4)],
-    64: [Tiles(64, 128, 4, 3), Tiles(64, 64, 4, 4), Tiles(128, 64, 8, 3), Tiles(64, 128, 4, 4)],
-    128: [Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 4), Tiles(64, 64, 4, 3), Tiles(128, 32, 8, 5)],
+    64: [Tiles(64, 128, 4, 3), Tiles(64, 64, 4, 4), Tiles(128, 64, 8, 3), Tiles(64, 128, 4, 4), Tiles(128, 64, 8, 4),
+         Tiles(128, 128, 8, 3), Tiles(64, 64, 4, 6), Tiles(64, 128, 8, 4), Tiles(128, 64, 8, 4, 16),
+         Tiles(128, 64, 4, 4)],
+    128: [Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 4), Tiles(64, 64, 4, 3), Tiles(128, 32, 8, 5), Tiles(64, 64, 8, 4),
+          Tiles(64, 128, 8, 3), Tiles(128, 128, 8, 2), Tiles(128, 64, 8, 4, 16), Tiles(128, 64, 8, 4, 4),
+          Tiles(64, 64, 4, 5)],
 }
 SWEEP_DOWN = {
     16: [Tiles(64, 128, 4, 4), Tiles(64, 256, 4, 3), Tiles(32, 256, 4, 4), Tiles(128, 64, 4, 4)],
     32: [Tiles(64, 128, 4, 4), Tiles(128, 64, 4, 4), Tiles(64, 256, 4, 3)],
-    64: [Tiles(128, 64, 8, 3), Tiles(64, 128, 4, 4), Tiles(128, 128, 8, 3), Tiles(128, 64, 4, 4)],
-    128: [Tiles(128, 64, 8, 3), Tiles(256, 64, 8, 3), Tiles(128, 64, 8, 4), Tiles(256, 32, 8, 4)],
+    64: [Tiles(128, 64, 8, 3), Tiles(64, 128, 4, 4), Tiles(128, 128, 8, 3), Tiles(128, 64, 4, 4), Tiles(256, 64, 8, 3),
+         Tiles(64, 64, 4, 5), Tiles(128, 64, 8, 4), Tiles(128, 64, 8, 3, 16)],
+    128: [Tiles(128, 64, 8, 3), Tiles(256, 64, 8, 3), Tiles(128, 64, 8, 4), Tiles(256, 32, 8, 4), Tiles(64, 128, 4, 4),
+          Tiles(128, 128, 8, 3), Tiles(64, 64, 4, 4), Tiles(128, 64, 8, 3, 16), Tiles(64, 128, 8, 3)],
 }
+# One token's sparse MLP (kernels/moe_row.py, blocks of 16: one row each): the
+# gate/up tiles with the down launch's fixed to DECODE's, then the other way.
+SWEEP_ROW_UP = [Tiles(64, 256, 4, 3), Tiles(32, 256, 4, 4), Tiles(32, 128, 4, 6), Tiles(16, 256, 4, 4),
+                Tiles(32, 512, 4, 2), Tiles(64, 128, 4, 6), Tiles(32, 256, 2, 4), Tiles(16, 512, 4, 3),
+                Tiles(64, 256, 8, 3), Tiles(16, 256, 2, 6)]
+SWEEP_ROW_DOWN = [Tiles(64, 256, 4, 3), Tiles(32, 256, 4, 3), Tiles(128, 128, 4, 4), Tiles(64, 128, 4, 4),
+                  Tiles(16, 256, 4, 3), Tiles(32, 512, 4, 2), Tiles(64, 256, 2, 3), Tiles(32, 128, 4, 6),
+                  Tiles(128, 256, 8, 3)]
 
 
 def sweep_block_ms(rows: float) -> list[int]:
-    """Block sizes worth timing at `rows` mean pairs per expert (16 to 64
-    always: the candidates of the one invariant shape)."""
-    return [16, 32, 64] + ([128] if rows > 24 else [])
+    """Block sizes worth timing at `rows` mean pairs per expert (64, the
+    invariant shape's, always; 16 and 32 up to 96, 128 from 24)."""
+    return ([16, 32] if rows <= 96 else []) + [64] + ([128] if rows > 24 else [])
 
 
 def graph_us(fn, calls: int = 1, reps: int = 30, warmup: int = 5) -> float:
@@ -128,6 +142,8 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
             row["blocks_us"] = round(graph_us(lambda: moe._fused_moe_triton(x, w13, w2, weights, ids, moe.DECODE),
                                               calls=3), 2)
             row.update(sparse_mlp_row_us(x, w13, w2, top_k, renorm))
+            if sweep:
+                sweeps += sweep_row(name, x, w13, w2, top_k, renorm)
         row["share"] = round(row["limit_us"] / row["moe_us"], 3)
         row["invariant_share"] = round(row["limit_us"] / row["invariant_us"], 3)
         ref = moe.fused_moe_ref(x, w13, w2, weights, ids)
@@ -172,6 +188,29 @@ def sparse_mlp_row_us(x, w13, w2, top_k, renorm) -> dict:
     return {k: round(v, 2) for k, v in out.items()}
 
 
+def sweep_row(name, x, w13, w2, top_k, renorm) -> list[dict]:
+    """One token's sparse MLP in moe_row's three launches with each candidate
+    gate/up tile (down as DECODE's), then each down tile (gate/up as DECODE's)."""
+    hidden, experts = x.shape[1], w13.shape[0]
+    residual = torch.randn_like(x)
+    norm_w = torch.ones(hidden, device=x.device, dtype=x.dtype)
+    router = torch.randn(experts, hidden, device=x.device, dtype=x.dtype) * 0.02
+    out = []
+    for product, cands in (("row_up", SWEEP_ROW_UP), ("row_down", SWEEP_ROW_DOWN)):
+        for tiles in cands:
+            launch = moe.DECODE._replace(**{product[4:]: tiles})
+            fn = lambda: moe_row.moe_row(x, residual, norm_w, 1e-6, router, w13, w2, top_k, renorm,  # noqa: E731
+                                         config=launch)
+            try:
+                rec = {"us": round(graph_us(fn, calls=3, reps=20), 2)}
+            except Exception as exc:  # noqa: BLE001 - a shape the GPU cannot run (shared memory)
+                rec = {"error": str(exc)[:200]}
+            out.append({"shape": name, "tokens": 1, "product": product, "tiles": list(tiles)} | rec)
+        print(f"  sweep {name} T=1 {product}: " + " ".join(f"{tuple(r['tiles'])}={r.get('us', 'x')}" for r in out
+                                                         if r["product"] == product))
+    return out
+
+
 def sweep_tokens(name, t, x, w13, w2, weights, ids) -> list[dict]:
     experts, top_k = w13.shape[0], ids.shape[1]
     pairs = t * top_k
@@ -180,6 +219,12 @@ def sweep_tokens(name, t, x, w13, w2, weights, ids) -> list[dict]:
     for bm in sweep_block_ms(pairs / experts):
         aligned = moe_align._align(ids, experts, bm)
         align_us = graph_us(lambda: moe_align._align(ids, experts, bm), calls=10)
+        for most in (16, 32, 64, 256, 512):  # the align's chunks at most (128 in the engine)
+            us = round(graph_us(lambda: moe_align._align(ids, experts, bm, most), calls=10), 2)
+            out.append({"shape": name, "tokens": t, "block_m": bm, "product": "align", "max_chunks": most, "us": us})
+        print(f"  sweep {name} T={t} block_m={bm} align: 128 chunks {align_us:.2f} us, "
+              + " ".join(f"{r['max_chunks']}: {r['us']}" for r in out if r.get("product") == "align"
+                         and r["tokens"] == t and r["block_m"] == bm))
         best = {}
         act = None
         for product, cands in (("up", SWEEP_UP[bm]), ("down", SWEEP_DOWN[bm])):

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rollout_engine.kernels._triton import cdiv, next_pow2, use_kernel
+from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args, use_kernel
 from rollout_engine.kernels.moe_align import _align
 
 
@@ -149,10 +149,16 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     def moe_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H, I,
                       stride_x, stride_we, stride_wn, TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                      IEEE: tl.constexpr, ONE: tl.constexpr = False, COUNTS: tl.constexpr = 1):
+                      IEEE: tl.constexpr, ONE: tl.constexpr = False, COUNTS: tl.constexpr = 1,
+                      PDL: tl.constexpr = False):
         """One block of sorted pairs and one column tile of I: gate and up
         tiles over K = H, act = silu(gate) * up. ONE: `_block_rows`, and
-        program 0 zeroes the down launch's COUNTS tile counters (total_ptr)."""
+        program 0 zeroes the down launch's COUNTS tile counters (total_ptr).
+        PDL (here and in the other MoE kernels): launched early, it waits
+        first (the experts it reads depend on the routing before it)."""
+        if PDL:  # nothing read or written before the kernel before has finished
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         block, nt = _tile(tl.program_id(0), NB, tl.cdiv(I, BLOCK_N), GROUP)
         if ONE:
             if tl.program_id(0) == 0:
@@ -216,12 +222,15 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     def moe_down_kernel(act_ptr, w_ptr, y_ptr, out_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H,
                         I, stride_we, stride_wn, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
-                        ONE: tl.constexpr = False):
+                        ONE: tl.constexpr = False, PDL: tl.constexpr = False):
         """One block of sorted pairs and one column tile of H: act @ w2[e]^T
         over K = I, times the routing weight, to y[pair]. ONE: `_block_rows`,
         and the slot sum too: total_ptr counts the tile's finished slots
         (zeroed by the gate/up launch), and the slot that finishes last adds
         the tile's rows of y in slot order into out, as moe_sum_kernel does."""
+        if PDL:  # nothing read or written before the kernel before has finished
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         block, nt = _tile(tl.program_id(0), NB, tl.cdiv(H, BLOCK_N), GROUP)
         if not ONE:
             if block * BLOCK_M >= tl.load(total_ptr):
@@ -261,8 +270,11 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                 tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
-    def moe_sum_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    def moe_sum_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
         """out[t] = y[t, 0] + y[t, 1] + ... in fp32, in slot order."""
+        if PDL:  # nothing read or written before the kernel before has finished
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         ok = h < H
@@ -313,7 +325,7 @@ def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, blo
         x, w13, act, sorted_ids, block_expert, total, pairs, blocks, hidden, inter, x.stride(0), w13.stride(0),
         w13.stride(1), TOPK=top_k, GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, EVEN_N=inter % t.block_n == 0, IEEE=x.dtype == torch.float32,
-        num_warps=t.warps, num_stages=t.stages, ONE=one, COUNTS=total.numel() if one else 1)
+        num_warps=t.warps, num_stages=t.stages, ONE=one, COUNTS=total.numel() if one else 1, **pdl_args(x))
     return act
 
 
@@ -332,7 +344,7 @@ def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_
         w2.stride(0), w2.stride(1),
         GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
         EVEN_N=hidden % t.block_n == 0, IEEE=act.dtype == torch.float32, num_warps=t.warps,
-        num_stages=t.stages, ONE=out is not None)
+        num_stages=t.stages, ONE=out is not None, **pdl_args(act))
     return y
 
 
@@ -340,7 +352,8 @@ def _sum_slots(y: torch.Tensor, tokens: int, top_k: int, block_h: int = 1024) ->
     hidden = y.shape[1]
     out = torch.empty((tokens, hidden), dtype=y.dtype, device=y.device)
     block_h = min(block_h, next_pow2(hidden))
-    moe_sum_kernel[(tokens, cdiv(hidden, block_h))](y, out, hidden, TOPK=top_k, BLOCK_H=block_h, num_warps=4)
+    moe_sum_kernel[(tokens, cdiv(hidden, block_h))](y, out, hidden, TOPK=top_k, BLOCK_H=block_h, num_warps=4,
+                                                    **pdl_args(y))
     return out
 
 

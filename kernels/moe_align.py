@@ -11,7 +11,7 @@ import importlib.util
 
 import torch
 
-from rollout_engine.kernels._triton import cdiv, next_pow2
+from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args
 
 
 def align_ref(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,8 +55,12 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         return counts
 
     @triton.jit(do_not_specialize=["P"])
-    def moe_count_kernel(ids_ptr, part_ptr, P, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
+    def moe_count_kernel(ids_ptr, part_ptr, P, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr,
+                         PDL: tl.constexpr):
         """Chunk c's pairs per expert, to part[c]."""
+        if PDL:  # launched early: nothing read or written before the kernel before has finished
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         c = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
         tl.store(part_ptr + c * BLOCK_E + e, _chunk_counts(ids_ptr, P, c * CHUNK, e, CHUNK=CHUNK, SUB=SUB))
@@ -65,13 +69,16 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     def moe_align_kernel(ids_ptr, part_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, NC, BPP,
                          BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr,
                          ONE_CHUNK: tl.constexpr, PART_ROWS: tl.constexpr, BLOCK_B: tl.constexpr,
-                         PAD: tl.constexpr):
+                         PAD: tl.constexpr, PDL: tl.constexpr):
         """Chunk c's pairs to their sorted places: expert e's run starts at
         the padded sizes of experts < e, then come the earlier chunks' pairs
         of e, then this chunk's in pair order. The padding sentinels and
         block_expert are shared out between the programs (blocks [c * BPP,
         (c + 1) * BPP) to program c). ONE_CHUNK: one program that counts the
-        pairs itself (no count launch)."""
+        pairs itself (no count launch). PDL: as the MoE kernels (kernels/moe.py)."""
+        if PDL:  # launched early: nothing read or written before the kernel before has finished
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         c = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
         if ONE_CHUNK:
@@ -109,9 +116,15 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             run += tl.sum(hot.to(tl.int32), axis=0)
 
 
-def _align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _align(ids: torch.Tensor, experts: int, block_m: int,
+           max_chunks: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """align_ref's result in one launch (pairs that fit one program's chunk)
-    or two (counts per chunk, then each chunk to its places)."""
+    or two (counts per chunk, then each chunk to its places), in at most
+    `max_chunks` chunks (a power of two). Each program walks its chunk in
+    steps of SUB pairs one after the other: at 16,384 pairs (2,048 tokens,
+    top 8 of 128) 128 chunks took 12.3 us on an H200, 64 took 20.8, 256
+    12.5 (benchmarks/moe_kernel.py --sweep). Fewer pairs give the same
+    chunks under any of these."""
     flat = ids.reshape(-1)
     pairs = flat.numel()
     blocks = _max_blocks(pairs, experts, block_m)
@@ -121,17 +134,18 @@ def _align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor,
     total = torch.empty(1, dtype=torch.int32, device=dev)
     block_e = next_pow2(experts)
     sub = max(16, min(64, 8192 // block_e))  # pairs per step: a [sub, experts] one-hot, a [sub, sub] compare
-    chunk = max(sub, next_pow2(cdiv(pairs, 64)))  # at most 64 chunks
+    chunk = max(sub, next_pow2(cdiv(pairs, max_chunks)))
     chunks = cdiv(pairs, chunk)
     one = chunks == 1
     part = total
     if not one:
         part = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
-        moe_count_kernel[(chunks,)](flat, part, pairs, CHUNK=chunk, SUB=sub, BLOCK_E=block_e, num_warps=4)
+        moe_count_kernel[(chunks,)](flat, part, pairs, CHUNK=chunk, SUB=sub, BLOCK_E=block_e, num_warps=4,
+                                    **pdl_args(flat))
     per = cdiv(blocks, chunks)
     moe_align_kernel[(chunks,)](flat, part, sorted_ids, block_expert, total, pairs, blocks, chunks, per,
                                 BLOCK_M=block_m, CHUNK=chunk, SUB=sub, BLOCK_E=block_e, ONE_CHUNK=one,
                                 PART_ROWS=max(1, min(64, 8192 // block_e)),
                                 BLOCK_B=max(1, min(next_pow2(per), 64, 8192 // block_e)), PAD=min(16, block_m),
-                                num_warps=4)
+                                num_warps=4, **pdl_args(flat))
     return sorted_ids, block_expert, total

@@ -11,7 +11,7 @@ import importlib.util
 
 import torch
 
-from rollout_engine.kernels._triton import cdiv, next_pow2, use_kernel
+from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args, use_kernel
 
 
 def route_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,10 +54,14 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     @triton.jit(do_not_specialize=["T"])
     def moe_route_kernel(x_ptr, w_ptr, id_ptr, loc_ptr, rec_ptr, T, E, stride_x, stride_rec, ROWS: tl.constexpr,
                          BLOCK_E: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
-                         RECORD: tl.constexpr):
+                         RECORD: tl.constexpr, PDL: tl.constexpr):
         """ROWS tokens: softmax over E in fp32, then TOPK rounds of argmax
         (leftmost on ties) with the chosen expert masked out. RECORD: the ids
-        also go to rec[loc[t]] (a token's KV slot: routing capture)."""
+        also go to rec[loc[t]] (a token's KV slot: routing capture). PDL: as
+        the MoE kernels (kernels/moe.py)."""
+        if PDL:  # launched early: nothing read or written before the kernel before has finished
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         e = tl.arange(0, BLOCK_E)
         e_ok = e < E
@@ -106,5 +110,5 @@ def _route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, record: R
     moe_route_kernel[(cdiv(tokens, rows),)](logits, weights, ids, loc, dest, tokens, experts, logits.stride(0),
                                             dest.stride(0), ROWS=rows, BLOCK_E=next_pow2(experts), TOPK=top_k,
                                             BLOCK_K=next_pow2(top_k), RENORM=renormalize,
-                                            RECORD=record is not None, num_warps=warps)
+                                            RECORD=record is not None, num_warps=warps, **pdl_args(logits))
     return weights, ids

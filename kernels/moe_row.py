@@ -22,7 +22,7 @@ import importlib.util
 
 import torch
 
-from rollout_engine.kernels._triton import cdiv, next_pow2
+from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args
 from rollout_engine.kernels.gemv import norm_gemv
 from rollout_engine.kernels.moe import DECODE, MoeLaunch, _down, _fit, _unit_last
 
@@ -40,10 +40,13 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                           BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, RENORM: tl.constexpr,
                           RECORD: tl.constexpr, COUNTS: tl.constexpr, H_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                          EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+                          EVEN_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         """Slot j = pid // tiles, column tile pid % tiles of I: the token's
         top k from its logits, expert ids[j]'s gate and up rows times
         RMSNorm(r) (r: the residual stream after the attention)."""
+        if PDL:  # launched early: nothing read or written before the kernel before has finished
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         tiles = tl.cdiv(I, BLOCK_N)
         j, nt = pid // tiles, pid % tiles
@@ -96,7 +99,8 @@ def moe_row(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, 
         w13.stride(1), dest.stride(0), TOPK=top_k, BLOCK_E=next_pow2(experts), BLOCK_J=next_pow2(top_k),
         RENORM=renormalize, RECORD=record is not None, COUNTS=counts.numel(), H_P2=next_pow2(hidden),
         BLOCK_M=config.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, EVEN_K=hidden % up.block_k == 0,
-        EVEN_N=inter % up.block_n == 0, IEEE=h.dtype == torch.float32, num_warps=up.warps, num_stages=up.stages)
+        EVEN_N=inter % up.block_n == 0, IEEE=h.dtype == torch.float32, num_warps=up.warps, num_stages=up.stages,
+        **pdl_args(h))
     out = torch.empty((1, hidden), dtype=h.dtype, device=dev)
     _down(act, w2, rw, (ids, ids, counts), config.block_m, config.down, out=out)
     return out, r

@@ -159,7 +159,8 @@ def test_interpreted_route(dtype):
 
 
 @interpreted
-@pytest.mark.parametrize("pairs,experts,block_m", [(6, 4, 16), (100, 128, 16), (300, 8, 32), (700, 16, 64)])
+@pytest.mark.parametrize("pairs,experts,block_m", [(6, 4, 16), (100, 128, 16), (300, 8, 32), (700, 16, 64),
+                                                    (9000, 16, 64)])  # 71 chunks
 def test_interpreted_align(pairs, experts, block_m):
     ids = torch.randint(0, experts, (pairs,), dtype=torch.int32)
     aligned = moe_align._align(ids, experts, block_m)

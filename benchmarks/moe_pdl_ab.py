@@ -1,0 +1,43 @@
+"""One side of an A/B of programmatic dependent launch in the MoE kernels
+alone (kernels/moe.py, moe_align.py, moe_route.py, moe_row.py); every other
+kernel keeps its own. `off` launches the MoE kernels without it, then runs
+`rollout-engine <args>` or `benchmarks/moe_kernel.py <args>` in this process.
+Alternate the sides in one device call:
+
+    python3 benchmarks/moe_pdl_ab.py off rollout-engine bench --workload decode --model qwen3-30b-a3b \\
+        --batch-sizes 1 8 --graphs-only --out /tmp/off.json
+    python3 benchmarks/moe_pdl_ab.py on rollout-engine bench ... --out /tmp/on.json
+    python3 benchmarks/moe_pdl_ab.py off moe_kernel.py --shape qwen3-30b-a3b --tokens 1,8,64,2048"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rollout_engine.cli_args import ScriptParser, run_script
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ScriptParser("moe_pdl_ab.py", __doc__)
+    p.add_argument("side", choices=["on", "off"], help="the MoE kernels with dependent launch, or without")
+    p.add_argument("program", choices=["rollout-engine", "moe_kernel.py"], help="what runs then, in this process")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    args = p.parse_args(argv)
+    from rollout_engine.kernels import moe, moe_align, moe_route, moe_row
+
+    if args.side == "off":
+        for module in (moe, moe_align, moe_route, moe_row):
+            module.pdl_args = lambda x: {"PDL": False}
+    if args.program == "rollout-engine":
+        from rollout_engine.console import main as console_main
+
+        sys.argv = ["rollout-engine", *args.args]
+        return console_main()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import moe_kernel
+
+    return moe_kernel.main(args.args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_script(main))
