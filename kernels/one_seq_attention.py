@@ -37,15 +37,21 @@ BLOCK_N = 64  # keys per block
 SPLITS = 32
 
 
+def takes_heads(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether `one_seq_attention` takes these heads: bf16/fp16 queries, a
+    head size that is a power of two from 16 to 256, the query heads in
+    equal groups over the KV heads."""
+    return (dtype in (torch.bfloat16, torch.float16) and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+            and num_heads % num_kv_heads == 0)
+
+
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether `one_seq_attention` takes these shapes: one query token of
-    bf16/fp16 heads whose size is a power of two from 16 to 256, a cache
-    laid out [slots, kv_heads, head_dim] with unit stride in the last, V as K."""
-    d = q.shape[-1]
-    return (q.dim() == 3 and q.shape[0] == 1 and q.dtype in (torch.bfloat16, torch.float16) and 16 <= d <= 256
-            and d & (d - 1) == 0 and q.stride(-1) == 1 and k_cache.dim() == 3 and q.shape[1] % k_cache.shape[1] == 0
-            and k_cache.shape[-1] == d and k_cache.stride(-1) == 1 and v_cache.shape == k_cache.shape
-            and v_cache.stride() == k_cache.stride())
+    """Whether `one_seq_attention` takes these tensors: one query token of
+    heads it takes (`takes_heads`), a cache laid out [slots, kv_heads,
+    head_dim] with unit stride in the last, V as K."""
+    return (q.dim() == 3 and q.shape[0] == 1 and q.stride(-1) == 1 and k_cache.dim() == 3
+            and takes_heads(q.dtype, q.shape[1], k_cache.shape[1], q.shape[-1]) and k_cache.shape[-1] == q.shape[-1]
+            and k_cache.stride(-1) == 1 and v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride())
 
 
 if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the helpers

@@ -5,21 +5,13 @@ import pytest
 import torch
 
 from conftest import MODEL_KINDS
+from gpu_parity import GPU_SHAPES, INIT_RANGE, gap_vs_hf, gaps_vs_hf
 from models import make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 140)), list(range(200, 300, 3)), [7] * 33]
-# FlashInfer compiles per head_dim: every GPU model uses 64. Groups of 4 take
-# the tensor-core decode path, groups of 2 the CUDA-core one.
-GPU_SHAPES = {
-    "llama": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1),
-    "llama3": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1),
-    "qwen2": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2),
-    "qwen3": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=64),
-}
-INIT_RANGE = 0.06  # wider than the CPU models: keeps bf16 activations in a realistic range
 
 
 def test_page_indices_kernel_matches_reference():
@@ -42,26 +34,6 @@ def test_page_indices_kernel_matches_reference():
         assert got[total:].tolist() == [0] * pad and out[total + pad:].tolist() == [-1] * 5
 
 
-def _gap_vs_hf(engine, hf, prompts):
-    """Mean |raw logprob - HF's| over the engine's greedy outputs, teacher-forced
-    (the largest over the prompts)."""
-    gaps, outs = _gaps_vs_hf(engine, hf, prompts)
-    return max(gaps), outs
-
-
-def _gaps_vs_hf(engine, hf, prompts):
-    outs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(
-        max_new_tokens=48, temperature=0, logprob_mode="raw", ignore_eos=True))
-    gaps = []
-    for p, o in zip(prompts, outs):
-        seq = torch.tensor([p + o.output_token_ids], device="cuda")
-        with torch.no_grad():
-            lps = torch.log_softmax(hf(seq).logits[0].float(), -1)
-        ref = lps[len(p) - 1: -1].gather(-1, torch.tensor(o.output_token_ids, device="cuda")[:, None]).squeeze(1)
-        gaps.append((torch.tensor(o.output_logprobs, device="cuda") - ref).abs().mean().item())
-    return gaps, outs
-
-
 @pytest.fixture(scope="module")
 def gpu_models(tmp_path_factory):
     out = {}
@@ -79,11 +51,11 @@ def test_flashinfer_bf16_parity(gpu_models, kind, tie, cuda_graph):
     engine = RolloutEngine(folder, device="cuda", attention_backend="flashinfer", cuda_graph=cuda_graph,
                            max_total_tokens=8192, cuda_graph_max_batch_size=16)
     assert (engine.core.parts.runner.graphs is not None) == cuda_graph
-    gap, _ = _gap_vs_hf(engine, hf, PROMPTS)
-    single, _ = _gap_vs_hf(engine, hf, PROMPTS[1:2])  # batch-1 decode: the one-row matrix-vector kernel
+    gap, _ = gap_vs_hf(engine, hf, PROMPTS)
+    single, _ = gap_vs_hf(engine, hf, PROMPTS[1:2])  # batch-1 decode: the one-row matrix-vector kernel
     assert single < 2e-2
     reference = RolloutEngine(folder, device="cuda", attention_backend="torch", max_total_tokens=8192)
-    ref_gap, _ = _gap_vs_hf(reference, hf, PROMPTS)
+    ref_gap, _ = gap_vs_hf(reference, hf, PROMPTS)
     print(f"{kind} graphs={cuda_graph}: flashinfer gap {gap:.4f}, torch backend gap {ref_gap:.4f}")
     assert gap < 2e-2
     assert gap < 2 * ref_gap + 5e-3  # no worse than the reference implementation's bf16 noise
@@ -115,10 +87,10 @@ def test_batch_1_decode_with_random_norm_weights_matches_hf(tmp_path, cuda_graph
     assert layer.norms_in_products(torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16), None)
     # no q/k norms: the rotary embedding and K/V store go inside the qkv product too
     assert layer.self_attn.rope_in_product and layer.mlp.gated_in_product
-    gap, _ = _gap_vs_hf(engine, hf, PROMPTS[1:2])
+    gap, _ = gap_vs_hf(engine, hf, PROMPTS[1:2])
     engine.shutdown()
     reference = RolloutEngine(folder, device="cuda", attention_backend="torch", max_total_tokens=4096)
-    ref_gap, _ = _gap_vs_hf(reference, hf, PROMPTS[1:2])
+    ref_gap, _ = gap_vs_hf(reference, hf, PROMPTS[1:2])
     reference.shutdown()
     assert gap < 2 * ref_gap + 5e-3  # a norm weight used in the wrong place would be off by far more
 
@@ -136,7 +108,7 @@ def test_tp2_batch_1_decode_with_random_norm_weights_matches_hf(tmp_path):
     for tp in (1, 2):
         engine = RolloutEngine(folder, device="cuda", attention_backend="flashinfer", tp_size=tp,
                                max_total_tokens=4096, cuda_graph_max_batch_size=8)
-        gaps[tp], _ = _gap_vs_hf(engine, hf, PROMPTS[1:2])
+        gaps[tp], _ = gap_vs_hf(engine, hf, PROMPTS[1:2])
         engine.check_integrity()
         engine.shutdown()
     assert gaps[2] < 2 * gaps[1] + 5e-3
@@ -155,7 +127,7 @@ def test_flashinfer_large_decode_batch_of_a_two_head_group(gpu_models, cuda_grap
     backend = engine.core.parts.runner.backend
     assert not backend.tensor_cores(TENSOR_CORE_MIN_BATCH - 1) and backend.tensor_cores(TENSOR_CORE_MIN_BATCH)
     prompts = [[(t + 13 * i) % 500 + 1 for t in p] for i in range(40) for p in PROMPTS]  # 160 requests
-    gap, _ = _gap_vs_hf(engine, hf, prompts)
+    gap, _ = gap_vs_hf(engine, hf, prompts)
     assert gap < 2e-2
     engine.check_integrity()
 
@@ -173,9 +145,9 @@ def test_flashinfer_large_decode_batch_with_one_very_long_sequence(tmp_path, cud
     long = [(7 * t) % 500 + 1 for t in range(6000)]
     prompts = [long] + [[(t + 13 * i) % 500 + 1 for t in p] for i in range(20) for p in PROMPTS]
     hf = hf.to("cuda", torch.bfloat16)
-    gaps, outs = _gaps_vs_hf(engine, hf, prompts)
+    gaps, outs = gaps_vs_hf(engine, hf, prompts)
     reference = RolloutEngine(folder, device="cuda", attention_backend="torch", max_total_tokens=65536)
-    ref_gaps, _ = _gaps_vs_hf(reference, hf, prompts[:2])
+    ref_gaps, _ = gaps_vs_hf(reference, hf, prompts[:2])
     print(f"graphs={cuda_graph}: long {gaps[0]:.4f} (torch backend {ref_gaps[0]:.4f}), short at most "
           f"{max(gaps[1:]):.4f} (torch backend {ref_gaps[1]:.4f})")
     assert len(outs[0].output_token_ids) == 48
@@ -192,7 +164,7 @@ def test_flashinfer_over_cached_prefixes(gpu_models, page_size):
     system = list(range(300, 380))
     engine.generate(input_ids=[system], sampling_params=SamplingParams(max_new_tokens=4))
     prompts = [system + [i, i + 1, i + 2] for i in range(1, 40, 5)]
-    gap, outs = _gap_vs_hf(engine, hf, prompts)
+    gap, outs = gap_vs_hf(engine, hf, prompts)
     assert gap < 2e-2
     assert all(o.num_cached_tokens >= 80 - page_size for o in outs)
     params = SamplingParams(n=4, max_new_tokens=32, temperature=1.0, seed=3)
@@ -286,11 +258,11 @@ def test_triton_backend_bf16_parity(gpu_models, kind, tie, cuda_graph):
     engine = RolloutEngine(folder, device="cuda", attention_backend="triton", max_total_tokens=8192, page_size=4,
                            cuda_graph=cuda_graph, cuda_graph_max_batch_size=16)
     assert (engine.core.parts.runner.graphs is not None) == cuda_graph
-    gap, _ = _gap_vs_hf(engine, hf, PROMPTS)
+    gap, _ = gap_vs_hf(engine, hf, PROMPTS)
     assert gap < 2e-2
     system = list(range(300, 380))
     engine.generate(input_ids=[system], sampling_params=SamplingParams(max_new_tokens=4))
-    gap, outs = _gap_vs_hf(engine, hf, [system + [5, 6, 7], system + [9]])
+    gap, outs = gap_vs_hf(engine, hf, [system + [5, 6, 7], system + [9]])
     assert gap < 2e-2 and all(o.num_cached_tokens >= 76 for o in outs)
     engine.check_integrity()
 

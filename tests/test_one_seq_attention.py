@@ -144,7 +144,7 @@ def test_gpu_graph_replays_other_lengths_with_the_new_entry_written_just_before(
 @pytest.fixture(scope="module")
 def one_seq_models(tmp_path_factory):
     from models import make_hf_model, save_model
-    from test_gpu_fast_path import GPU_SHAPES, INIT_RANGE
+    from gpu_parity import GPU_SHAPES, INIT_RANGE
 
     out = {}
     for kind in ("llama", "qwen3"):  # a group of 4; q/k norms in the rotary kernel
@@ -165,7 +165,7 @@ def test_engine_batch_1_decode_takes_the_kernel_and_matches_hf(one_seq_models, m
     a prefix-cache hit and a context past one key block per program."""
     from rollout_engine import RolloutEngine
     from rollout_engine.kernels import one_seq_attention as kernel
-    from test_gpu_fast_path import _gaps_vs_hf
+    from gpu_parity import gaps_vs_hf
 
     calls = []
     real = kernel.one_seq_attention
@@ -176,7 +176,7 @@ def test_engine_batch_1_decode_takes_the_kernel_and_matches_hf(one_seq_models, m
         system = [3 + (i * 7) % 500 for i in range(2600)]  # 41+ key blocks: more than one per program
         for prompt in ([1, 2, 3, 4, 5], list(range(100, 140)), system + [5, 6], system + [9]):
             before = len(calls)
-            (gap,), (out,) = _gaps_vs_hf(engine, hf, [prompt])
+            (gap,), (out,) = gaps_vs_hf(engine, hf, [prompt])
             assert gap < 2e-2, (kind, len(prompt), gap)
             assert cuda_graph or len(calls) > before  # eager steps call it per layer
         assert out.num_cached_tokens >= 2560  # the last prompt hit the cache (whole pages)

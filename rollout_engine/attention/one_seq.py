@@ -9,6 +9,7 @@ import torch
 
 from rollout_engine.attention.base import AttentionShape
 from rollout_engine.kernels._triton import triton_available
+from rollout_engine.kernels.one_seq_attention import takes_heads
 
 if TYPE_CHECKING:
     from rollout_engine.forward_batch import ForwardBatch
@@ -25,10 +26,10 @@ ONE_SEQ = "one sequence"  # a step's attn_metadata when it takes the kernel
 
 
 def one_seq_shape(shape: AttentionShape) -> bool:
-    """Whether this attention shape can take the kernel (`one_seq_attention.supported`)."""
-    d = shape.head_dim
-    return (shape.device.type == "cuda" and triton_available() and shape.dtype in (torch.bfloat16, torch.float16)
-            and 16 <= d <= 256 and d & (d - 1) == 0 and shape.num_heads % shape.num_kv_heads == 0)
+    """Whether this attention shape can take the kernel: on a CUDA device
+    with Triton, heads that `one_seq_attention.takes_heads`."""
+    return (shape.device.type == "cuda" and triton_available()
+            and takes_heads(shape.dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim))
 
 
 def takes_one_seq(enabled: bool, fb: "ForwardBatch") -> bool:
