@@ -237,6 +237,27 @@ def test_the_progress_bar_in_a_log_writes_lines_not_redraws(engine, capsys, monk
     assert lines[1].startswith("rollout: 100%") and "16/16" in lines[1] and "tokens=1600" in lines[1], lines
 
 
+def test_the_progress_bar_of_an_aborted_call_stops_where_it_was(engine, capsys, monkeypatch):
+    """Requests stopped by an abort (Ctrl-C, engine.abort()) are not counted
+    as done: the bar's last line says how far the call got, not 100%."""
+    import threading
+
+    from rollout_engine import progress
+
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    quick = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
+    endless = SamplingParams(n=3, max_new_tokens=8000, temperature=1.0, seed=1, ignore_eos=True)
+    timer = threading.Timer(0.5, engine.abort)
+    timer.start()
+    try:
+        outs = engine.generate(input_ids=[[1, 2, 3], [4, 5]], sampling_params=[quick, endless], progress=True)
+    finally:
+        timer.cancel()
+    assert [o.finish_reason for o in outs] == ["length"] + ["abort"] * 3
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "1/4" in last and "100%" not in last, last
+
+
 def test_the_progress_bar_on_a_terminal_redraws_in_place(engine, monkeypatch):
     """On a terminal: tqdm's live bar, redrawn in place."""
     import io

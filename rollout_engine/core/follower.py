@@ -125,7 +125,7 @@ class FollowerCore:
             sub.deliver(("end", None))
             return
         if sub.progress:
-            sub.deliver(("progress", len(value)))
+            sub.deliver(("progress", sum(out.finish_reason != "abort" for out in value)))
         sub.deliver(("end", value))
 
 

@@ -52,7 +52,7 @@ class Subscription:
             return
         self._outputs[self._index[id(req)]] = build_output(req, stop)
         self._remaining -= 1
-        if self.progress:
+        if self.progress and req.finish_reason != "abort":  # the bar counts requests done, not stopped
             self.deliver(("progress", 1))
         if self._remaining == 0:
             self._end(self._outputs)
