@@ -10,19 +10,23 @@ Alternate the sides in one device call:
     python3 benchmarks/moe_pdl_ab.py off moe_kernel.py --shape qwen3-30b-a3b --tokens 1,8,64,2048"""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from rollout_engine.cli_args import ScriptParser, run_script
+from rollout_engine.suggest import unrecognized
 
 
 def main(argv: list[str] | None = None) -> int:
     p = ScriptParser("moe_pdl_ab.py", __doc__)
     p.add_argument("side", choices=["on", "off"], help="the MoE kernels with dependent launch, or without")
-    p.add_argument("program", choices=["rollout-engine", "moe_kernel.py"], help="what runs then, in this process")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
-    args = p.parse_args(argv)
+    p.add_argument("program", choices=["rollout-engine", "moe_kernel.py"],
+                   help="what runs then, in this process, with the arguments that follow")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        p.error(unrecognized(p, argv[:1]))
+    args = p.parse_args(argv[:2])  # what follows is the program's, flags included
+    args.args = argv[2:]
     from rollout_engine.kernels import moe, moe_align, moe_route, moe_row
 
     if args.side == "off":

@@ -254,6 +254,8 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
     ("host_phases", ["--out", "/no/such/folder/x.json", "--", "--workload", "offline"], "--out"),
     ("host_phases", ["--profile", "--", "--workload", "grpo"], "--profile"),
     ("shared_prefix_attention", ["--shared-prefixes", "650"], "--shared-prefixes"),
+    ("moe_pdl_ab", ["maybe", "moe_kernel.py"], "side"),
+    ("moe_pdl_ab", ["on", "moe_kernel.py", "--tokens", "0"], "--tokens"),  # "off" would patch the kernels
 ])
 def test_benchmark_scripts_name_a_bad_flag_before_looking_for_a_gpu(name, argv, flag, capsys, monkeypatch):
     import torch

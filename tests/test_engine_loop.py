@@ -256,6 +256,7 @@ def test_the_progress_bar_of_an_aborted_call_stops_where_it_was(engine, capsys, 
     assert [o.finish_reason for o in outs] == ["length"] + ["abort"] * 3
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "1/4" in last and "100%" not in last, last
+    assert f"tokens={sum(len(o.output_token_ids) for o in outs)}" in last, last  # every token, the aborted ones too
 
 
 def test_the_progress_bar_on_a_terminal_redraws_in_place(engine, monkeypatch):

@@ -101,6 +101,8 @@ def generate(core: EngineCore, inputs: Inputs, progress: bool) -> list[RolloutOu
                 # far show that it moves meanwhile (read racily, for display).
                 bar.update(value or 0, redraw=kind == "tick", tokens=sum(r.num_output_tokens for r in sub.reqs))
             elif kind == "end":
+                if progress and value is not None:  # the last line counts every token (an abort sends no progress)
+                    bar.update(0, tokens=sum(len(o.output_token_ids) for o in value))
                 return value
 
 
