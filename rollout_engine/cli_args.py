@@ -135,8 +135,15 @@ def _named(exc: ValueError, fields: Iterable[str]) -> UsageError:
     match = re.match(r"(?:request \d+: )?(?:sampling_params\.)?(\w+) (.*)", str(exc), re.S)
     if match and match.group(1) in fields:
         rest = re.sub(r"^[(](\S+)[)] ", r"\1 ", match.group(2))  # "(8190) plus the prompt ...": the value itself
+        rest = re.sub(r"[(]raise (\w+)[)]", lambda m: f"(raise {flag_of(m[1])})", rest)  # an engine field's remedy
         return UsageError(f"argument {flag_of(match.group(1))}: {rest}")
     return UsageError(str(exc))
+
+
+def said_as_flags(exc: ValueError) -> UsageError:
+    """The engine's refusal of a request (`validation.check_request`) as the
+    command line says it: the sampling field as the flag that sets it."""
+    return _named(exc, SAMPLING_FIELDS)
 
 
 def check_tp_args(config: EngineConfig) -> None:

@@ -172,6 +172,17 @@ def test_new_tokens_past_the_context_after_a_text_prompt_are_refused_before_the_
     assert "argument --max-new-tokens:" in line and f"({context} tokens)" in line
 
 
+def test_a_text_prompt_the_cache_cannot_hold_is_refused_as_the_flags_that_set_it(smollm2_dir, capsys):
+    """Known only once tokenized, the refusal comes from the engine: said with
+    the command line's flags, not the Python API's field names."""
+    assert main(["generate", "--model", smollm2_dir, "--max-total-tokens", "8", "--max-new-tokens", "2",
+                 "What is the capital of France? Tell me please"]) == 2
+    line = _one_line_error(capsys)
+    assert line.startswith("rollout-engine: error: argument --max-new-tokens: 2 plus the prompt"), line
+    assert "(raise --max-total-tokens)" in line and "sampling_params" not in line, line
+    assert line.endswith("(see 'rollout-engine generate --help')"), line
+
+
 def test_unknown_model_is_named(capsys, no_model_load):
     assert main(["generate", "--model", "no-such-model"]) == 2
     assert "--model" in _one_line_error(capsys)
