@@ -6,7 +6,10 @@ import can leave modules half-initialised and end in a traceback from deep
 inside a library, so while those imports run, Ctrl-C only sets a flag; the
 imports finish (or stop at the next one), then the command ends with one
 line and exit status 130, as Ctrl-C later does. After the command, a Ctrl-C
-while the interpreter shuts down exits at once with 130 and prints nothing.
+while the interpreter shuts down exits at once with 130 and prints nothing;
+a command that ended in 130 skips that shutdown (a second or more of
+torch's teardown, during which another Ctrl-C would end the process by the
+signal instead of with 130).
 A Ctrl-C before Python has started running this module (its own startup, a
 few tens of milliseconds) is the interpreter's. A command started with
 Ctrl-C ignored (a script's background job) keeps ignoring it throughout."""
@@ -69,5 +72,17 @@ def main() -> int:
             signal.signal(signal.SIGINT, _quiet_exit)
 
 
+def entry() -> None:
+    """The console script: `main`, then exit with its status; an interrupted
+    command (130) has nothing left to finish, so it exits without the
+    interpreter's teardown."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -373,6 +373,61 @@ def test_ctrl_c_during_generate_prints_the_samples_so_far(llama, capsys):
     assert "finish=abort" in captured.out and "500 tokens, finish=length" not in captured.out
 
 
+def test_the_console_script_skips_the_teardown_only_after_an_interrupt(monkeypatch, capsys):
+    """Status 130: streams flushed, then os._exit (no interpreter teardown,
+    where a second Ctrl-C would end the process by the signal); any other
+    status: a normal exit."""
+    from rollout_engine import console
+
+    exits = []
+    monkeypatch.setattr(console.os, "_exit", lambda code: exits.append(code))
+    monkeypatch.setattr(console, "main", lambda: print("samples so far") or 130)
+    with pytest.raises(SystemExit):  # the patched os._exit returns; entry goes on to sys.exit
+        console.entry()
+    assert exits == [130] and capsys.readouterr().out == "samples so far\n"
+    monkeypatch.setattr(console, "main", lambda: 0)
+    with pytest.raises(SystemExit) as exit_:
+        console.entry()
+    assert exit_.value.code == 0 and exits == [130]
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_after_the_interrupted_line_keeps_status_130_and_the_samples(llama):
+    """One Ctrl-C: the samples so far (stdout, flushed), the one line, 130.
+    The process then skips the interpreter's teardown, so a second Ctrl-C
+    right after the line finds it gone instead of killing it by the signal
+    mid-teardown (status -2 to a Python parent)."""
+    import threading
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "rollout_engine.console", "generate", "--model", llama[1],
+                             "--device", "cpu", "--input-ids", "[[5,6,7]]", "-n", "16", "--max-new-tokens", "500",
+                             "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err = []
+
+    def read_err():
+        while line := proc.stderr.readline():
+            err.append(line.decode(errors="replace"))
+
+    reader = threading.Thread(target=read_err, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while not any("rollout:" in line for line in err) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)  # the rollout's progress bar is up
+    time.sleep(1.0)  # generating (500 tokens a sample take several seconds here)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    while not any("error: interrupted" in line for line in err) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)  # where torch's teardown used to run for a second more
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    reader.join(10)
+    assert proc.returncode == 130, "".join(err)
+    assert out.decode().count("--- [") == 16 and "finish=abort" in out.decode(), out[-2000:]
+
+
 def test_two_quick_ctrl_cs_during_generate_end_in_one_line(llama):
     """A second Ctrl-C right after the first gives up on the samples but
     still ends with the one line and status 130: after the first, Ctrl-C
