@@ -23,7 +23,7 @@ from rollout_engine.cli_args import (INPUT_IDS_HELP, HelpFormatter, UsageError, 
                                      check_tp_args, has_tokenizer, input_ids, said_as_flags)
 from rollout_engine.suggest import unrecognized, with_choice_hint
 from rollout_engine.config import EngineConfig
-from rollout_engine.interrupts import generate_keeping_partials
+from rollout_engine.interrupts import DeferredInterrupt, generate_keeping_partials
 from rollout_engine.model_zoo import ZOO
 
 PROG = "rollout-engine"
@@ -103,9 +103,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                               for o in outs):
             print("hint: the model stopped at once; chat models usually want --chat", file=sys.stderr)
     finally:
+        note = DeferredInterrupt()  # a Ctrl-C raised inside the shutdown would cut it short, or land in a
+        if handler is not None:     # library's cleanup ("Exception ignored ... KeyboardInterrupt"): noted
+            signal.signal(signal.SIGINT, note)
         engine.shutdown()  # the step loop (and any tensor-parallel ranks) end before the interpreter does
         if handler is not None:
             signal.signal(signal.SIGINT, handler)  # as it was, whatever a Ctrl-C changed
+        if note.hit:
+            raise KeyboardInterrupt
     return 0
 
 

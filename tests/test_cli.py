@@ -373,6 +373,36 @@ def test_ctrl_c_during_generate_prints_the_samples_so_far(llama, capsys):
     assert "finish=abort" in captured.out and "500 tokens, finish=length" not in captured.out
 
 
+def test_a_ctrl_c_during_the_engines_shutdown_lets_it_finish(llama, capsys):
+    """A Ctrl-C after the samples, while the engine shuts down: noted, the
+    shutdown runs to its end (raised inside, it cut it short or landed in a
+    library's cleanup as 'Exception ignored ... KeyboardInterrupt'), then the
+    one line and 130."""
+    import os
+
+    from rollout_engine.engine import RolloutEngine
+
+    real, calls = RolloutEngine.shutdown, []
+
+    def shutdown(self):
+        if not calls:  # once: the engine may be shut down again later
+            calls.append("sent")
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(10_000))  # bytecode runs: a raising handler raises here
+        real(self)
+        calls.append("done")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(RolloutEngine, "shutdown", shutdown)
+        status = main(["generate", "--model", llama[1], "--device", "cpu", "--input-ids", "[[5,6,7]]",
+                       "--max-new-tokens", "2"])
+    assert calls[:2] == ["sent", "done"] and status == 130
+    captured = capsys.readouterr()
+    assert captured.out.count("--- [") == 1, captured.out
+    assert captured.err.strip().splitlines()[-1] == "rollout-engine: error: interrupted"
+    assert "Traceback" not in captured.err and "Exception ignored" not in captured.err
+
+
 def test_the_console_script_skips_the_teardown_only_after_an_interrupt(monkeypatch, capsys):
     """Status 130: streams flushed, then os._exit (no interpreter teardown,
     where a second Ctrl-C would end the process by the signal); any other
