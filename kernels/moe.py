@@ -156,7 +156,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         program 0 zeroes the down launch's COUNTS tile counters (total_ptr).
         PDL (here and in the other MoE kernels): launched early, it waits
         first (the experts it reads depend on the routing before it)."""
-        if PDL:  # nothing read or written before the kernel before has finished
+        if PDL:  # launched early: nothing read or written before the kernel before has finished
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         block, nt = _tile(tl.program_id(0), NB, tl.cdiv(I, BLOCK_N), GROUP)
@@ -228,7 +228,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         and the slot sum too: total_ptr counts the tile's finished slots
         (zeroed by the gate/up launch), and the slot that finishes last adds
         the tile's rows of y in slot order into out, as moe_sum_kernel does."""
-        if PDL:  # nothing read or written before the kernel before has finished
+        if PDL:  # launched early: nothing read or written before the kernel before has finished
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         block, nt = _tile(tl.program_id(0), NB, tl.cdiv(H, BLOCK_N), GROUP)
@@ -272,7 +272,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     @triton.jit
     def moe_sum_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
         """out[t] = y[t, 0] + y[t, 1] + ... in fp32, in slot order."""
-        if PDL:  # nothing read or written before the kernel before has finished
+        if PDL:  # launched early: nothing read or written before the kernel before has finished
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
