@@ -24,7 +24,7 @@ from rollout_engine.config import EngineConfig
 from rollout_engine.core.build import EngineParts, build_parts, engine_cuda_index
 from rollout_engine.core.rank_ops import RankOps
 from rollout_engine.core.request_factory import RequestFactory
-from rollout_engine.core.subscription import Subscription
+from rollout_engine.core.subscription import Subscription, counts_as_done
 from rollout_engine.core.worker import serve
 from rollout_engine.distributed.tp_group import RankLink
 
@@ -125,7 +125,7 @@ class FollowerCore:
             sub.deliver(("end", None))
             return
         if sub.progress:
-            sub.deliver(("progress", sum(out.finish_reason != "abort" for out in value)))
+            sub.deliver(("progress", sum(counts_as_done(out.finish_reason) for out in value)))
         sub.deliver(("end", value))
 
 

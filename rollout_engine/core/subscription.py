@@ -18,6 +18,11 @@ from rollout_engine.outputs import RolloutOutput, build_output, routes_ready
 from rollout_engine.request import Request
 from rollout_engine.scheduler.stop import StopChecker
 
+
+def counts_as_done(finish_reason: str | None) -> bool:
+    """Whether a progress bar counts a finished request: stopped by an abort, it is not done."""
+    return finish_reason != "abort"
+
 Deliver = Callable[[tuple[str, Any]], None]
 
 
@@ -52,7 +57,7 @@ class Subscription:
             return
         self._outputs[self._index[id(req)]] = build_output(req, stop)
         self._remaining -= 1
-        if self.progress and req.finish_reason != "abort":  # the bar counts requests done, not stopped
+        if self.progress and counts_as_done(req.finish_reason):
             self.deliver(("progress", 1))
         if self._remaining == 0:
             self._end(self._outputs)
