@@ -167,14 +167,19 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
             "rows": rows, "sweep": sweeps}
 
 
+def _row_inputs(x: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's residual stream, post-attention norm weight and router, beside x."""
+    residual = torch.randn_like(x)
+    norm_w = torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
+    router = torch.randn(experts, x.shape[1], device=x.device, dtype=x.dtype) * 0.02
+    return residual, norm_w, router
+
+
 def sparse_mlp_row_us(x, w13, w2, top_k, renorm) -> dict:
     """One token's whole sparse MLP after the attention: kernels/moe_row.py's
     three launches (`row_us`) against the launches they replace
     (`row_unfused_us`: norm, router product, routing, experts)."""
-    hidden, experts = x.shape[1], w13.shape[0]
-    residual = torch.randn_like(x)
-    norm_w = torch.ones(hidden, device=x.device, dtype=x.dtype)
-    router = torch.randn(experts, hidden, device=x.device, dtype=x.dtype) * 0.02
+    residual, norm_w, router = _row_inputs(x, w13.shape[0])
 
     def unfused():
         h, r = rmsnorm(x, norm_w, 1e-6, residual)
@@ -191,10 +196,7 @@ def sparse_mlp_row_us(x, w13, w2, top_k, renorm) -> dict:
 def sweep_row(name, x, w13, w2, top_k, renorm) -> list[dict]:
     """One token's sparse MLP in moe_row's three launches with each candidate
     gate/up tile (down as DECODE's), then each down tile (gate/up as DECODE's)."""
-    hidden, experts = x.shape[1], w13.shape[0]
-    residual = torch.randn_like(x)
-    norm_w = torch.ones(hidden, device=x.device, dtype=x.dtype)
-    router = torch.randn(experts, hidden, device=x.device, dtype=x.dtype) * 0.02
+    residual, norm_w, router = _row_inputs(x, w13.shape[0])
     out = []
     for product, cands in (("row_up", SWEEP_ROW_UP), ("row_down", SWEEP_ROW_DOWN)):
         for tiles in cands:
