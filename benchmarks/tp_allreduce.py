@@ -1,5 +1,8 @@
 """All-reduce latency inside a CUDA graph, NCCL vs the engine's one-shot
-path, over the GPUs of one host (one process per GPU).
+path, over the GPUs of one host (one process per GPU); and the all-reduce
+with the residual add and RMSNorm after it (rows of `--hidden` columns):
+NCCL or the one-shot kernel then the norm kernel, against the fused kernel
+(`distributed/fused_norm.py`).
 
     python benchmarks/tp_allreduce.py --gpus 2 --out /tmp/allreduce.json
 
@@ -59,6 +62,11 @@ def _rank(rank: int, size: int, port: int, args, queue) -> None:
         dist.all_reduce(t, group=group)
         return t
 
+    from rollout_engine.distributed.comm import TPComm
+    from rollout_engine.kernels.rmsnorm import rmsnorm
+
+    fused = TPComm(rank, size, group).with_fused_norm(args.hidden, dtype, torch.device("cuda", rank)).fused
+    eps = 1e-5
     rows = []
     for kib in args.sizes_kib:
         x = torch.full((kib * 1024 // 2,), 1.0 / 64, dtype=dtype, device="cuda")
@@ -70,6 +78,18 @@ def _rank(rank: int, size: int, port: int, args, queue) -> None:
                "one_shot_us": _time_graph(lambda t: fast(t).mul_(1.0 / size), x.clone(), args.ops,
                                           args.replays) * 1e6,
                "scale_only_us": _time_graph(lambda t: t.mul_(1.0 / size), x.clone(), args.ops, args.replays) * 1e6}
+        tokens = kib * 1024 // dtype.itemsize // args.hidden
+        if tokens and tokens * args.hidden * dtype.itemsize == kib * 1024:  # whole rows: with the norm after it
+            h = x.view(tokens, args.hidden)
+            residual, w = torch.randn_like(h), torch.ones(args.hidden, dtype=dtype, device="cuda")
+            row["rows"] = tokens
+            row["nccl_norm_us"] = _time_graph(lambda t: rmsnorm(nccl(t), w, eps, residual)[0], h.clone(), args.ops,
+                                              args.replays) * 1e6
+            row["one_shot_norm_us"] = _time_graph(lambda t: rmsnorm(fast(t), w, eps, residual)[0], h.clone(),
+                                                  args.ops, args.replays) * 1e6
+            if fused is not None and fused.fits(h, residual):
+                row["fused_us"] = _time_graph(lambda t: fused(t, residual, w, eps)[0], h.clone(), args.ops,
+                                              args.replays) * 1e6
         rows.append({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
     if rank == 0:
         queue.put(rows)
@@ -86,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gpus", type=positive_int, default=2, help="ranks, one per GPU")
     p.add_argument("--sizes-kib", type=positive_int, nargs="+", default=[8, 32, 128, 512, 1024, 4096],
                    help="message sizes")
+    p.add_argument("--hidden", type=positive_int, default=4096, help="columns of a row (the norm's width)")
     p.add_argument("--ops", type=positive_int, default=64, help="all-reduces per captured graph")
     p.add_argument("--replays", type=positive_int, default=50, help="graph replays timed")
     p.add_argument("--out", help="write the rows here (JSON)")
@@ -100,9 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = queue.get(timeout=300)
     for proc in procs:
         proc.join(60)
-    print(f"{'KiB':>6} {'nccl us':>9} {'one-shot us':>12} {'scale us':>9}")
+    print(f"{'KiB':>6} {'nccl us':>9} {'one-shot us':>12} {'scale us':>9} {'rows':>5} {'nccl+norm':>10} "
+          f"{'one-shot+norm':>14} {'fused':>7}")
     for r in rows:
-        print(f"{r['kib']:>6} {r['nccl_us']:>9} {r['one_shot_us']:>12} {r['scale_only_us']:>9}")
+        print(f"{r['kib']:>6} {r['nccl_us']:>9} {r['one_shot_us']:>12} {r['scale_only_us']:>9} {r.get('rows', '-'):>5} "
+              f"{r.get('nccl_norm_us', '-'):>10} {r.get('one_shot_norm_us', '-'):>14} {r.get('fused_us', '-'):>7}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpus": args.gpus, "ops": args.ops, "rows": rows,

@@ -168,6 +168,13 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     return _launch(x, weight, bias, norm=(norm_weight, eps), residual=residual, gated=gated, rope=rope)
 
 
+def row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                rope: RopeStore | None = None, gated: bool = False) -> torch.Tensor:
+    """`norm_gemv` without the norm (x normalised already): x W^T (+ b) for
+    one row, finished by `rope` or `gated` as there."""
+    return _launch(x, weight, bias, rope=rope, gated=gated)[0]
+
+
 def pairs_fit(n: int, k: int, segment: int) -> bool:
     """Whether the one-row product of a weight [n, k] can compute the rows of
     each segment of `segment` rows in pairs (row i with row i + segment / 2:

@@ -141,6 +141,60 @@ def symm_name_rank(rank: int, port: int, out_queue) -> None:
     out_queue.put((rank, world, fresh, again))
 
 
+def fused_norm_rank(rank: int, port: int, out_queue) -> None:
+    """One of two GPU ranks: the fused all-reduce + residual add + RMSNorm
+    (eagerly and replayed in a CUDA graph with new inputs) against NCCL's
+    all-reduce then the norm kernel. Puts (rank, the path's class, the
+    largest gap of the normalised rows, whether every new residual was equal)."""
+    import torch
+    import torch.distributed as dist
+
+    from rollout_engine.distributed.comm import TPComm
+    from rollout_engine.kernels.rmsnorm import rmsnorm
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)
+    try:
+        hidden, eps, bf16 = 4096, 1e-5, torch.bfloat16
+        comm = TPComm(rank, 2, dist.group.WORLD).with_fused_norm(hidden, bf16, device)
+
+        def inputs(rows: int, seed: int):
+            shared = torch.Generator(device="cuda").manual_seed(seed)  # residual and weight: alike on both ranks
+            mine = torch.Generator(device="cuda").manual_seed(seed * 10 + rank)  # the partial sums: each its own
+            residual = torch.randn(rows, hidden, device=device, dtype=bf16, generator=shared)
+            weight = (torch.rand(hidden, device=device, generator=shared) + 0.5).to(bf16)
+            return torch.randn(rows, hidden, device=device, dtype=bf16, generator=mine) * 4, residual, weight
+
+        def reference(x, residual, weight):
+            total = x.clone()
+            dist.all_reduce(total)
+            return rmsnorm(total, weight, eps, residual)
+
+        gap, equal = 0.0, True
+
+        def check(got, want):
+            nonlocal gap, equal
+            gap = max(gap, (got[0].float() - want[0].float()).abs().max().item())
+            equal = equal and torch.equal(got[1], want[1])
+
+        for rows in (1, 3, 64, 512):
+            x, residual, weight = inputs(rows, rows)
+            check(comm.fused(x, residual, weight, eps), reference(x, residual, weight))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = comm.fused(x, residual, weight, eps)
+            for seed in (7, 8):  # the graph replayed on new rows: the buffers' turns stay in step
+                x2, r2, w2 = inputs(rows, seed)
+                x.copy_(x2), residual.copy_(r2), weight.copy_(w2)
+                graph.replay()
+                check(captured, reference(x2, r2, w2))
+        torch.cuda.synchronize()
+        out_queue.put((rank, type(comm.fused).__name__, gap, equal))
+    finally:
+        dist.destroy_process_group()
+
+
 def grpo_fsdp_rank(rank: int, port: int, folder: str, examples: str, out_queue) -> None:
     """One torchrun-like rank of examples/grpo_train.py --fsdp."""
     import importlib.util

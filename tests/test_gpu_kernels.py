@@ -198,7 +198,7 @@ def test_gated_norm_gemv_is_the_product_then_the_activation(n, k):
     """SiLU(gate) * up computed by the one-row gate_up product itself gives
     the bits of the product followed by the activation kernel."""
     from rollout_engine.kernels.activation import silu_and_mul
-    from rollout_engine.kernels.gemv import norm_gemv, pairs_fit
+    from rollout_engine.kernels.gemv import gemv, norm_gemv, pairs_fit, row_product
 
     torch.manual_seed(0)
     assert pairs_fit(n, k, n)
@@ -210,6 +210,8 @@ def test_gated_norm_gemv_is_the_product_then_the_activation(n, k):
         act, res = norm_gemv(x, residual, g, 1e-6, w, gated=True)
         gate_up, res_ref = norm_gemv(x, residual, g, 1e-6, w)
         assert act.shape == (1, n // 2) and torch.equal(act, silu_and_mul(gate_up)) and torch.equal(res, res_ref)
+    # without the norm (the rows normalised already, by the all-reduce that took it: TPComm.all_reduce_norm)
+    assert torch.equal(row_product(x, w, gated=True), silu_and_mul(gemv(x, w)))
     with pytest.raises(ValueError, match="gated"):  # an odd number of rows per half
         norm_gemv(x, None, g, 1e-6, w[: n - 2], gated=True)
 
@@ -228,7 +230,7 @@ def test_rope_and_kv_store_inside_the_qkv_product(dtype, nq, nk, d, k, bias):
     """The one-row qkv product with the rotary embedding and the K/V store
     inside: q, the caches and the residual stream are bit for bit those of
     the product followed by the rotary kernel; only the token's slot is written."""
-    from rollout_engine.kernels.gemv import RopeStore, norm_gemv, pairs_fit
+    from rollout_engine.kernels.gemv import RopeStore, gemv, norm_gemv, pairs_fit, row_product
     from rollout_engine.kernels.rope import rope_and_store
 
     torch.manual_seed(0)
@@ -253,6 +255,13 @@ def test_rope_and_kv_store_inside_the_qkv_product(dtype, nq, nk, d, k, bias):
         assert q.shape == (1, nq * d) and torch.equal(q, q_ref.view(1, -1))
         assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref) and torch.equal(res, res_ref)
         assert not torch.equal(kc[5], k_cache[5]) and not torch.equal(q, qs)  # written, and rotated
+    # without the norm (TPComm.all_reduce_norm normalised the row): the plain product, rotated and stored
+    kc, vc, kc_ref, vc_ref = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+    q = row_product(x, w, b, rope=RopeStore(pos, cos, sin, kc, vc, slot, nq, nk))
+    qs, ks, vs = gemv(x, w, b).split([nq * d, nk * d, nk * d], dim=-1)
+    q_ref = rope_and_store(pos, qs.view(1, nq, d), ks.view(1, nk, d), vs.view(1, nk, d), cos, sin, kc_ref, vc_ref,
+                           slot)
+    assert torch.equal(q, q_ref.view(1, -1)) and torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     with pytest.raises(ValueError, match="rope"):  # heads that do not add up to the weight
         norm_gemv(x, None, g, 1e-6, w, b, rope=RopeStore(pos, cos, sin, k_cache, v_cache, slot, nq + 1, nk))
 

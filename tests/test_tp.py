@@ -5,6 +5,7 @@ and retraction under a tight pool run through the same plans on every rank;
 weight updates (in-process and over a weight-sync group) reach every rank."""
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 
 import pytest
@@ -63,6 +64,51 @@ def test_tp2_equals_tp1(tmp_path_factory, kind, overrides):
     two, stats = _run(folder, 2, max_prefill_tokens=40)  # chunked prefill of the long prompt
     _same(one, two)
     assert stats["matched_tokens"] > 0  # the shared system prompt came from the prefix cache
+
+
+@pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen3", {"vocab_size": 509})], ids=["llama", "qwen3"])
+def test_tp2_with_the_norms_taking_the_all_reduce_equals_tp1(tmp_path_factory, monkeypatch, caplog, kind, overrides):
+    """ROLLOUT_ENGINE_ALLREDUCE=fused: the o_proj and down products leave
+    their partial sums to the norm after them, which all-reduces them (in
+    one kernel on the GPU; on the CPU in two steps, the same structure), with
+    chunked prefill and the prefix cache: tokens and logprobs as tp_size=1."""
+    folder = _folder(tmp_path_factory, kind, **overrides)
+    one, _ = _run(folder, 1, max_prefill_tokens=40)
+    monkeypatch.setenv("ROLLOUT_ENGINE_ALLREDUCE", "fused")
+    with caplog.at_level(logging.INFO, logger="rollout_engine"):
+        two, _ = _run(folder, 2, max_prefill_tokens=40)
+    assert "the norms take the all-reduce" in caplog.text
+    _same(one, two)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_the_fused_all_reduce_and_norm_equals_nccl_then_the_norm_kernel():
+    """Two GPUs: FlashInfer's one-kernel all-reduce + residual add + RMSNorm
+    is set up, and gives the residual stream bit for bit and the normalised
+    rows within one bf16 rounding (it rounds once, after the weight, where
+    the norm kernel rounds before it) of NCCL's sum then the norm kernel,
+    eagerly and replayed in a CUDA graph."""
+    import sync_workers
+    from test_weight_sync import _free_port, _gather
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=sync_workers.fused_norm_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for rank, kind, gap, equal in sorted(_gather(procs, out, 2, timeout_s=400)):
+        print(f"rank {rank}: {kind}, largest gap {gap:.4g}, residual equal {equal}")
+        assert kind == "FusedAllReduceNorm" and equal and gap <= 0.0625, (rank, kind, gap, equal)
+
+
+def test_a_wrong_all_reduce_path_is_refused_by_name(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_ENGINE_ALLREDUCE", "fast")
+    with pytest.raises(ValueError, match="ROLLOUT_ENGINE_ALLREDUCE must be 'nccl', 'one-shot' or 'fused'"):
+        RolloutEngine(_folder(tmp_path_factory, "llama"), device="cpu", tp_size=2, max_total_tokens=512)
 
 
 @pytest.mark.slow  # multi-process; run by .ci/run after the fast tests

@@ -110,12 +110,14 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     if cfg.quantization == "fp8" and device.type == "cuda" and dtype != torch.bfloat16:
         raise ValueError(f"dtype must be 'bfloat16' (or 'auto') with quantization='fp8' on a GPU: its fp8 products "
                          f"write bf16, got {cfg.dtype!r}")
+    path = resolve_model_path(cfg.model, cfg.load_format)
+    shape = ModelConfig.from_hf(*read_hf_config(path))
     comm = (comm or TPComm()).with_fast_all_reduce(dtype, device)
+    if not cfg.deterministic and shape.moe is None:  # see DecoderModel.fuses_norms
+        comm = comm.with_fused_norm(shape.hidden_size, dtype, device)
     free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     memory = MemoryManager(create_saver(cfg.enable_memory_saver, device))
-    path = resolve_model_path(cfg.model, cfg.load_format)
     if cfg.enable_return_routed_experts:  # refused before the weights load
-        shape = ModelConfig.from_hf(*read_hf_config(path))
         if shape.moe is None:
             raise ValueError(f"enable_return_routed_experts=True needs a mixture-of-experts model; "
                              f"{shape.architecture} has no experts")

@@ -15,6 +15,7 @@ class TPComm:
     tp_size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when tp_size > 1
     fast: Any = None  # a OneShotAllReduce for small messages (CUDA), see fast_allreduce.py
+    fused: Any = None  # the all-reduce + residual add + RMSNorm in one kernel, see fused_norm.py
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -28,6 +29,26 @@ class TPComm:
         from rollout_engine.distributed.fast_allreduce import make_fast_all_reduce
 
         return replace(self, fast=make_fast_all_reduce(self.group, self.tp_size, dtype, device))
+
+    def with_fused_norm(self, hidden: int, dtype: torch.dtype, device: torch.device) -> "TPComm":
+        """This comm, with the all-reduce taken into the RMSNorm after it
+        where that works (a collective: every rank calls it together)."""
+        from rollout_engine.distributed.fused_norm import make_fused_norm
+
+        return replace(self, fused=make_fused_norm(self, hidden, dtype, device))
+
+    def fuses_norms(self, rows: int) -> bool:
+        """Whether a forward of `rows` tokens leaves each row-parallel sum to
+        the norm after it (`all_reduce_norm`)."""
+        return self.fused is not None and rows <= self.fused.max_tokens
+
+    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(all_reduce(x), residual) for an RMSNorm `norm` (its weight and
+        eps): (normalised rows, new residual stream), in one kernel where the
+        fused path takes these rows."""
+        if self.fused is not None and self.fused.fits(x, residual):
+            return self.fused(x, residual, norm.weight, norm.eps)
+        return norm(self.all_reduce(x), residual)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group's ranks (the result may be `x` itself)."""

@@ -16,7 +16,7 @@ from torch import nn
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels.fp8 import FP8
 from rollout_engine.kernels import fp8_row
-from rollout_engine.kernels.gemv import RopeStore, linear, norm_gemv, one_row, pairs_fit
+from rollout_engine.kernels.gemv import RopeStore, linear, norm_gemv, one_row, pairs_fit, row_product
 from rollout_engine.layers.fp8_linear import fp8_linear
 from rollout_engine.layers.invariant import invariant_linear
 from rollout_engine.layers.weight_copy import copy_into, quantize_into
@@ -85,15 +85,18 @@ class _Linear(nn.Module):
         fits = fp8_row.pairs_fit if self.weight_scale is not None else pairs_fit
         return fits(*self.weight.shape, segment)
 
-    def norm_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
+    def norm_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module | None,
                      bias: torch.Tensor | None = None, rope: RopeStore | None = None,
                      gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm(x + residual) W^T (+ bias) for one row in one launch, with
         `rope` or `gated` finishing the rows (`kernels.gemv.norm_gemv`).
-        Returns (product, new residual stream)."""
+        Returns (product, new residual stream). With `norm` None, x is
+        normalised already (`TPComm.all_reduce_norm`) and `residual` is None."""
         if self.weight_scale is not None:
-            return fp8_row.fp8_row(x, self.weight, self.weight_scale, bias, norm=(norm.weight, norm.eps),
-                                   residual=residual, gated=gated, rope=rope)
+            return fp8_row.fp8_row(x, self.weight, self.weight_scale, bias, residual=residual, gated=gated, rope=rope,
+                                   norm=None if norm is None else (norm.weight, norm.eps))
+        if norm is None:
+            return row_product(x, self.weight, bias, rope=rope, gated=gated), x
         return norm_gemv(x, residual, norm.weight, norm.eps, self.weight, bias, rope=rope, gated=gated)
 
     def _store(self, param: torch.Tensor, offset: int, size: int, src: torch.Tensor,
@@ -191,6 +194,11 @@ class RowParallelLinear(_Linear):
     def _load_bias(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
         copy_into(param.data, full)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """`reduce=False`: this rank's partial sum, left to the norm after it
+        (`TPComm.all_reduce_norm`; no bias then)."""
+        if not reduce:
+            assert self.bias is None, "a bias is added after the reduction"
+            return self.product(x)
         y = self.comm.all_reduce(self.product(x))
         return y if self.bias is None else y + self.bias

@@ -56,13 +56,14 @@ class DecoderAttention(nn.Module):
         # which need whole heads.
         self.rope_in_product = not cfg.qk_norm and not cfg.qk_norm_whole and p.rows_pair(cfg.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
-        return self.attend(self._rotate_and_store(positions, self.qkv_proj(x), fb), fb)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: "ForwardBatch", reduce: bool = True) -> torch.Tensor:
+        return self.attend(self._rotate_and_store(positions, self.qkv_proj(x), fb), fb, reduce)
 
-    def attend(self, q: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
-        """Attention of rotated q over the cache (this step's K/V stored), then o_proj."""
+    def attend(self, q: torch.Tensor, fb: "ForwardBatch", reduce: bool = True) -> torch.Tensor:
+        """Attention of rotated q over the cache (this step's K/V stored), then
+        o_proj (`reduce=False`: its partial sum, `RowParallelLinear`)."""
         p = self.qkv_proj
-        return self.o_proj(self.attn(q.view(-1, p.num_heads, p.head_dim), fb))
+        return self.o_proj(self.attn(q.view(-1, p.num_heads, p.head_dim), fb), reduce)
 
     def _rotate_and_store(self, positions: torch.Tensor, qkv: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
         p = self.qkv_proj
@@ -81,11 +82,12 @@ class DecoderAttention(nn.Module):
         return self.rotary.rotate_and_store(positions, q, k, v, fb.kv_pool.k[self.attn.layer_id],
                                             fb.kv_pool.v[self.attn.layer_id], fb.out_cache_loc, qk_norm)
 
-    def one_row_q(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+    def one_row_q(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm | None,
                   fb: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
         """One row (`DecoderLayer.norms_in_products`): RMSNorm(x + residual)
         inside the qkv product, and without q/k norms the rotary embedding
-        and the K/V store too (one launch). Returns (rotated q, residual)."""
+        and the K/V store too (one launch). Returns (rotated q, residual).
+        `norm` None: x is normalised already (and `residual` None)."""
         p, i = self.qkv_proj, self.attn.layer_id
         if self.rope_in_product:
             rope = self.rope_store(positions, fb.kv_pool.k[i], fb.kv_pool.v[i], fb.out_cache_loc)
@@ -109,13 +111,15 @@ class DecoderMLP(nn.Module):
         # at one row SiLU * mul inside the gate_up product (`one_row_act`)
         self.gated_in_product = self.gate_up_proj.rows_pair(self.gate_up_proj.weight.shape[0])
 
-    def forward(self, x: torch.Tensor, fb: "ForwardBatch | None" = None) -> torch.Tensor:
-        """`fb` unused (the sparse MLP's record of routing needs it)."""
+    def forward(self, x: torch.Tensor, fb: "ForwardBatch | None" = None, reduce: bool = True) -> torch.Tensor:
+        """`fb` unused (the sparse MLP's record of routing needs it);
+        `reduce=False`: the down product's partial sum."""
         gate_up = self.gate_up_proj(x)
         act = silu_and_mul(gate_up) if use_kernel(gate_up) else silu_and_mul_ref(gate_up)
-        return self.down_proj(act)
+        return self.down_proj(act, reduce)
 
-    def one_row_act(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def one_row_act(self, x: torch.Tensor, residual: torch.Tensor | None,
+                    norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One row (`DecoderLayer.norms_in_products`): RMSNorm(x + residual)
         inside the gate_up product, and SiLU(gate) * up too when its rows pair
         up. Returns (the down product's input, residual)."""
@@ -135,20 +139,28 @@ class DecoderLayer(nn.Module):
                     if sparse else DecoderMLP(cfg, comm))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.comm = comm
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                fb: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
+                fb: "ForwardBatch", fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual-stream form: the add before each norm is fused into it.
-        Returns (this layer's MLP output, the residual stream before it)."""
+        Returns (this layer's MLP output, the residual stream before it).
+        `fused` (`DecoderModel.fuses_norms`): the o_proj and down products
+        leave their sums unreduced and each norm after them takes the
+        all-reduce (`TPComm.all_reduce_norm`); x is then a partial sum too,
+        but for the first layer's (residual None)."""
         if self.norms_in_products(x, residual):
-            return self._forward_one_row(positions, x, residual, fb)
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, fb)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, fb), residual
+            return self._forward_one_row(positions, x, residual, fb, fused)
+        h, residual = self._norm(self.input_layernorm, x, residual, fused)
+        h = self.self_attn(positions, h, fb, reduce=not fused)
+        h, residual = self._norm(self.post_attention_layernorm, h, residual, fused)
+        return (self.mlp(h, fb, reduce=False) if fused else self.mlp(h, fb)), residual
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+              fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the embedding's rows, reduced
+            return norm(x), x
+        return self.comm.all_reduce_norm(x, residual, norm) if fused else norm(x, residual)
 
     def norms_in_products(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """One row on the GPU: each RMSNorm (with its residual add) is computed
@@ -181,18 +193,28 @@ class DecoderLayer(nn.Module):
             p.norm_product(x, residual, norm, p.bias, rope=rope)
         if isinstance(mlp, DecoderMLP):
             mlp.one_row_act(x, x, self.post_attention_layernorm)
+            if self.comm.fused is not None:  # after a norm that took the all-reduce (`fused`)
+                p.norm_product(x, None, None, p.bias, rope=rope)
+                mlp.one_row_act(x, None, None)
         elif mlp.fuses_one_row(x, self.post_attention_layernorm):  # no collective here
             mlp.one_row_local(x, x, self.post_attention_layernorm)
 
-    def _forward_one_row(self, positions, x, residual, fb):
+    def _forward_one_row(self, positions, x, residual, fb, fused):
         attn, mlp = self.self_attn, self.mlp
-        q, residual = attn.one_row_q(positions, x, residual, self.input_layernorm, fb)
-        h = attn.attend(q, fb).contiguous()
+        if fused and residual is not None:  # the norm took the all-reduce: the product has none to do
+            h, residual = self.comm.all_reduce_norm(x, residual, self.input_layernorm)
+            q = attn.one_row_q(positions, h, None, None, fb)[0]
+        else:
+            q, residual = attn.one_row_q(positions, x, residual, self.input_layernorm, fb)
+        h = attn.attend(q, fb, reduce=not fused).contiguous()
         if not isinstance(mlp, DecoderMLP):  # the sparse MLP: its router and experts take the normed rows
             if mlp.fuses_one_row(h, self.post_attention_layernorm):  # the norm inside its launches
                 return mlp.one_row(h, residual, self.post_attention_layernorm, fb)
             h, residual = self.post_attention_layernorm(h, residual)
             return mlp(h, fb), residual
+        if fused:
+            h, residual = self.comm.all_reduce_norm(h, residual, self.post_attention_layernorm)
+            return mlp.down_proj(mlp.one_row_act(h, None, None)[0], reduce=False), residual
         act, residual = mlp.one_row_act(h, residual, self.post_attention_layernorm)
         return mlp.down_proj(act), residual
 
@@ -204,11 +226,23 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, comm) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.comm = comm
+        # Dense layers only: the sparse MLP reduces its own sums (and at one row fuses the norm before it).
+        self.fused_norms = comm.fused is not None and cfg.moe is None
+
+    def fuses_norms(self, rows: int) -> bool:
+        """Whether a forward of `rows` tokens lets each norm take the
+        all-reduce before it (`TPComm.fuses_norms`); never in batch-invariant
+        mode, whose norm rounds as the unfused one."""
+        return self.fused_norms and not self.norm.batch_invariant and self.comm.fuses_norms(rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        fused = self.fuses_norms(input_ids.shape[0])
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, fb)
+            x, residual = layer(positions, x, residual, fb, fused)
+        if fused:
+            return self.comm.all_reduce_norm(x, residual, self.norm)[0]
         return self.norm(x, residual)[0]
 
 

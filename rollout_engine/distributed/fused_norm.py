@@ -1,0 +1,142 @@
+"""The all-reduce, the residual add and the RMSNorm after it in one kernel.
+
+At tp_size > 1 each row-parallel product (o_proj, down_proj) ends in an
+all-reduce, and the next thing the layer does is add the residual stream and
+normalise (`layers.norm.RMSNorm`). On the GPU this module does the three in
+one launch with FlashInfer's fused all-reduce (its TensorRT-LLM kernels):
+each rank writes its partial sums into every peer's buffer (peer-to-peer
+mapped memory, no NVLink multicast) and each sums them, adds the residual
+and normalises its rows. The products before it then leave their sums
+unreduced (`models.decoder`, `TPComm.fuses_norms`).
+
+Up to `max_tokens` rows (decode batches); longer prefill chunks keep the
+all-reduce and the norm kernel. The buffers (about 16 x max_tokens x hidden
+bytes per rank in bf16 at two ranks) live outside the engine's releasable
+memory. The kernel rounds the normalised row once, after the weight, where
+`RMSNorm` rounds it before the weight as Hugging Face does: an element may
+differ in its last bit. So batch-invariant mode never takes it.
+
+`ROLLOUT_ENGINE_ALLREDUCE` picks the path: `nccl` (NCCL for every all-reduce,
+separate norms), `one-shot` (`fast_allreduce`'s kernel for small messages,
+separate norms), `fused` (the fused kernel where it is set up; elsewhere, the
+CPU included, the same structure with the all-reduce and the norm as two
+steps: a check of the products that leave their sums to the norm), unset:
+the fused kernel where it works, else as `one-shot`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from rollout_engine.distributed.fast_allreduce import ENV, _agree
+
+log = logging.getLogger("rollout_engine")
+
+MAX_TOKENS = 512  # rows per call: the decode batches (a longer prefill chunk takes NCCL and the norm kernel)
+WORLD_SIZES = (2, 4, 8)  # what the kernel is built for
+
+
+def mode() -> str:
+    """The all-reduce path asked for in the environment: 'nccl', 'one-shot',
+    'fused' or 'auto' (unset)."""
+    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    if value not in ("nccl", "one-shot", "fused", "auto"):
+        raise ValueError(f"{ENV} must be 'nccl', 'one-shot' or 'fused' (or unset), got {value!r}")
+    return value
+
+
+class FusedAllReduceNorm:
+    """RMSNorm(all_reduce(x) + residual) of up to `max_tokens` rows of
+    `hidden` columns in one kernel; returns (normalised rows, new residual
+    stream). Every rank of the group calls it for the same rows in the same
+    order, as it does any collective."""
+
+    def __init__(self, group, tp_rank: int, tp_size: int, hidden: int, dtype: torch.dtype, device: torch.device,
+                 max_tokens: int = MAX_TOKENS):
+        from flashinfer.comm import create_allreduce_fusion_workspace
+
+        self.hidden, self.dtype, self.max_tokens = hidden, dtype, max_tokens
+        with torch.cuda.device(device):
+            # "trtllm" by name: the automatic choice takes a backend that needs NVLink multicast
+            self.workspace = create_allreduce_fusion_workspace(
+                backend="trtllm", world_size=tp_size, rank=tp_rank, max_token_num=max_tokens, hidden_dim=hidden,
+                dtype=dtype, group=group)
+
+    def fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= self.max_tokens and x.shape[1] == self.hidden
+                and x.dtype == self.dtype and x.is_contiguous() and residual.shape == x.shape
+                and residual.dtype == x.dtype and residual.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from flashinfer.comm import AllReduceFusionPattern, allreduce_fusion
+
+        normed, new_residual = torch.empty_like(x), torch.empty_like(x)
+        allreduce_fusion(x, self.workspace, AllReduceFusionPattern.kARResidualRMSNorm, launch_with_pdl=True,
+                         output=normed, residual_out=new_residual, norm_out=normed, residual_in=residual,
+                         rms_gamma=weight, rms_eps=eps)
+        return normed, new_residual
+
+    def close(self) -> None:
+        self.workspace.destroy()
+
+
+class AllReduceThenNorm:
+    """The same contract in two steps (the all-reduce, then the norm kernel):
+    where `ROLLOUT_ENGINE_ALLREDUCE=fused` asks for the structure and the
+    kernel is not there (the CPU)."""
+
+    def __init__(self, all_reduce, max_tokens: int = MAX_TOKENS):
+        self.all_reduce, self.max_tokens = all_reduce, max_tokens
+
+    def fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        return 0 < x.shape[0] <= self.max_tokens
+
+    def __call__(self, x, residual, weight, eps):
+        from rollout_engine.kernels._triton import use_kernel
+        from rollout_engine.kernels.rmsnorm import rmsnorm, rmsnorm_ref
+
+        x = self.all_reduce(x)
+        return (rmsnorm if use_kernel(x) else rmsnorm_ref)(x, weight, eps, residual)
+
+    def close(self) -> None:
+        pass
+
+
+def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device):
+    """This rank's fused all-reduce + norm for `comm`'s group, or None: one
+    rank, the path not asked for, or the kernel unavailable on some rank.
+    Every rank of the group calls this together."""
+    asked = mode()
+    if comm.tp_size == 1 or asked in ("nccl", "one-shot"):
+        return None
+    fused, error = None, None
+    if device.type == "cuda" and comm.tp_size in WORLD_SIZES and hidden % 8 == 0:
+        # The kernels are built before any rank launches one (a rank inside the kernel waits for the
+        # others' rows: one that failed to build would leave them spinning), then the buffers are set up.
+        try:
+            from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
+
+            get_trtllm_comm_module()
+        except Exception as e:  # noqa: BLE001 - an optional fast path: the norms still work unfused
+            error = e
+        if _agree(error is None, comm.group, device):
+            try:
+                fused = FusedAllReduceNorm(comm.group, comm.tp_rank, comm.tp_size, hidden, dtype, device)
+            except Exception as e:  # noqa: BLE001
+                error = e
+            if not _agree(fused is not None, comm.group, device):
+                fused = None
+    if fused is not None:
+        log.info("tensor parallelism: the all-reduce, residual add and RMSNorm in one kernel (up to %d rows)",
+                 fused.max_tokens)
+        return fused
+    if asked == "fused":
+        log.info("tensor parallelism: the norms take the all-reduce, in two steps (%s)",
+                 error or "no fused kernel on this device")
+        return AllReduceThenNorm(comm.all_reduce)
+    if error is not None:
+        log.warning("fused all-reduce + norm unavailable (%s); all-reduce and norm kernels separately", error)
+    return None
