@@ -65,6 +65,7 @@ def _rank(rank: int, size: int, port: int, args, queue) -> None:
     from rollout_engine.distributed.comm import TPComm
     from rollout_engine.kernels.rmsnorm import rmsnorm
 
+    os.environ["ROLLOUT_ENGINE_ALLREDUCE"] = "fused"  # opt-in; its first use on a machine builds the kernels (minutes)
     fused = TPComm(rank, size, group).with_fused_norm(args.hidden, dtype, torch.device("cuda", rank)).fused
     eps = 1e-5
     rows = []

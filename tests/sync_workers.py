@@ -1,4 +1,4 @@
-"""Process bodies for the two-process weight-sync test (spawned: top level)."""
+"""Process bodies for the multi-process tests (spawned: top level)."""
 from __future__ import annotations
 
 
@@ -143,15 +143,19 @@ def symm_name_rank(rank: int, port: int, out_queue) -> None:
 
 def fused_norm_rank(rank: int, port: int, out_queue) -> None:
     """One of two GPU ranks: the fused all-reduce + residual add + RMSNorm
-    (eagerly and replayed in a CUDA graph with new inputs) against NCCL's
+    (eagerly and replayed in a CUDA graph with new inputs; its first use on a
+    machine builds FlashInfer's kernels, minutes) against NCCL's
     all-reduce then the norm kernel. Puts (rank, the path's class, the
     largest gap of the normalised rows, whether every new residual was equal)."""
+    import os
+
     import torch
     import torch.distributed as dist
 
     from rollout_engine.distributed.comm import TPComm
     from rollout_engine.kernels.rmsnorm import rmsnorm
 
+    os.environ["ROLLOUT_ENGINE_ALLREDUCE"] = "fused"  # opt-in (distributed/fused_norm.py)
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)

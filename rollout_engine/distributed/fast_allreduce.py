@@ -73,7 +73,7 @@ def make_fast_all_reduce(group, tp_size: int, dtype: torch.dtype, device: torch.
         fast = OneShotAllReduce(group, dtype, device)
     except Exception as e:  # noqa: BLE001 - an optional fast path: NCCL still works
         error = e
-    if not _agree(fast is not None, group, device):
+    if not agree_everywhere(fast is not None, group, device):
         log.warning("one-shot all-reduce unavailable (%s); using NCCL for every message", error or "another rank")
         return None
     return fast
@@ -84,12 +84,12 @@ def first_use_everywhere(group, device: torch.device) -> bool:
     group's name before (every rank calls this together); the name then
     counts as used."""
     name = group.group_name
-    fresh = _agree(name not in _SET_UP, group, device)
+    fresh = agree_everywhere(name not in _SET_UP, group, device)
     _SET_UP.add(name)
     return fresh
 
 
-def _agree(ok, group, device: torch.device) -> bool:
+def agree_everywhere(ok, group, device: torch.device) -> bool:
     """True when `ok` holds on every rank of the group."""
     import torch.distributed as dist
 

@@ -16,12 +16,13 @@ memory. The kernel rounds the normalised row once, after the weight, where
 `RMSNorm` rounds it before the weight as Hugging Face does: an element may
 differ in its last bit. So batch-invariant mode never takes it.
 
-`ROLLOUT_ENGINE_ALLREDUCE` picks the path: `nccl` (NCCL for every all-reduce,
-separate norms), `one-shot` (`fast_allreduce`'s kernel for small messages,
-separate norms), `fused` (the fused kernel where it is set up; elsewhere, the
-CPU included, the same structure with the all-reduce and the norm as two
-steps: a check of the products that leave their sums to the norm), unset:
-the fused kernel where it works, else as `one-shot`.
+`ROLLOUT_ENGINE_ALLREDUCE` picks the path: unset, the one-shot kernel
+(`fast_allreduce`) for small messages and NCCL for the rest, each norm its
+own kernel; `nccl`, NCCL for every all-reduce; `fused`, the norms take the
+all-reduce: in the fused kernel where it is set up (its first use on a
+machine builds FlashInfer's kernels: 257 s on an H200 host), elsewhere (the
+CPU included) in two steps, the same structure. `fused` is opt-in until its
+step times on two GPUs are measured (BENCHMARKS.md, "Tensor parallelism").
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import os
 
 import torch
 
-from rollout_engine.distributed.fast_allreduce import ENV, _agree
+from rollout_engine.distributed.fast_allreduce import ENV, agree_everywhere
 
 log = logging.getLogger("rollout_engine")
 
@@ -40,7 +41,7 @@ WORLD_SIZES = (2, 4, 8)  # what the kernel is built for
 
 def mode() -> str:
     """The all-reduce path asked for in the environment: 'nccl', 'one-shot',
-    'fused' or 'auto' (unset)."""
+    'fused' or 'auto' (unset: as 'one-shot')."""
     value = os.environ.get(ENV, "").strip().lower() or "auto"
     if value not in ("nccl", "one-shot", "fused", "auto"):
         raise ValueError(f"{ENV} must be 'nccl', 'one-shot' or 'fused' (or unset), got {value!r}")
@@ -106,11 +107,11 @@ class AllReduceThenNorm:
 
 
 def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device):
-    """This rank's fused all-reduce + norm for `comm`'s group, or None: one
-    rank, the path not asked for, or the kernel unavailable on some rank.
-    Every rank of the group calls this together."""
-    asked = mode()
-    if comm.tp_size == 1 or asked in ("nccl", "one-shot"):
+    """This rank's fused all-reduce + norm for `comm`'s group where
+    `ROLLOUT_ENGINE_ALLREDUCE=fused` asks for it (the kernel, or where it is
+    not available the two steps), else None. Every rank of the group calls
+    this together."""
+    if comm.tp_size == 1 or mode() != "fused":
         return None
     fused, error = None, None
     if device.type == "cuda" and comm.tp_size in WORLD_SIZES and hidden % 8 == 0:
@@ -122,21 +123,17 @@ def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device)
             get_trtllm_comm_module()
         except Exception as e:  # noqa: BLE001 - an optional fast path: the norms still work unfused
             error = e
-        if _agree(error is None, comm.group, device):
+        if agree_everywhere(error is None, comm.group, device):
             try:
                 fused = FusedAllReduceNorm(comm.group, comm.tp_rank, comm.tp_size, hidden, dtype, device)
             except Exception as e:  # noqa: BLE001
                 error = e
-            if not _agree(fused is not None, comm.group, device):
+            if not agree_everywhere(fused is not None, comm.group, device):
                 fused = None
     if fused is not None:
         log.info("tensor parallelism: the all-reduce, residual add and RMSNorm in one kernel (up to %d rows)",
                  fused.max_tokens)
         return fused
-    if asked == "fused":
-        log.info("tensor parallelism: the norms take the all-reduce, in two steps (%s)",
-                 error or "no fused kernel on this device")
-        return AllReduceThenNorm(comm.all_reduce)
-    if error is not None:
-        log.warning("fused all-reduce + norm unavailable (%s); all-reduce and norm kernels separately", error)
-    return None
+    log.info("tensor parallelism: the norms take the all-reduce, in two steps (%s)",
+             error or "no fused kernel on this device")
+    return AllReduceThenNorm(comm.all_reduce)

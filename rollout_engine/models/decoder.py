@@ -56,7 +56,8 @@ class DecoderAttention(nn.Module):
         # which need whole heads.
         self.rope_in_product = not cfg.qk_norm and not cfg.qk_norm_whole and p.rows_pair(cfg.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: "ForwardBatch", reduce: bool = True) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: "ForwardBatch",
+                reduce: bool = True) -> torch.Tensor:
         return self.attend(self._rotate_and_store(positions, self.qkv_proj(x), fb), fb, reduce)
 
     def attend(self, q: torch.Tensor, fb: "ForwardBatch", reduce: bool = True) -> torch.Tensor:
