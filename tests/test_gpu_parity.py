@@ -73,6 +73,42 @@ def test_dummy_preset_sizes_kv_from_mem_fraction():
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_tp2_decode_with_the_norms_taking_the_all_reduce_matches_hf(tmp_path, monkeypatch, caplog, batch):
+    """ROLLOUT_ENGINE_ALLREDUCE=fused on two GPUs: decode in CUDA graphs, at
+    one row (the products after the fused kernel without their norm) and at
+    three, gives each generated token's logprob within the one-GPU tolerance
+    of HF bf16 over the same tokens."""
+    import logging
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    monkeypatch.setenv("ROLLOUT_ENGINE_ALLREDUCE", "fused")
+    hf = make_hf_model("qwen2", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                       num_key_value_heads=2, initializer_range=0.05)
+    folder = save_model(hf, tmp_path)
+    with caplog.at_level(logging.INFO, logger="rollout_engine"):
+        engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", tp_size=2, max_total_tokens=8192)
+    assert "in one kernel" in caplog.text
+    try:
+        outs = engine.generate(input_ids=PROMPTS[:batch], sampling_params=SamplingParams(
+            max_new_tokens=32, temperature=0, ignore_eos=True, logprobs=True, logprob_mode="raw"))
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+    hf = hf.to("cuda", torch.bfloat16)
+    gaps = []
+    for prompt, out in zip(PROMPTS, outs):
+        seq = torch.tensor([prompt + out.output_token_ids], device="cuda")
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(seq).logits[0].float(), -1)[len(prompt) - 1: -1]
+        ref = ref.gather(-1, seq[0, len(prompt):, None]).squeeze(1).cpu()
+        gaps.append((torch.tensor(out.output_logprobs) - ref).abs().mean().item())
+    print(f"decode logprob gap, fused all-reduce + norm, batch {batch}: {max(gaps):.4f}")
+    assert max(gaps) < 2e-2
+
+
+@pytest.mark.multigpu
 @pytest.mark.parametrize("cuda_graph", [True, False])
 def test_tp2_bf16_teacher_forced_logprobs(tmp_path, cuda_graph):
     """Two GPUs, the engine spawning its second rank: the same tolerance as
