@@ -90,17 +90,10 @@ def test_the_fused_all_reduce_and_norm_equals_nccl_then_the_norm_kernel():
     the norm kernel rounds before it) of NCCL's sum then the norm kernel,
     eagerly and replayed in a CUDA graph."""
     import sync_workers
-    from test_weight_sync import _free_port, _gather
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=sync_workers.fused_norm_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for rank, kind, gap, equal in sorted(_gather(procs, out, 2, timeout_s=400)):
+    for rank, kind, gap, equal in _on_two_ranks(sync_workers.fused_norm_rank, timeout_s=400):
         print(f"rank {rank}: {kind}, largest gap {gap:.4g}, residual equal {equal}")
         assert kind == "FusedAllReduceNorm" and equal and gap <= 0.0625, (rank, kind, gap, equal)
 
@@ -335,15 +328,22 @@ def test_a_group_name_used_before_on_any_rank_skips_the_one_shot_setup():
     world name again while its new workers do not: setting up under that
     name waited forever on two GPUs. Every rank must agree to skip it."""
     import sync_workers
+
+    assert _on_two_ranks(sync_workers.symm_name_rank) == [(0, False, True, False), (1, False, True, False)]
+
+
+def _on_two_ranks(target, timeout_s: float = 240.0) -> list:
+    """`target(rank, port, out_queue)` in two spawned processes: what each
+    put, sorted (a worker that dies or hangs fails the test)."""
     from test_weight_sync import _free_port, _gather
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=sync_workers.symm_name_rank, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
-    assert sorted(_gather(procs, out, 2)) == [(0, False, True, False), (1, False, True, False)]
+    return sorted(_gather(procs, out, 2, timeout_s=timeout_s))
 
 
 @pytest.mark.slow  # multi-process; run by .ci/run after the fast tests

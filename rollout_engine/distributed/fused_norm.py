@@ -12,7 +12,7 @@ unreduced (`models.decoder`, `TPComm.fuses_norms`).
 Up to `max_tokens` rows (decode batches); longer prefill chunks keep the
 all-reduce and the norm kernel. The buffers (about 16 x max_tokens x hidden
 bytes per rank in bf16 at two ranks) live outside the engine's releasable
-memory. The kernel rounds the normalised row once, after the weight, where
+memory, for the life of the comm (freed with it, as `fast_allreduce`'s). The kernel rounds the normalised row once, after the weight, where
 `RMSNorm` rounds it before the weight as Hugging Face does: an element may
 differ in its last bit. So batch-invariant mode never takes it.
 
@@ -80,9 +80,6 @@ class FusedAllReduceNorm:
                          rms_gamma=weight, rms_eps=eps)
         return normed, new_residual
 
-    def close(self) -> None:
-        self.workspace.destroy()
-
 
 class AllReduceThenNorm:
     """The same contract in two steps (the all-reduce, then the norm kernel):
@@ -101,9 +98,6 @@ class AllReduceThenNorm:
 
         x = self.all_reduce(x)
         return (rmsnorm if use_kernel(x) else rmsnorm_ref)(x, weight, eps, residual)
-
-    def close(self) -> None:
-        pass
 
 
 def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device):
