@@ -45,7 +45,8 @@ FIELD_HELP: dict[str, str] = {
     "enable_memory_saver": "put weights and KV cache in torch-memory-saver regions so that the GPU memory "
                            "can be released between rollouts (CUDA, gpu extra)",
     "weights_cpu_backup": "with the memory saver: keep a CPU copy of the weights so that a release keeps them",
-    "tp_size": "tensor-parallel degree: GPUs per engine (processes over gloo on the CPU)",
+    "tp_size": "tensor-parallel degree: GPUs per engine (processes over gloo on the CPU); the all-reduce path: "
+               "$ROLLOUT_ENGINE_ALLREDUCE (one-shot, nccl or fused; docs/tensor-parallel.md)",
     "seed": "seed of dummy weights and of the sampling seeds drawn for requests",
     "overlap_schedule": "schedule step N+1 while step N runs on the device",
     "enable_return_routed_experts": "MoE models: record the experts each token went to in every MoE layer, for "
@@ -150,7 +151,13 @@ def check_tp_args(config: EngineConfig) -> None:
     """A tp_size that does not split the model, as a UsageError naming the flag
     (reads the model's config only, before any process starts)."""
     from rollout_engine.core.build import check_tp_size
+    from rollout_engine.distributed.fast_allreduce import allreduce_mode
 
+    if config.tp_size > 1:
+        try:
+            allreduce_mode()
+        except ValueError as e:  # the environment's, not a flag's
+            raise UsageError(str(e)) from None
     try:
         check_tp_size(config)
     except ValueError as e:

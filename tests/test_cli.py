@@ -150,6 +150,18 @@ def test_bad_generate_flags(llama, flags, named, capsys, no_model_load):
     assert f"argument {named}:" in _one_line_error(capsys)
 
 
+def test_a_wrong_all_reduce_path_is_one_line_naming_the_variable(llama, capsys, no_model_load, monkeypatch):
+    _, folder = llama
+    monkeypatch.setenv("ROLLOUT_ENGINE_ALLREDUCE", "bogus")
+    assert main(["generate", "--model", folder, "--tp", "2", "--input-ids", "1"]) == 2
+    line = _one_line_error(capsys)
+    assert "ROLLOUT_ENGINE_ALLREDUCE must be 'one-shot', 'nccl' or 'fused'" in line and "got 'bogus'" in line
+    assert "argument --tp-size" not in line  # the environment's value, not the flag's
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "ROLLOUT_ENGINE_ALLREDUCE" in capsys.readouterr().out  # where the line's pointer leads
+
+
 def test_an_empty_text_prompt_is_refused_before_the_model_loads(smollm2_dir, capsys, no_model_load):
     assert main(["generate", "--model", smollm2_dir, "hello", ""]) == 2
     line = _one_line_error(capsys)

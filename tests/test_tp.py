@@ -98,10 +98,12 @@ def test_the_fused_all_reduce_and_norm_equals_nccl_then_the_norm_kernel():
         assert kind == "FusedAllReduceNorm" and equal and gap <= 0.0625, (rank, kind, gap, equal)
 
 
-def test_a_wrong_all_reduce_path_is_refused_by_name(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("ROLLOUT_ENGINE_ALLREDUCE", "fast")
-    with pytest.raises(ValueError, match="ROLLOUT_ENGINE_ALLREDUCE must be 'nccl', 'one-shot' or 'fused'"):
+def test_a_wrong_all_reduce_path_is_refused_by_name_before_any_rank_starts(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_ENGINE_ALLREDUCE", "Fast")
+    with pytest.raises(ValueError, match="ROLLOUT_ENGINE_ALLREDUCE must be 'one-shot', 'nccl' or 'fused' "
+                                         r"\(or unset: 'one-shot'\), got 'Fast'"):
         RolloutEngine(_folder(tmp_path_factory, "llama"), device="cpu", tp_size=2, max_total_tokens=512)
+    assert mp.active_children() == []  # refused before the other rank was spawned
 
 
 @pytest.mark.slow  # multi-process; run by .ci/run after the fast tests

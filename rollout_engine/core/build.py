@@ -18,6 +18,7 @@ from rollout_engine.cache.radix import RadixCache
 from rollout_engine.cache.req_table import ReqToTokenTable
 from rollout_engine.config import EngineConfig
 from rollout_engine.distributed.comm import TPComm
+from rollout_engine.distributed.fast_allreduce import allreduce_mode
 from rollout_engine.distributed.tp_group import TPChannel, TPStepRunner
 from rollout_engine.kernels._triton import triton_available
 from rollout_engine.layers.invariant import compile_matmul_kernels, make_batch_invariant
@@ -63,10 +64,13 @@ class EngineParts:
 
 
 def check_tp_size(cfg: EngineConfig) -> None:
-    """Refuse a tp_size that does not split the model (before any process starts)."""
+    """Refuse a tp_size that does not split the model, or an all-reduce path
+    that is not one (`fast_allreduce.allreduce_mode`), before any process
+    starts."""
     k = cfg.tp_size
     if k == 1:
         return
+    allreduce_mode()
     hf, eos = read_hf_config(resolve_model_path(cfg.model, cfg.load_format))
     mc = ModelConfig.from_hf(hf, eos)
     problem = _tp_problem(mc, k)

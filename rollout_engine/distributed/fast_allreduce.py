@@ -29,7 +29,20 @@ log = logging.getLogger("rollout_engine")
 _SET_UP: set[str] = set()
 
 MAX_BYTES = 64 << 10  # one-shot up to this size: past ~128 KiB NCCL is as fast (BENCHMARKS.md, "Tensor parallelism")
-ENV = "ROLLOUT_ENGINE_ALLREDUCE"  # "nccl": never use the one-shot path
+ENV = "ROLLOUT_ENGINE_ALLREDUCE"
+MODES = ("one-shot", "nccl", "fused")  # unset: "one-shot"; "fused": see fused_norm.py
+
+
+def allreduce_mode() -> str:
+    """The all-reduce path `ROLLOUT_ENGINE_ALLREDUCE` asks for: 'one-shot'
+    (also when unset: this kernel for small messages, NCCL above), 'nccl'
+    (NCCL for every message) or 'fused' (`fused_norm`); any other value is a
+    ValueError naming the variable and its values."""
+    raw = os.environ.get(ENV, "")
+    value = raw.strip().lower() or "one-shot"
+    if value not in MODES:
+        raise ValueError(f"{ENV} must be 'one-shot', 'nccl' or 'fused' (or unset: 'one-shot'), got {raw!r}")
+    return value
 
 
 class OneShotAllReduce:
@@ -60,7 +73,10 @@ def make_fast_all_reduce(group, tp_size: int, dtype: torch.dtype, device: torch.
     with ROLLOUT_ENGINE_ALLREDUCE=nccl, or symmetric memory unavailable).
     Every rank of the group calls this together; an all-reduce of the
     outcome makes every rank take the same answer."""
-    if device.type != "cuda" or tp_size == 1 or os.environ.get(ENV, "").lower() == "nccl":
+    if tp_size > 1 and allreduce_mode() == "nccl":
+        log.info("tensor parallelism: NCCL for every all-reduce (%s=nccl)", ENV)
+        return None
+    if device.type != "cuda" or tp_size == 1:
         return None
     # Only the setup is tried: once a rank has entered a one-shot kernel it
     # waits for every other rank's signal, so a probe that fails on one rank
@@ -76,6 +92,7 @@ def make_fast_all_reduce(group, tp_size: int, dtype: torch.dtype, device: torch.
     if not agree_everywhere(fast is not None, group, device):
         log.warning("one-shot all-reduce unavailable (%s); using NCCL for every message", error or "another rank")
         return None
+    log.info("tensor parallelism: a one-shot kernel for all-reduces up to %d KiB, NCCL above", MAX_BYTES >> 10)
     return fast
 
 

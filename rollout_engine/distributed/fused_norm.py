@@ -16,36 +16,27 @@ memory, for the life of the comm (freed with it, as `fast_allreduce`'s). The ker
 `RMSNorm` rounds it before the weight as Hugging Face does: an element may
 differ in its last bit. So batch-invariant mode never takes it.
 
-`ROLLOUT_ENGINE_ALLREDUCE` picks the path: unset, the one-shot kernel
-(`fast_allreduce`) for small messages and NCCL for the rest, each norm its
-own kernel; `nccl`, NCCL for every all-reduce; `fused`, the norms take the
-all-reduce: in the fused kernel where it is set up (its first use on a
-machine builds FlashInfer's kernels: 257 s on an H200 host), elsewhere (the
-CPU included) in two steps, the same structure. `fused` is opt-in until its
-step times on two GPUs are measured (BENCHMARKS.md, "Tensor parallelism").
+`ROLLOUT_ENGINE_ALLREDUCE` picks the path (`fast_allreduce.allreduce_mode`):
+`one-shot` or unset, the one-shot kernel (`fast_allreduce`) for small
+messages and NCCL for the rest, each norm its own kernel; `nccl`, NCCL for
+every all-reduce; `fused`, the norms take the all-reduce: in the fused
+kernel where it is set up (its first use on a machine builds FlashInfer's
+kernels: 257 s on an H200 host), elsewhere (the CPU included) in two steps,
+the same structure. `fused` is opt-in until its step times on two GPUs are
+measured (BENCHMARKS.md, "Tensor parallelism").
 """
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from rollout_engine.distributed.fast_allreduce import ENV, agree_everywhere
+from rollout_engine.distributed.fast_allreduce import agree_everywhere, allreduce_mode
 
 log = logging.getLogger("rollout_engine")
 
 MAX_TOKENS = 512  # rows per call: the decode batches (a longer prefill chunk takes NCCL and the norm kernel)
 WORLD_SIZES = (2, 4, 8)  # what the kernel is built for
-
-
-def mode() -> str:
-    """The all-reduce path asked for in the environment: 'nccl', 'one-shot',
-    'fused' or 'auto' (unset: as 'one-shot')."""
-    value = os.environ.get(ENV, "").strip().lower() or "auto"
-    if value not in ("nccl", "one-shot", "fused", "auto"):
-        raise ValueError(f"{ENV} must be 'nccl', 'one-shot' or 'fused' (or unset), got {value!r}")
-    return value
 
 
 class FusedAllReduceNorm:
@@ -105,7 +96,7 @@ def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device)
     `ROLLOUT_ENGINE_ALLREDUCE=fused` asks for it (the kernel, or where it is
     not available the two steps), else None. Every rank of the group calls
     this together."""
-    if comm.tp_size == 1 or mode() != "fused":
+    if comm.tp_size == 1 or allreduce_mode() != "fused":
         return None
     fused, error = None, None
     if device.type == "cuda" and comm.tp_size in WORLD_SIZES and hidden % 8 == 0:
