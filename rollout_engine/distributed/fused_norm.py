@@ -12,7 +12,8 @@ unreduced (`models.decoder`, `TPComm.fuses_norms`).
 Up to `max_tokens` rows (decode batches); longer prefill chunks keep the
 all-reduce and the norm kernel. The buffers (about 16 x max_tokens x hidden
 bytes per rank in bf16 at two ranks) live outside the engine's releasable
-memory, for the life of the comm (freed with it, as `fast_allreduce`'s). The kernel rounds the normalised row once, after the weight, where
+memory, for the life of the comm (freed with it, as `fast_allreduce`'s).
+The kernel rounds the normalised row once, after the weight, where
 `RMSNorm` rounds it before the weight as Hugging Face does: an element may
 differ in its last bit. So batch-invariant mode never takes it.
 
