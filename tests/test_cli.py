@@ -11,21 +11,13 @@ import sys
 import pytest
 import torch
 
+from cli_errors import one_line_error
 from models import make_hf_model, save_model
 from rollout_engine import cli
 from rollout_engine.cli import main
 from rollout_engine.cli_args import FIELD_HELP, add_engine_args, engine_kwargs, flag_of, input_ids
 from rollout_engine.config import EngineConfig
 from rollout_engine.model_zoo import DEFAULT_MODEL
-
-
-def _one_line_error(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("rollout-engine: error: ")
-    return lines[0]
 
 
 @pytest.fixture
@@ -147,14 +139,14 @@ def test_generate_chat_with_tokenizer_flag(smollm2_dir, tmp_path, capsys, monkey
 def test_bad_generate_flags(llama, flags, named, capsys, no_model_load):
     _, folder = llama
     assert main(["generate", "--model", folder, *flags]) == 2
-    assert f"argument {named}:" in _one_line_error(capsys)
+    assert f"argument {named}:" in one_line_error(capsys)
 
 
 def test_a_wrong_all_reduce_path_is_one_line_naming_the_variable(llama, capsys, no_model_load, monkeypatch):
     _, folder = llama
     monkeypatch.setenv("ROLLOUT_ENGINE_ALLREDUCE", "bogus")
     assert main(["generate", "--model", folder, "--tp", "2", "--input-ids", "1"]) == 2
-    line = _one_line_error(capsys)
+    line = one_line_error(capsys)
     assert "ROLLOUT_ENGINE_ALLREDUCE must be 'one-shot', 'nccl' or 'fused'" in line and "got 'bogus'" in line
     assert "argument --tp-size" not in line  # the environment's value, not the flag's
     with pytest.raises(SystemExit):
@@ -164,7 +156,7 @@ def test_a_wrong_all_reduce_path_is_one_line_naming_the_variable(llama, capsys, 
 
 def test_an_empty_text_prompt_is_refused_before_the_model_loads(smollm2_dir, capsys, no_model_load):
     assert main(["generate", "--model", smollm2_dir, "hello", ""]) == 2
-    line = _one_line_error(capsys)
+    line = one_line_error(capsys)
     assert "argument prompts:" in line and "prompt 1 is empty" in line
 
 
@@ -179,7 +171,7 @@ def test_new_tokens_past_the_context_after_a_text_prompt_are_refused_before_the_
     with open(os.path.join(smollm2_dir, "config.json")) as f:
         context = json.load(f)["max_position_embeddings"]
     assert main(["generate", "--model", smollm2_dir, "--max-new-tokens", str(context), "hello"]) == 2
-    line = _one_line_error(capsys)
+    line = one_line_error(capsys)
     assert "argument --max-new-tokens:" in line and f"({context} tokens)" in line
 
 
@@ -188,7 +180,7 @@ def test_a_text_prompt_the_cache_cannot_hold_is_refused_as_the_flags_that_set_it
     the command line's flags, not the Python API's field names."""
     assert main(["generate", "--model", smollm2_dir, "--max-total-tokens", "8", "--max-new-tokens", "2",
                  "What is the capital of France? Tell me please"]) == 2
-    line = _one_line_error(capsys)
+    line = one_line_error(capsys)
     assert line.startswith("rollout-engine: error: argument --max-new-tokens: 2 plus the prompt"), line
     assert "(raise --max-total-tokens)" in line and "sampling_params" not in line, line
     assert line.endswith("(see 'rollout-engine generate --help')"), line
@@ -196,33 +188,33 @@ def test_a_text_prompt_the_cache_cannot_hold_is_refused_as_the_flags_that_set_it
 
 def test_unknown_model_is_named(capsys, no_model_load):
     assert main(["generate", "--model", "no-such-model"]) == 2
-    assert "--model" in _one_line_error(capsys)
+    assert "--model" in one_line_error(capsys)
     assert main(["generate", "--model", "qwen3-0.6b"]) == 2  # a preset without --load-format dummy
-    assert "--load-format dummy" in _one_line_error(capsys)
+    assert "--load-format dummy" in one_line_error(capsys)
 
 
 
 def test_a_folder_that_is_no_model_is_named(tmp_path, capsys, no_model_load):
     assert main(["generate", "--model", str(tmp_path), "--input-ids", "1"]) == 2
-    line = _one_line_error(capsys)
+    line = one_line_error(capsys)
     assert "--model" in line and "without a config.json" in line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_cuda_device_without_gpu(llama, capsys, no_model_load):
     assert main(["generate", "--model", llama[1], "--device", "cuda", "--input-ids", "1"]) == 2
-    assert "--device" in _one_line_error(capsys)
+    assert "--device" in one_line_error(capsys)
 
 
 def test_demo_has_no_chat_flag(capsys, no_model_load):
     assert main(["demo", "--chat"]) == 2
-    assert "--chat" in _one_line_error(capsys)
+    assert "--chat" in one_line_error(capsys)
 
 
 @pytest.mark.parametrize("argv", [["generate", "--bogus-flag", "hi"], ["demo", "extra_positional"]])
 def test_unrecognized_arguments_point_at_the_subcommands_help(argv, capsys, no_model_load):
     assert main(argv) == 2
-    line = _one_line_error(capsys)
+    line = one_line_error(capsys)
     assert f"unrecognized arguments: {argv[1]}" in line and line.endswith(f"(see 'rollout-engine {argv[0]} --help')")
 
 
@@ -232,7 +224,7 @@ def test_unrecognized_arguments_point_at_the_subcommands_help(argv, capsys, no_m
 def test_an_unknown_flag_before_the_command_is_named(argv, words, capsys, no_model_load):
     """Not 'the following arguments are required: COMMAND'."""
     assert main(argv) == 2
-    line = _one_line_error(capsys)
+    line = one_line_error(capsys)
     assert words in line and line.endswith("(see 'rollout-engine --help')")
 
 
@@ -243,7 +235,7 @@ def test_a_shortened_flag_is_refused_not_taken_for_the_full_one(argv, flag, caps
     """A typo that is a prefix of a flag (--max-new-token for --max-new-tokens)
     is an error, as any misspelling is, not a silent match."""
     assert main(argv) == 2
-    assert f"unrecognized arguments: {flag}" in _one_line_error(capsys)
+    assert f"unrecognized arguments: {flag}" in one_line_error(capsys)
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -256,7 +248,7 @@ def test_a_shortened_flag_is_refused_not_taken_for_the_full_one(argv, flag, caps
     (["bench", "--workload", "ofline"], "; did you mean 'offline'?")])
 def test_a_misspelled_flag_names_the_closest_one(argv, words, capsys, no_model_load):
     assert main(argv) == 2
-    line = _one_line_error(capsys)
+    line = one_line_error(capsys)
     assert words in line and line.endswith(f"(see 'rollout-engine {argv[0]} --help')")
 
 
@@ -281,7 +273,7 @@ def test_a_scripts_misspelled_flag_names_the_closest_one(capsys):
 def test_a_commands_own_checks_point_at_its_help_once(argv, words, capsys, no_model_load):
     """Checks made after argparse's (the command's own) end as argparse's do."""
     assert main(argv) == 2
-    line = _one_line_error(capsys)
+    line = one_line_error(capsys)
     assert words in line and line.endswith(f"(see 'rollout-engine {argv[0]} --help')") and line.count("--help") == 1
 
 
@@ -302,96 +294,7 @@ def test_errors_escaping_a_command_are_one_line(llama, error, status, capsys, mo
     monkeypatch.setattr(cli, "_make_engine", fail)
     monkeypatch.delenv("ROLLOUT_ENGINE_DEBUG", raising=False)
     assert main(["generate", "--model", llama[1], "--input-ids", "1"]) == status
-    _one_line_error(capsys)
-
-
-# ---- bench ---------------------------------------------------------------------------------
-
-@pytest.fixture
-def no_bench_run(monkeypatch):
-    import rollout_engine.bench.run as bench_run
-
-    def refuse(args):
-        raise AssertionError("the benchmark ran")
-    monkeypatch.setattr(bench_run, "main", refuse)
-
-
-@pytest.mark.parametrize("workload", ["offline", "decode", "prefill", "memory"])
-def test_gpu_workloads_need_cuda(workload, capsys, monkeypatch, no_bench_run):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["bench", "--workload", workload]) == 2
-    line = _one_line_error(capsys)
-    assert "--workload" in line and "CUDA GPU" in line
-
-
-@pytest.mark.parametrize("flags, named", [
-    (["-n", "0"], "-n"),
-    (["--max-total-tokens", "0"], "--max-total-tokens"),
-    (["--prompt-min", "64", "--prompt-max", "32"], "--prompt-min"),
-    (["--out", "/no/such/folder/report.json"], "--out"),
-    (["--model", "nope"], "--model"),
-    (["--page-size", "3"], "--page-size"),
-    (["--max-running-requests", "0"], "--max-running-requests"),
-    (["--tp", "3"], "--tp-size"),  # 16 heads do not split in 3
-])
-def test_bad_bench_flags(flags, named, capsys, no_bench_run):
-    assert main(["bench", "--workload", "grpo", *flags]) == 2
-    assert named in _one_line_error(capsys)
-
-
-@pytest.fixture
-def bench_args_seen(monkeypatch):
-    import rollout_engine.bench.run as bench_run
-
-    seen = []
-    monkeypatch.setattr(bench_run, "main", lambda args: seen.append(args) or 0)
-    return seen
-
-
-@pytest.mark.parametrize("flags, long", [
-    ([], True), (["--num-prompts", "2", "-n", "2", "--output-len", "32"], False),
-    (["--workload", "longtail"], True), (["--workload", "longtail", "--scale", "0.001", "-n", "2"], False),
-])
-def test_bench_on_the_cpu_says_when_a_workload_will_take_hours(flags, long, capsys, monkeypatch, bench_args_seen):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["bench", *flags]) == 0 and bench_args_seen  # it still runs: the note is a note
-    err = capsys.readouterr().err
-    assert ("takes hours" in err or "can take hours" in err) == long, err
-    if long:
-        quick = err.split("for a quick look: ")[1].split()
-        capsys.readouterr()
-        assert main(["bench", *flags[:2], *quick]) == 0 and "hours" not in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("flags, unused", [
-    (["--workload", "longtail", "--scale", "0.001", "-n", "2", "--num-prompts", "16"], ["--num-prompts"]),
-    (["--workload", "decode", "--output-len", "8", "--graphs-only", "--batch-sizes", "1"], ["--output-len"]),
-    (["--workload", "grpo", "--scale", "0.5", "--steps", "3", "--num-prompts", "2"], ["--scale", "--steps"]),
-    (["--workload", "offline", "--num-prompts", "2", "--baseline", "none"], []),  # a default given: not noted
-])
-def test_bench_says_which_flags_its_workload_does_not_use(flags, unused, capsys, monkeypatch, bench_args_seen):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the GPU checks: the run is faked
-    assert main(["bench", *flags]) == 0 and bench_args_seen
-    notes = [line for line in capsys.readouterr().err.splitlines() if "does nothing" in line]
-    assert sorted(line.split(" does nothing")[0].split()[-1] for line in notes) == sorted(unused)
-    assert all(f"--workload {flags[1]}" in line for line in notes)
-    from rollout_engine.bench.run import _config
-
-    assert "bench_defaults" not in _config(bench_args_seen[0])  # the report's config says what ran
-
-
-def test_bench_engine_flags_reach_the_engine():
-    """Every engine flag `bench` offers is passed to the engines it builds."""
-    from rollout_engine.bench.common import engine_kwargs
-
-    args = cli.build_parser().parse_args(["bench", "--page-size", "16", "--max-running-requests", "64",
-                                      "--cuda-graph-max-batch-size", "128", "--tp", "2", "--deterministic"])
-    kw = engine_kwargs(args)
-    assert (kw["page_size"], kw["max_running_requests"], kw["cuda_graph_max_batch_size"]) == (16, 64, 128)
-    assert kw["tp_size"] == 2 and kw["deterministic"] is True
-    offered = {a.dest for a in cli.build_parser()._subparsers._group_actions[0].choices["bench"]._actions}
-    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
-    assert offered & engine_fields <= set(kw)
+    one_line_error(capsys)
 
 
 # ---- run -----------------------------------------------------------------------------------
@@ -399,9 +302,9 @@ def test_bench_engine_flags_reach_the_engine():
 def test_run_without_memory_saver(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_memory_saver_installed", lambda: False)
     assert main(["run", "--", "python", "-c", "pass"]) == 2
-    assert 'pip install -e ".[gpu]"' in _one_line_error(capsys)
+    assert 'pip install -e ".[gpu]"' in one_line_error(capsys)
     assert main(["run"]) == 2
-    assert "run needs a program" in _one_line_error(capsys)
+    assert "run needs a program" in one_line_error(capsys)
 
 
 def test_an_interrupted_conversion_leaves_nothing_in_the_model_cache(tmp_path, monkeypatch):
