@@ -141,6 +141,30 @@ def symm_name_rank(rank: int, port: int, out_queue) -> None:
     out_queue.put((rank, world, fresh, again))
 
 
+def allreduce_mode_rank(rank: int, port: int, out_queue) -> None:
+    """Rank 0 reads ROLLOUT_ENGINE_ALLREDUCE=nccl, rank 1 has it unset (as
+    ranks of a torch.distributed job with different environments); then both
+    alike. Puts (rank, the first check's error or None, the second's)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from rollout_engine.distributed.fast_allreduce import allreduce_mode, same_mode_everywhere
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    errors = []
+    for env in (("nccl", ""), ("nccl", "nccl")):
+        os.environ["ROLLOUT_ENGINE_ALLREDUCE"] = env[rank]
+        try:
+            same_mode_everywhere(allreduce_mode(), dist.group.WORLD, torch.device("cpu"))
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    dist.destroy_process_group()
+    out_queue.put((rank, *errors))
+
+
 def fused_norm_rank(rank: int, port: int, out_queue) -> None:
     """One of two GPU ranks: the fused all-reduce + residual add + RMSNorm
     (eagerly and replayed in a CUDA graph with new inputs; its first use on a

@@ -334,6 +334,19 @@ def test_a_group_name_used_before_on_any_rank_skips_the_one_shot_setup():
     assert _on_two_ranks(sync_workers.symm_name_rank) == [(0, False, True, False), (1, False, True, False)]
 
 
+def test_ranks_reading_different_all_reduce_paths_are_refused_together():
+    """Ranks of an engine inside a torch.distributed job read their own
+    environments: different ROLLOUT_ENGINE_ALLREDUCE values would put their
+    setup collectives out of step (a hang); every rank gets the error."""
+    import sync_workers
+
+    results = _on_two_ranks(sync_workers.allreduce_mode_rank)
+    for rank, first, second in results:
+        assert first is not None and "differs between the ranks of one engine" in first, (rank, first)
+        assert second is None
+    assert "'nccl'" in results[0][1] and "'one-shot'" in results[1][1]
+
+
 def _on_two_ranks(target, timeout_s: float = 240.0) -> list:
     """`target(rank, port, out_queue)` in two spawned processes: what each
     put, sorted (a worker that dies or hangs fails the test)."""

@@ -73,10 +73,15 @@ def make_fast_all_reduce(group, tp_size: int, dtype: torch.dtype, device: torch.
     with ROLLOUT_ENGINE_ALLREDUCE=nccl, or symmetric memory unavailable).
     Every rank of the group calls this together; an all-reduce of the
     outcome makes every rank take the same answer."""
-    if tp_size > 1 and allreduce_mode() == "nccl":
+    if tp_size == 1:
+        return None
+    mode = allreduce_mode()
+    if device.type == "cuda":  # the paths below run collectives: every rank must take the same
+        same_mode_everywhere(mode, group, device)
+    if mode == "nccl":
         log.info("tensor parallelism: NCCL for every all-reduce (%s=nccl)", ENV)
         return None
-    if device.type != "cuda" or tp_size == 1:
+    if device.type != "cuda":
         return None
     # Only the setup is tried: once a rank has entered a one-shot kernel it
     # waits for every other rank's signal, so a probe that fails on one rank
@@ -104,6 +109,22 @@ def first_use_everywhere(group, device: torch.device) -> bool:
     fresh = agree_everywhere(name not in _SET_UP, group, device)
     _SET_UP.add(name)
     return fresh
+
+
+def same_mode_everywhere(mode: str, group, device: torch.device) -> None:
+    """ValueError on every rank when the ranks read different
+    ROLLOUT_ENGINE_ALLREDUCE values (ranks of an engine inside a
+    torch.distributed job each read their own environment): their setup
+    collectives would fall out of step and hang."""
+    import torch.distributed as dist
+
+    index = torch.tensor([MODES.index(mode)], device=device)
+    low, high = index.clone(), index.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    if low.item() != high.item():
+        raise ValueError(f"{ENV} differs between the ranks of one engine (this rank: {mode!r}); set it alike "
+                         "on every rank")
 
 
 def agree_everywhere(ok, group, device: torch.device) -> bool:

@@ -12,7 +12,7 @@ unreduced (`models.decoder`, `TPComm.fuses_norms`).
 Up to `max_tokens` rows (decode batches); longer prefill chunks keep the
 all-reduce and the norm kernel. The buffers (about 16 x max_tokens x hidden
 bytes per rank in bf16 at two ranks) live outside the engine's releasable
-memory, for the life of the comm (freed with it, as `fast_allreduce`'s).
+memory until the engine's ranks leave their group (`close`).
 The kernel rounds the normalised row once, after the weight, where
 `RMSNorm` rounds it before the weight as Hugging Face does: an element may
 differ in its last bit. So batch-invariant mode never takes it.
@@ -21,9 +21,9 @@ differ in its last bit. So batch-invariant mode never takes it.
 `one-shot` or unset, the one-shot kernel (`fast_allreduce`) for small
 messages and NCCL for the rest, each norm its own kernel; `nccl`, NCCL for
 every all-reduce; `fused`, the norms take the all-reduce: in the fused
-kernel where it is set up (its first use on a machine builds FlashInfer's
-kernels: 257 s on an H200 host), elsewhere (the CPU included) in two steps,
-the same structure. `fused` is opt-in until its step times on two GPUs are
+kernel (its first use on a machine builds FlashInfer's kernels: 257 s on
+an H200 host; a GPU where it cannot be set up warns and goes on as unset),
+on the CPU in two steps, the same structure. `fused` is opt-in until its step times on two GPUs are
 measured (BENCHMARKS.md, "Tensor parallelism").
 """
 from __future__ import annotations
@@ -32,9 +32,13 @@ import logging
 
 import torch
 
-from rollout_engine.distributed.fast_allreduce import agree_everywhere, allreduce_mode
+from rollout_engine.distributed.fast_allreduce import ENV, agree_everywhere, allreduce_mode
 
 log = logging.getLogger("rollout_engine")
+
+# The kernels' buffers set up per group (by id), freed when the group's ranks leave it (`close_for`): the
+# engine's parts hold their own copy of the comm, not the one the group's teardown sees.
+_OPEN: dict[int, "FusedAllReduceNorm"] = {}
 
 MAX_TOKENS = 512  # rows per call: the decode batches (a longer prefill chunk takes NCCL and the norm kernel)
 WORLD_SIZES = (2, 4, 8)  # what the kernel is built for
@@ -58,19 +62,35 @@ class FusedAllReduceNorm:
                 dtype=dtype, group=group)
 
     def fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Decided by what every rank has alike (the rows' count, width and
+        type): a rank in the kernel waits for every other's rows, so all must
+        take it or none."""
         return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= self.max_tokens and x.shape[1] == self.hidden
-                and x.dtype == self.dtype and x.is_contiguous() and residual.shape == x.shape
-                and residual.dtype == x.dtype and residual.is_contiguous())
+                and x.dtype == self.dtype and residual.shape == x.shape and residual.dtype == x.dtype)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         from flashinfer.comm import AllReduceFusionPattern, allreduce_fusion
 
+        from rollout_engine.kernels._triton import use_pdl
+
+        x, residual = x.contiguous(), residual.contiguous()
+        weight = weight.to(x.dtype).contiguous()  # the kernel reads the weight as the rows' type
         normed, new_residual = torch.empty_like(x), torch.empty_like(x)
-        allreduce_fusion(x, self.workspace, AllReduceFusionPattern.kARResidualRMSNorm, launch_with_pdl=True,
+        allreduce_fusion(x, self.workspace, AllReduceFusionPattern.kARResidualRMSNorm, launch_with_pdl=use_pdl(x),
                          output=normed, residual_out=new_residual, norm_out=normed, residual_in=residual,
                          rms_gamma=weight, rms_eps=eps)
         return normed, new_residual
+
+    def close(self) -> None:
+        """Free the buffers (after this rank's last kernel: every peer's
+        writes into them are done by then). FlashInfer keeps its own
+        reference to them besides the workspace's: both are dropped."""
+        from flashinfer.comm.trtllm_ar import trtllm_destroy_ipc_workspace_for_all_reduce_fusion
+
+        torch.cuda.synchronize()
+        trtllm_destroy_ipc_workspace_for_all_reduce_fusion(self.workspace.ipc_handles)
+        self.workspace.destroy()
 
 
 class AllReduceThenNorm:
@@ -94,9 +114,9 @@ class AllReduceThenNorm:
 
 def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device):
     """This rank's fused all-reduce + norm for `comm`'s group where
-    `ROLLOUT_ENGINE_ALLREDUCE=fused` asks for it (the kernel, or where it is
-    not available the two steps), else None. Every rank of the group calls
-    this together."""
+    `ROLLOUT_ENGINE_ALLREDUCE=fused` asks for it (the kernel on the GPU, the
+    two steps on the CPU), else None (also on a GPU where the kernel cannot
+    be set up). Every rank of the group calls this together."""
     if comm.tp_size == 1 or allreduce_mode() != "fused":
         return None
     fused, error = None, None
@@ -119,7 +139,19 @@ def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device)
     if fused is not None:
         log.info("tensor parallelism: the all-reduce, residual add and RMSNorm in one kernel (up to %d rows)",
                  fused.max_tokens)
+        _OPEN[id(comm.group)] = fused
         return fused
-    log.info("tensor parallelism: the norms take the all-reduce, in two steps (%s)",
-             error or "no fused kernel on this device")
+    if device.type == "cuda":  # two steps would only cost the one-row products their norm: as unset
+        log.warning("%s=fused: the fused kernel is unavailable here (%s); the all-reduce and the norm stay "
+                    "separate", ENV, error or f"tp_size {comm.tp_size}, hidden size {hidden}")
+        return None
+    log.info("tensor parallelism: the norms take the all-reduce, in two steps (no fused kernel on the CPU)")
     return AllReduceThenNorm(comm.all_reduce)
+
+
+def close_for(group) -> None:
+    """Free the fused kernel's buffers set up for `group`, if any
+    (`tp_group.leave`, after this rank's last step)."""
+    fused = _OPEN.pop(id(group), None)
+    if fused is not None:
+        fused.close()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rollout_engine.distributed import messages
+from rollout_engine.distributed import fused_norm, messages
 from rollout_engine.distributed.comm import TPComm
 
 TIMEOUT = timedelta(minutes=10)
@@ -153,6 +153,7 @@ def leave(comm: TPComm, control, embedded: bool) -> None:
     nccl = [g for g in groups if dist.get_backend(g) == "nccl"]
     if nccl:
         torch.cuda.synchronize()
+    fused_norm.close_for(comm.group)
     if not embedded:
         for group in groups:  # the gloo control group, then the world
             if group is not dist.group.WORLD:
