@@ -79,7 +79,7 @@ class FusedAllReduceNorm:
         normed, new_residual = torch.empty_like(x), torch.empty_like(x)
         allreduce_fusion(x, self.workspace, AllReduceFusionPattern.kARResidualRMSNorm, launch_with_pdl=use_pdl(x),
                          output=normed, residual_out=new_residual, norm_out=normed, residual_in=residual,
-                         rms_gamma=weight, rms_eps=eps)
+                         rms_gamma=weight, rms_eps=eps, fp32_acc=True)  # the ranks' sum rounded once
         return normed, new_residual
 
     def close(self) -> None:
