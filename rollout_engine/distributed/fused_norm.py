@@ -94,22 +94,16 @@ class FusedAllReduceNorm:
 
 
 class AllReduceThenNorm:
-    """The same contract in two steps (the all-reduce, then the norm kernel):
-    where `ROLLOUT_ENGINE_ALLREDUCE=fused` asks for the structure and the
-    kernel is not there (the CPU)."""
+    """The structure without the kernel (the CPU, where
+    `ROLLOUT_ENGINE_ALLREDUCE=fused` asks for it): the products leave their
+    sums to the norms as with the kernel, and no rows fit it, so
+    `TPComm.all_reduce_norm` all-reduces, then calls the norm itself."""
 
-    def __init__(self, all_reduce, max_tokens: int = MAX_TOKENS):
-        self.all_reduce, self.max_tokens = all_reduce, max_tokens
+    def __init__(self, max_tokens: int = MAX_TOKENS):
+        self.max_tokens = max_tokens
 
     def fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
-        return 0 < x.shape[0] <= self.max_tokens
-
-    def __call__(self, x, residual, weight, eps):
-        from rollout_engine.kernels._triton import use_kernel
-        from rollout_engine.kernels.rmsnorm import rmsnorm, rmsnorm_ref
-
-        x = self.all_reduce(x)
-        return (rmsnorm if use_kernel(x) else rmsnorm_ref)(x, weight, eps, residual)
+        return False
 
 
 def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device):
@@ -146,7 +140,7 @@ def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device)
                     "separate", ENV, error or f"tp_size {comm.tp_size}, hidden size {hidden}")
         return None
     log.info("tensor parallelism: the norms take the all-reduce, in two steps (no fused kernel on the CPU)")
-    return AllReduceThenNorm(comm.all_reduce)
+    return AllReduceThenNorm()
 
 
 def close_for(group) -> None:
