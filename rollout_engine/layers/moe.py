@@ -113,9 +113,10 @@ class SparseMoeBlock(nn.Module):
 
     batch_invariant = False  # layers/invariant.py: a token's expert outputs do not depend on the others
 
-    def forward(self, x: torch.Tensor, fb: "ForwardBatch | None" = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: "ForwardBatch | None" = None, reduce: bool = True) -> torch.Tensor:
         """With `fb` whose pool captures routing, each token's experts also go
-        to its KV slot's row (in the routing launch)."""
+        to its KV slot's row (in the routing launch). `reduce=False`: this
+        rank's partial sum (as `DecoderMLP`'s)."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self._record(fb))
         e = self.experts
         out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, invariant=self.batch_invariant)
@@ -125,7 +126,7 @@ class SparseMoeBlock(nn.Module):
             # scalar tail, and a [T, 1] column puts a token in either depending on T: one row at a time.
             gate = per_row(torch.sigmoid, gate) if self.batch_invariant and not gate.is_cuda else torch.sigmoid(gate)
             out = out + gate * self.shared_expert(x)
-        return self.comm.all_reduce(out)
+        return self.comm.all_reduce(out) if reduce else out
 
 
     def fuses_one_row(self, h: torch.Tensor, norm: nn.Module) -> bool:

@@ -155,7 +155,7 @@ class DecoderLayer(nn.Module):
         h, residual = self._norm(self.input_layernorm, x, residual, fused)
         h = self.self_attn(positions, h, fb, reduce=not fused)
         h, residual = self._norm(self.post_attention_layernorm, h, residual, fused)
-        return (self.mlp(h, fb, reduce=False) if fused else self.mlp(h, fb)), residual
+        return self.mlp(h, fb, reduce=not fused), residual
 
     def _norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
               fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
