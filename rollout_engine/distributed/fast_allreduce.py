@@ -78,10 +78,10 @@ def make_fast_all_reduce(group, tp_size: int, dtype: torch.dtype, device: torch.
     mode = allreduce_mode()
     if device.type == "cuda":  # the paths below run collectives: every rank must take the same
         same_mode_everywhere(mode, group, device)
+    if device.type != "cuda":  # gloo for every all-reduce
+        return None
     if mode == "nccl":
         log.info("tensor parallelism: NCCL for every all-reduce (%s=nccl)", ENV)
-        return None
-    if device.type != "cuda":
         return None
     # Only the setup is tried: once a rank has entered a one-shot kernel it
     # waits for every other rank's signal, so a probe that fails on one rank
