@@ -46,7 +46,7 @@ FIELD_HELP: dict[str, str] = {
                            "can be released between rollouts (CUDA, gpu extra)",
     "weights_cpu_backup": "with the memory saver: keep a CPU copy of the weights so that a release keeps them",
     "tp_size": "tensor-parallel degree: GPUs per engine (processes over gloo on the CPU); the all-reduce path: "
-               "$ROLLOUT_ENGINE_ALLREDUCE (one-shot, nccl or fused; docs/tensor-parallel.md)",
+               "$ROLLOUT_ENGINE_ALLREDUCE (fused, the default; one-shot or nccl; docs/tensor-parallel.md)",
     "seed": "seed of dummy weights and of the sampling seeds drawn for requests",
     "overlap_schedule": "schedule step N+1 while step N runs on the device",
     "enable_return_routed_experts": "MoE models: record the experts each token went to in every MoE layer, for "

@@ -179,7 +179,7 @@ def fused_norm_rank(rank: int, port: int, out_queue) -> None:
     from rollout_engine.distributed.comm import TPComm
     from rollout_engine.kernels.rmsnorm import rmsnorm
 
-    os.environ["ROLLOUT_ENGINE_ALLREDUCE"] = "fused"  # opt-in (distributed/fused_norm.py)
+    os.environ["ROLLOUT_ENGINE_ALLREDUCE"] = "fused"  # by name: a fallback would be one-shot, not this kernel
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)

@@ -147,7 +147,7 @@ def test_a_wrong_all_reduce_path_is_one_line_naming_the_variable(llama, capsys, 
     monkeypatch.setenv("ROLLOUT_ENGINE_ALLREDUCE", "bogus")
     assert main(["generate", "--model", folder, "--tp", "2", "--input-ids", "1"]) == 2
     line = one_line_error(capsys)
-    assert "ROLLOUT_ENGINE_ALLREDUCE must be 'one-shot', 'nccl' or 'fused'" in line and "got 'bogus'" in line
+    assert "ROLLOUT_ENGINE_ALLREDUCE must be 'fused', 'one-shot' or 'nccl'" in line and "got 'bogus'" in line
     assert "argument --tp-size" not in line  # the environment's value, not the flag's
     with pytest.raises(SystemExit):
         main(["generate", "--help"])

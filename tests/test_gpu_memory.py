@@ -106,12 +106,14 @@ def test_fifty_cycles_do_not_grow_memory_and_keep_outputs(tmp_path):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("allreduce", ["auto", "nccl"])
+@pytest.mark.parametrize("allreduce", ["", "one-shot", "nccl"], ids=["unset", "one-shot", "nccl"])
 def test_tp2_fifty_cycles_release_both_gpus_without_growth(tmp_path, allreduce):
     """A standalone TP=2 engine (rank 1 in its own process on GPU 1): each
     release frees most of what the engine holds on both GPUs, and fifty
     cycles neither grow memory on either GPU nor change the outputs. With
-    the one-shot all-reduce for small messages and with NCCL alone; the
+    the default (the norms take the all-reduce, in one kernel, its buffers
+    outside what a release frees), with the one-shot all-reduce for small
+    messages and with NCCL alone; the
     result also says whether outputs hold between two calls without a
     release in between (`stable`) and at which cycle they first changed.
     Every call computes its prompts afresh (a release drops the cache): with

@@ -66,18 +66,22 @@ def test_tp2_equals_tp1(tmp_path_factory, kind, overrides):
     assert stats["matched_tokens"] > 0  # the shared system prompt came from the prefix cache
 
 
+@pytest.mark.parametrize("mode", ["", "fused", "one-shot"], ids=["unset", "fused", "one-shot"])
 @pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen3", {"vocab_size": 509})], ids=["llama", "qwen3"])
-def test_tp2_with_the_norms_taking_the_all_reduce_equals_tp1(tmp_path_factory, monkeypatch, caplog, kind, overrides):
-    """ROLLOUT_ENGINE_ALLREDUCE=fused: the o_proj and down products leave
-    their partial sums to the norm after them, which all-reduces them (in
-    one kernel on the GPU; on the CPU in two steps, the same structure), with
-    chunked prefill and the prefix cache: tokens and logprobs as tp_size=1."""
+def test_tp2_with_or_without_the_norms_taking_the_all_reduce_equals_tp1(tmp_path_factory, monkeypatch, caplog, kind,
+                                                                        overrides, mode):
+    """ROLLOUT_ENGINE_ALLREDUCE unset or fused: the o_proj and down products
+    leave their partial sums to the norm after them, which all-reduces them
+    (in one kernel on the GPU; on the CPU in two steps, the same structure);
+    one-shot: each product all-reduces its own sum, each norm is its own
+    step. Either way, with chunked prefill and the prefix cache: tokens and
+    logprobs as tp_size=1."""
     folder = _folder(tmp_path_factory, kind, **overrides)
     one, _ = _run(folder, 1, max_prefill_tokens=40)
-    monkeypatch.setenv("ROLLOUT_ENGINE_ALLREDUCE", "fused")
+    monkeypatch.setenv("ROLLOUT_ENGINE_ALLREDUCE", mode)
     with caplog.at_level(logging.INFO, logger="rollout_engine"):
         two, _ = _run(folder, 2, max_prefill_tokens=40)
-    assert "the norms take the all-reduce" in caplog.text
+    assert ("the norms take the all-reduce" in caplog.text) == (mode != "one-shot")
     _same(one, two)
 
 
@@ -100,8 +104,8 @@ def test_the_fused_all_reduce_and_norm_equals_nccl_then_the_norm_kernel():
 
 def test_a_wrong_all_reduce_path_is_refused_by_name_before_any_rank_starts(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("ROLLOUT_ENGINE_ALLREDUCE", "Fast")
-    with pytest.raises(ValueError, match="ROLLOUT_ENGINE_ALLREDUCE must be 'one-shot', 'nccl' or 'fused' "
-                                         r"\(or unset: 'one-shot'\), got 'Fast'"):
+    with pytest.raises(ValueError, match="ROLLOUT_ENGINE_ALLREDUCE must be 'fused', 'one-shot' or 'nccl' "
+                                         r"\(or unset: 'fused'\), got 'Fast'"):
         RolloutEngine(_folder(tmp_path_factory, "llama"), device="cpu", tp_size=2, max_total_tokens=512)
     assert mp.active_children() == []  # refused before the other rank was spawned
 
@@ -344,7 +348,7 @@ def test_ranks_reading_different_all_reduce_paths_are_refused_together():
     for rank, first, second in results:
         assert first is not None and "differs between the ranks of one engine" in first, (rank, first)
         assert second is None
-    assert "'nccl'" in results[0][1] and "'one-shot'" in results[1][1]
+    assert "'nccl'" in results[0][1] and "'fused'" in results[1][1]  # rank 1's unset: the default
 
 
 def _on_two_ranks(target, timeout_s: float = 240.0) -> list:

@@ -30,19 +30,28 @@ _SET_UP: set[str] = set()
 
 MAX_BYTES = 64 << 10  # one-shot up to this size: past ~128 KiB NCCL is as fast (BENCHMARKS.md, "Tensor parallelism")
 ENV = "ROLLOUT_ENGINE_ALLREDUCE"
-MODES = ("one-shot", "nccl", "fused")  # unset: "one-shot"; "fused": see fused_norm.py
+MODES = ("one-shot", "nccl", "fused")
+DEFAULT = "fused"  # the norms take the all-reduce (fused_norm.py); measured in BENCHMARKS.md, "Tensor parallelism"
 
 
 def allreduce_mode() -> str:
-    """The all-reduce path `ROLLOUT_ENGINE_ALLREDUCE` asks for: 'one-shot'
-    (also when unset: this kernel for small messages, NCCL above), 'nccl'
-    (NCCL for every message) or 'fused' (`fused_norm`); any other value is a
-    ValueError naming the variable and its values."""
+    """The all-reduce path `ROLLOUT_ENGINE_ALLREDUCE` asks for: 'fused'
+    (also when unset: the norms take the all-reduce, `fused_norm`, and this
+    kernel the other small messages), 'one-shot' (this kernel for small
+    messages, NCCL above, each norm its own kernel) or 'nccl' (NCCL for every
+    message); any other value is a ValueError naming the variable and its
+    values."""
     raw = os.environ.get(ENV, "")
-    value = raw.strip().lower() or "one-shot"
+    value = raw.strip().lower() or DEFAULT
     if value not in MODES:
-        raise ValueError(f"{ENV} must be 'one-shot', 'nccl' or 'fused' (or unset: 'one-shot'), got {raw!r}")
+        raise ValueError(f"{ENV} must be 'fused', 'one-shot' or 'nccl' (or unset: {DEFAULT!r}), got {raw!r}")
     return value
+
+
+def allreduce_mode_is_set() -> bool:
+    """Whether `ROLLOUT_ENGINE_ALLREDUCE` names a path (a path asked for by
+    name that cannot be set up is a warning; the default's fallback is not)."""
+    return bool(os.environ.get(ENV, "").strip())
 
 
 class OneShotAllReduce:

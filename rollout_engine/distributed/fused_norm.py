@@ -18,13 +18,14 @@ The kernel rounds the normalised row once, after the weight, where
 differ in its last bit. So batch-invariant mode never takes it.
 
 `ROLLOUT_ENGINE_ALLREDUCE` picks the path (`fast_allreduce.allreduce_mode`):
-`one-shot` or unset, the one-shot kernel (`fast_allreduce`) for small
-messages and NCCL for the rest, each norm its own kernel; `nccl`, NCCL for
-every all-reduce; `fused`, the norms take the all-reduce: in the fused
-kernel (its first use on a machine builds FlashInfer's kernels: 257 s on
-an H200 host; a GPU where it cannot be set up warns and goes on as unset),
-on the CPU in two steps, the same structure. `fused` is opt-in until its step times on two GPUs are
-measured (BENCHMARKS.md, "Tensor parallelism").
+`fused` or unset, the norms take the all-reduce: in the fused kernel on the
+GPU, in two steps on the CPU (the same structure); `one-shot`, the one-shot
+kernel (`fast_allreduce`) for small messages and NCCL for the rest, each
+norm its own kernel; `nccl`, NCCL for every all-reduce. The fused kernel's
+first use on a machine builds FlashInfer's kernels (257 s on a 16-core H200
+host; cached after, and logged as a warning before it starts). A GPU where
+it cannot be set up goes on as `one-shot` (a warning when `fused` was asked
+for by name). Measured: BENCHMARKS.md, "Tensor parallelism".
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import logging
 
 import torch
 
-from rollout_engine.distributed.fast_allreduce import ENV, agree_everywhere, allreduce_mode
+from rollout_engine.distributed.fast_allreduce import ENV, agree_everywhere, allreduce_mode, allreduce_mode_is_set
 
 log = logging.getLogger("rollout_engine")
 
@@ -95,7 +96,7 @@ class FusedAllReduceNorm:
 
 class AllReduceThenNorm:
     """The structure without the kernel (the CPU, where
-    `ROLLOUT_ENGINE_ALLREDUCE=fused` asks for it): the products leave their
+    `ROLLOUT_ENGINE_ALLREDUCE` is `fused` or unset): the products leave their
     sums to the norms as with the kernel, and no rows fit it, so
     `TPComm.all_reduce_norm` all-reduces, then calls the norm itself."""
 
@@ -108,9 +109,9 @@ class AllReduceThenNorm:
 
 def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device):
     """This rank's fused all-reduce + norm for `comm`'s group where
-    `ROLLOUT_ENGINE_ALLREDUCE=fused` asks for it (the kernel on the GPU, the
-    two steps on the CPU), else None (also on a GPU where the kernel cannot
-    be set up). Every rank of the group calls this together."""
+    `ROLLOUT_ENGINE_ALLREDUCE` is `fused` or unset (the kernel on the GPU,
+    the two steps on the CPU), else None (also on a GPU where the kernel
+    cannot be set up). Every rank of the group calls this together."""
     if comm.tp_size == 1 or allreduce_mode() != "fused":
         return None
     fused, error = None, None
@@ -118,9 +119,7 @@ def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device)
         # The kernels are built before any rank launches one (a rank inside the kernel waits for the
         # others' rows: one that failed to build would leave them spinning), then the buffers are set up.
         try:
-            from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
-
-            get_trtllm_comm_module()
+            _build_kernels(first=comm.tp_rank == 0)
         except Exception as e:  # noqa: BLE001 - an optional fast path: the norms still work unfused
             error = e
         if agree_everywhere(error is None, comm.group, device):
@@ -135,12 +134,29 @@ def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device)
                  fused.max_tokens)
         _OPEN[id(comm.group)] = fused
         return fused
-    if device.type == "cuda":  # two steps would only cost the one-row products their norm: as unset
-        log.warning("%s=fused: the fused kernel is unavailable here (%s); the all-reduce and the norm stay "
-                    "separate", ENV, error or f"tp_size {comm.tp_size}, hidden size {hidden}")
+    if device.type == "cuda":  # two steps would only cost the one-row products their norm: as one-shot
+        why = error or f"tp_size {comm.tp_size}, hidden size {hidden}"
+        if allreduce_mode_is_set():
+            log.warning("%s=fused: the fused kernel is unavailable here (%s); the all-reduce and the norm stay "
+                        "separate", ENV, why)
+        else:
+            log.info("tensor parallelism: no fused all-reduce + norm here (%s); the all-reduce and the norm stay "
+                     "separate", why)
         return None
     log.info("tensor parallelism: the norms take the all-reduce, in two steps (no fused kernel on the CPU)")
     return AllReduceThenNorm()
+
+
+def _build_kernels(first: bool) -> None:
+    """FlashInfer's fused all-reduce kernels, built on their first use on
+    this machine (minutes; the ranks share one build) and loaded."""
+    from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
+    from flashinfer.jit.comm import gen_trtllm_comm_module
+
+    if first and not gen_trtllm_comm_module().is_compiled:
+        log.warning("tensor parallelism: building FlashInfer's fused all-reduce + norm kernels (first use on this "
+                    "machine: about 4 minutes on 16 cores; cached after). %s=one-shot skips them.", ENV)
+    get_trtllm_comm_module()
 
 
 def close_for(group) -> None:
