@@ -1,10 +1,13 @@
 """Progress bars suited to where they are shown. On a terminal: tqdm's live
 bar. In a log (stderr redirected to a file or a pipe, as in batch jobs): a
 plain line at most every LOG_EVERY_S seconds and one at the end, instead of
-a bar redrawn with carriage returns many times a second into one long line."""
+a bar redrawn with carriage returns many times a second into one long line.
+For a long step with nothing to count (a kernel build): `Ticking`."""
 from __future__ import annotations
 
+import logging
 import sys
+import threading
 import time
 from typing import Any, TextIO
 
@@ -63,3 +66,39 @@ class Progress:
 
     def __exit__(self, *exc: Any) -> None:
         self.bar.close()
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+class Ticking:
+    """Lines on `log` (at WARNING, the level shown without any logging
+    set up) while a long step with nothing to count runs, e.g. a kernel
+    build: every `every_s` seconds (LOG_EVERY_S unless given) how long it
+    has taken so far, and at the end how long it took (or that it stopped)."""
+
+    def __init__(self, log: logging.Logger, what: str, every_s: float | None = None):
+        self.log, self.what = log, what
+        self.every_s = LOG_EVERY_S if every_s is None else every_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._tick, name="rollout-engine-ticking", daemon=True)
+
+    def _tick(self) -> None:
+        while not self.stop.wait(self.every_s):
+            self.log.warning("%s: %s so far", self.what, _duration(time.monotonic() - self.start))
+
+    def __enter__(self) -> "Ticking":
+        self.start = time.monotonic()
+        self.thread.start()
+        return self
+
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join()
+        taken = _duration(time.monotonic() - self.start)
+        if kind is None:
+            self.log.warning("%s: done in %s", self.what, taken)
+        else:
+            self.log.warning("%s: stopped after %s", self.what, taken)

@@ -153,10 +153,15 @@ def _build_kernels(first: bool) -> None:
     from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
     from flashinfer.jit.comm import gen_trtllm_comm_module
 
-    if first and not gen_trtllm_comm_module().is_compiled:
-        log.warning("tensor parallelism: building FlashInfer's fused all-reduce + norm kernels (first use on this "
-                    "machine: about 4 minutes on 16 cores; cached after). %s=one-shot skips them.", ENV)
-    get_trtllm_comm_module()
+    from rollout_engine.progress import Ticking
+
+    if not first or gen_trtllm_comm_module().is_compiled:
+        get_trtllm_comm_module()  # loaded, or built while the first rank shows the time
+        return
+    log.warning("tensor parallelism: building FlashInfer's fused all-reduce + norm kernels (first use on this "
+                "machine: about 4 minutes on 16 cores; cached after). %s=one-shot skips them.", ENV)
+    with Ticking(log, "building FlashInfer's fused all-reduce + norm kernels"):
+        get_trtllm_comm_module()
 
 
 def close_for(group) -> None:
