@@ -128,7 +128,9 @@ def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device)
             except Exception as e:  # noqa: BLE001
                 error = e
             if not agree_everywhere(fused is not None, comm.group, device):
-                fused = None
+                fused, error = None, error or RuntimeError("another rank could not set up its buffers")
+        elif error is None:
+            error = RuntimeError("another rank could not build or load the kernels")
     if fused is not None:
         log.info("tensor parallelism: the all-reduce, residual add and RMSNorm in one kernel (up to %d rows)",
                  fused.max_tokens)
@@ -136,12 +138,11 @@ def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device)
         return fused
     if device.type == "cuda":  # two steps would only cost the one-row products their norm: as one-shot
         why = error or f"tp_size {comm.tp_size}, hidden size {hidden}"
-        if allreduce_mode_is_set():
-            log.warning("%s=fused: the fused kernel is unavailable here (%s); the all-reduce and the norm stay "
-                        "separate", ENV, why)
-        else:
-            log.info("tensor parallelism: no fused all-reduce + norm here (%s); the all-reduce and the norm stay "
-                     "separate", why)
+        # Said aloud when asked for by name, or when a build or setup failed (the speed-up lost for a reason
+        # the user can act on); quietly where the kernel does not apply (the shape, FlashInfer not installed).
+        loud = allreduce_mode_is_set() or (error is not None and not isinstance(error, ImportError))
+        log.log(logging.WARNING if loud else logging.INFO, "tensor parallelism: no fused all-reduce + norm here (%s); "
+                "the all-reduce and the norm stay separate, as with %s=one-shot", why, ENV)
         return None
     log.info("tensor parallelism: the norms take the all-reduce, in two steps (no fused kernel on the CPU)")
     return AllReduceThenNorm()
