@@ -238,3 +238,78 @@ def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it(monkeypatch):
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, handler)
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes whose parent is `pid`."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == pid:
+            found.append((int(entry), cmdline))
+    return found
+
+
+def _sigint_disposition(pid: int) -> str:
+    """'ignored', 'caught' (a handler: Python's KeyboardInterrupt) or
+    'default', from /proc/<pid>/status."""
+    with open(f"/proc/{pid}/status") as f:
+        masks = {k: int(v, 16) for k, v in (line.split(":") for line in f) if k in ("SigIgn", "SigCgt")}
+    bit = 1 << (signal.SIGINT - 1)
+    return "ignored" if masks["SigIgn"] & bit else "caught" if masks["SigCgt"] & bit else "default"
+
+
+@pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_while_the_tp_workers_import_is_one_line_from_one_process(llama):
+    """Ctrl-C from a terminal reaches the whole process group. While a
+    `--tp 2` worker is still importing torch (before its own code runs), it
+    printed a KeyboardInterrupt traceback of its own; now the worker starts
+    deaf to it (checked in /proc as soon as it exists), and the command ends
+    with the one line and 130, no worker left."""
+    import os
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "rollout_engine.console", "generate", "--model", llama[1],
+                             "--device", "cpu", "--tp", "2", "--input-ids", "[[5,6,7]]", "--max-new-tokens", "8"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        workers = []
+        while not workers and time.monotonic() < deadline and proc.poll() is None:
+            workers = [pid for pid, cmd in _children(proc.pid) if "spawn_main" in cmd and "resource_tracker" not in cmd]
+            time.sleep(0.01)
+        assert workers, "no worker started"
+        # Just started (its imports take seconds): it ignores SIGINT already, and never caught it.
+        assert [_sigint_disposition(pid) for pid in workers] == ["ignored"] * len(workers)
+        time.sleep(0.3)  # the worker is importing torch
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    text = err.decode(errors="replace")
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert text.strip().splitlines()[-1] == "rollout-engine: error: interrupted", text
+    time.sleep(0.5)
+    assert not [pid for pid in workers if _running(pid)], "a worker is left"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

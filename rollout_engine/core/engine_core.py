@@ -131,10 +131,18 @@ class EngineCore:
         # KeyboardInterrupt, not a loop thread left building at interpreter
         # exit (which ends the process with an abort).
         read_hf_config(resolve_model_path(cfg.model, cfg.load_format))
+        # A standalone TP engine's other ranks start here too: on the thread a Ctrl-C lands on, which lets
+        # them start ignoring it (tp_group.start_workers); the loop thread joins them.
+        self._workers = self._start_workers(cfg)
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(cfg, built), name="rollout-engine-loop", daemon=True)
         _LIVE.add(self)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            if self._workers is not None:
+                self._workers.terminate()
+            raise
         self.parts: EngineParts
         self.scheduler: Scheduler
         self.factory: RequestFactory
@@ -300,17 +308,24 @@ class EngineCore:
         except BaseException as e:  # noqa: BLE001 - the poster's, even an interrupt raised in its generator
             fut.set_exception(e)
 
-    def _build(self, cfg: EngineConfig) -> EngineParts:
-        """This rank's parts; with tp_size > 1, after starting the other ranks."""
-        if cfg.tp_size == 1:
-            return build_parts(cfg)
-        if self._channel is not None:
-            return build_parts(cfg, self._channel.comm, self._channel)
+    def _start_workers(self, cfg: EngineConfig) -> tp_group.Started | None:
+        """A standalone TP engine's ranks 1..k-1, started (after the checks
+        that need no other rank); None for one rank or an embedded engine."""
+        if cfg.tp_size == 1 or self._channel is not None:
+            return None
         check_tp_size(cfg)
         device = resolve_device(cfg.device)
         if self._cuda_index is not None:
             device = torch.device("cuda", self._cuda_index)
-        channel = tp_group.spawn_workers(cfg, device, worker_main)
+        return tp_group.start_workers(cfg, device, worker_main)
+
+    def _build(self, cfg: EngineConfig) -> EngineParts:
+        """This rank's parts; with tp_size > 1, after joining the other ranks."""
+        if cfg.tp_size == 1:
+            return build_parts(cfg)
+        if self._channel is not None:
+            return build_parts(cfg, self._channel.comm, self._channel)
+        channel = tp_group.join_workers(self._workers)
         try:
             return build_parts(cfg, channel.comm, channel)
         except BaseException:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 
 import torch
 
@@ -18,9 +17,7 @@ from rollout_engine.distributed import tp_group
 
 def worker_main(cfg: EngineConfig, rank: int, size: int, port: int, device: str) -> None:
     tp_group.die_with_parent()
-    # Ctrl-C reaches the whole process group: rank 0 handles it and stops this
-    # rank (or this rank dies with it), without a traceback from every rank.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tp_group.deaf_to_ctrl_c()  # without a traceback from every rank
     if torch.device(device).type == "cpu":  # the ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     comm, control = tp_group.join_group(rank, size, port, torch.device(device))

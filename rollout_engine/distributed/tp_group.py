@@ -12,10 +12,12 @@ parent process dies (PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -248,28 +250,77 @@ def _wait_for_workers(store, procs) -> None:
             time.sleep(0.05)
 
 
-def spawn_workers(cfg, device: torch.device, worker_main) -> TPChannel:
-    """Start ranks 1..k-1 (running `worker_main(cfg, rank, k, port, device)`)
-    and join the group as rank 0."""
+@dataclass
+class Started:
+    """Ranks 1..k-1 of a standalone engine, started (`start_workers`), not
+    yet joined (`join_workers`)."""
+
+    port: int
+    device: torch.device
+    procs: list
+
+    def terminate(self) -> None:
+        for p in self.procs:
+            p.terminate()
+
+
+def start_workers(cfg, device: torch.device, worker_main) -> Started:
+    """Start ranks 1..k-1 (running `worker_main(cfg, rank, k, port, device)`).
+    Called on the thread a Ctrl-C lands on (the constructor's): they start
+    ignoring it."""
     import multiprocessing as mp
 
     k, port = cfg.tp_size, free_port()
     ctx = mp.get_context("spawn")
     base = device.index or 0
-    procs = []
-    for rank in range(1, k):
-        worker_device = torch.device("cuda", base + rank) if device.type == "cuda" else device
-        p = ctx.Process(target=worker_main, args=(cfg, rank, k, port, str(worker_device)), daemon=True,
-                        name=f"rollout-engine-tp{rank}")
-        p.start()
-        procs.append(p)
+    started = Started(port, device, [])
     try:
-        comm, control = join_group(0, k, port, device, procs)
+        with _ctrl_c_ignored():  # the workers start deaf to it, then ignore it for good
+            for rank in range(1, k):
+                worker_device = torch.device("cuda", base + rank) if device.type == "cuda" else device
+                p = ctx.Process(target=worker_main, args=(cfg, rank, k, port, str(worker_device)), daemon=True,
+                                name=f"rollout-engine-tp{rank}")
+                p.start()
+                started.procs.append(p)
     except BaseException:
-        for p in procs:
-            p.terminate()
+        started.terminate()
         raise
-    return channel_of(comm, control, procs, embedded=False)
+    return started
+
+
+def join_workers(started: Started) -> TPChannel:
+    """Join the group of the workers `start_workers` started, as rank 0."""
+    try:
+        comm, control = join_group(0, len(started.procs) + 1, started.port, started.device, started.procs)
+    except BaseException:
+        started.terminate()
+        raise
+    return channel_of(comm, control, started.procs, embedded=False)
+
+
+@contextlib.contextmanager
+def _ctrl_c_ignored():
+    """SIGINT ignored while workers start. A spawned process keeps an
+    ignored signal through exec, so a Ctrl-C while it imports torch, this
+    package and the main script (seconds) no longer prints a traceback from
+    every worker; `deaf_to_ctrl_c` then keeps ignoring it. Only on the main
+    thread over a handler set from Python (elsewhere Python cannot swap it
+    back). A Ctrl-C within the few milliseconds of the starts is dropped."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def deaf_to_ctrl_c() -> None:
+    """A worker ignores Ctrl-C: it reaches the whole process group, and rank
+    0 handles it and stops this rank (or this rank dies with it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def die_with_parent() -> None:
