@@ -88,9 +88,11 @@ def fsdp_rank(rank: int, port: int, folder_a: str, folder_b: str, kind: int, out
 
 
 def embedded_rank(rank: int, world: int, port: int, folder: str, second_folder: str, tp: int, prompts,
-                  out_queue) -> None:
+                  out_queue, env: list | None = None) -> None:
     """One rank of a torch.distributed job in which every rank constructs a
-    tensor-parallel engine and makes the same calls."""
+    tensor-parallel engine and makes the same calls (`env`: each rank's own
+    environment variables)."""
+    import os
     import time
 
     import torch.distributed as dist
@@ -98,6 +100,7 @@ def embedded_rank(rank: int, world: int, port: int, folder: str, second_folder: 
     from rollout_engine import RolloutEngine, SamplingParams
     from rollout_engine.weights.loader import iter_safetensors
 
+    os.environ.update(env[rank] if env else {})
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         try:
@@ -142,22 +145,24 @@ def symm_name_rank(rank: int, port: int, out_queue) -> None:
 
 
 def allreduce_mode_rank(rank: int, port: int, out_queue) -> None:
-    """Rank 0 reads ROLLOUT_ENGINE_ALLREDUCE=nccl, rank 1 has it unset (as
-    ranks of a torch.distributed job with different environments); then both
-    alike. Puts (rank, the first check's error or None, the second's)."""
+    """Two ranks of a torch.distributed job read ROLLOUT_ENGINE_ALLREDUCE
+    from their own environments: nccl and unset with the paths required
+    alike (as on GPUs), then alike; fused and a wrong value; fused and
+    one-shot on the CPU. Puts (rank, each check's error or None)."""
     import os
 
     import torch
     import torch.distributed as dist
 
-    from rollout_engine.distributed.fast_allreduce import allreduce_mode, same_mode_everywhere
+    from rollout_engine.distributed.fast_allreduce import allreduce_mode_everywhere
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     errors = []
-    for env in (("nccl", ""), ("nccl", "nccl")):
+    for env, alike in ((("nccl", ""), True), (("nccl", "nccl"), True), (("fused", "fast"), None),
+                       (("fused", "one-shot"), None)):
         os.environ["ROLLOUT_ENGINE_ALLREDUCE"] = env[rank]
         try:
-            same_mode_everywhere(allreduce_mode(), dist.group.WORLD, torch.device("cpu"))
+            allreduce_mode_everywhere(dist.group.WORLD, torch.device("cpu"), alike)
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))

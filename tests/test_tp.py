@@ -202,7 +202,7 @@ def test_a_tp_size_that_does_not_split_the_model_is_refused(tmp_path_factory, tp
     assert not [p for p in mp.active_children() if p.name.startswith("rollout-engine-tp")]
 
 
-def _embedded(world: int, tp: int, folder: str, second_folder: str) -> list:
+def _embedded(world: int, tp: int, folder: str, second_folder: str, env: list | None = None) -> list:
     import sync_workers
     from test_weight_sync import _free_port, _gather
 
@@ -210,7 +210,7 @@ def _embedded(world: int, tp: int, folder: str, second_folder: str) -> list:
     out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=sync_workers.embedded_rank,
-                         args=(r, world, port, folder, second_folder, tp, PROMPTS, out)) for r in range(world)]
+                         args=(r, world, port, folder, second_folder, tp, PROMPTS, out, env)) for r in range(world)]
     for p in procs:
         p.start()
     return sorted(_gather(procs, out, world), key=lambda r: r[0])
@@ -235,6 +235,18 @@ def test_embedded_ranks_form_engines_and_agree(tmp_path_factory, world, tp):
         assert first == want_first, rank
         assert streamed == want_first[:2], rank
         assert version == 1 and after == want_second, rank
+
+
+@pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
+def test_a_wrong_all_reduce_path_on_one_embedded_rank_is_refused_on_every_rank(tmp_path_factory):
+    """Embedded ranks read their own environments: a wrong
+    ROLLOUT_ENGINE_ALLREDUCE on rank 1 alone is refused on both ranks (rank
+    0 alone waited in its next collective), rank 1's error naming it."""
+    folder = _folder(tmp_path_factory, "llama")
+    results = _embedded(2, 2, folder, folder, env=[{"ROLLOUT_ENGINE_ALLREDUCE": "fused"},
+                                                   {"ROLLOUT_ENGINE_ALLREDUCE": "fast"}])
+    assert [r[1] for r in results] == ["ValueError"] * 2, results
+    assert "on another rank of this engine" in results[0][2] and "got 'fast'" in results[1][2], results
 
 
 @pytest.mark.slow  # multi-process; run by .ci/run after the fast tests
@@ -340,15 +352,19 @@ def test_a_group_name_used_before_on_any_rank_skips_the_one_shot_setup():
 
 def test_ranks_reading_different_all_reduce_paths_are_refused_together():
     """Ranks of an engine inside a torch.distributed job read their own
-    environments: different ROLLOUT_ENGINE_ALLREDUCE values would put their
-    setup collectives out of step (a hang); every rank gets the error."""
+    environments: different ROLLOUT_ENGINE_ALLREDUCE paths would put their
+    setup collectives out of step on GPUs (a hang), and a wrong value on one
+    rank alone would leave the others waiting: every rank gets the error."""
     import sync_workers
 
     results = _on_two_ranks(sync_workers.allreduce_mode_rank)
-    for rank, first, second in results:
-        assert first is not None and "differs between the ranks of one engine" in first, (rank, first)
-        assert second is None
+    for rank, differ, same, wrong, mixed_on_cpu in results:
+        assert differ is not None and "differs between the ranks of one engine" in differ, (rank, differ)
+        assert same is None and mixed_on_cpu is None, (rank, same, mixed_on_cpu)
     assert "'nccl'" in results[0][1] and "'fused'" in results[1][1]  # rank 1's unset: the default
+    # A wrong value on one rank: every rank refused, that rank's error naming it.
+    assert "on another rank of this engine is not 'fused', 'one-shot' or 'nccl'" in results[0][3]
+    assert "must be 'fused', 'one-shot' or 'nccl'" in results[1][3] and "got 'fast'" in results[1][3]
 
 
 def _on_two_ranks(target, timeout_s: float = 240.0) -> list:

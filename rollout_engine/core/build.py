@@ -63,14 +63,17 @@ class EngineParts:
     channel: TPChannel | None = None  # rank 0 of a tensor-parallel engine: the other ranks
 
 
-def check_tp_size(cfg: EngineConfig) -> None:
-    """Refuse a tp_size that does not split the model, or an all-reduce path
-    that is not one (`fast_allreduce.allreduce_mode`), before any process
-    starts."""
+def check_tp_size(cfg: EngineConfig, embedded: bool = False) -> None:
+    """Refuse a tp_size that does not split the model, or (standalone) an
+    all-reduce path that is not one (`fast_allreduce.allreduce_mode`), before
+    any process starts. Ranks of an embedded engine read their own
+    environments: they check the path together, once their group exists
+    (`fast_allreduce.allreduce_mode_everywhere`)."""
     k = cfg.tp_size
     if k == 1:
         return
-    allreduce_mode()
+    if not embedded:
+        allreduce_mode()
     hf, eos = read_hf_config(resolve_model_path(cfg.model, cfg.load_format))
     mc = ModelConfig.from_hf(hf, eos)
     problem = _tp_problem(mc, k)

@@ -96,7 +96,7 @@ def start_core(cfg: EngineConfig):
     tensor-parallel engine embedded in a torch.distributed job, a follower."""
     if cfg.tp_size == 1 or not tp_group.in_distributed_job():
         return EngineCore(cfg)
-    check_tp_size(cfg)
+    check_tp_size(cfg, embedded=True)
     comm, control = tp_group.embedded_group(cfg.tp_size, resolve_device(cfg.device))
     channel = tp_group.channel_of(comm, control, [], embedded=True)
     if comm.tp_rank == 0:

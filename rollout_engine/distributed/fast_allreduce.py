@@ -84,9 +84,7 @@ def make_fast_all_reduce(group, tp_size: int, dtype: torch.dtype, device: torch.
     outcome makes every rank take the same answer."""
     if tp_size == 1:
         return None
-    mode = allreduce_mode()
-    if device.type == "cuda":  # the paths below run collectives: every rank must take the same
-        same_mode_everywhere(mode, group, device)
+    mode = allreduce_mode_everywhere(group, device)
     if device.type != "cuda":  # gloo for every all-reduce
         return None
     if mode == "nccl":
@@ -120,20 +118,34 @@ def first_use_everywhere(group, device: torch.device) -> bool:
     return fresh
 
 
-def same_mode_everywhere(mode: str, group, device: torch.device) -> None:
-    """ValueError on every rank when the ranks read different
-    ROLLOUT_ENGINE_ALLREDUCE values (ranks of an engine inside a
-    torch.distributed job each read their own environment): their setup
-    collectives would fall out of step and hang."""
+def allreduce_mode_everywhere(group, device: torch.device, alike: bool | None = None) -> str:
+    """`allreduce_mode()`, read by every rank of the group together (ranks of
+    an engine inside a torch.distributed job each read their own
+    environment): a ValueError on every rank when one rank's value is not a
+    path (that rank's names the value), or, where the paths must be `alike`
+    (by default on GPUs), when the ranks' paths differ: their setup
+    collectives would fall out of step and hang (on the CPU every path runs
+    the same collectives). Raised by one rank alone, the others would wait in
+    their next collective."""
     import torch.distributed as dist
 
-    index = torch.tensor([MODES.index(mode)], device=device)
+    try:
+        mode, problem = allreduce_mode(), None
+    except ValueError as e:
+        mode, problem = None, e
+    index = torch.tensor([MODES.index(mode) if mode else -1], device=device)
     low, high = index.clone(), index.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    if low.item() != high.item():
+    if problem is not None:
+        raise problem
+    if low.item() < 0:
+        raise ValueError(f"{ENV} on another rank of this engine is not 'fused', 'one-shot' or 'nccl' (that rank's "
+                         f"error names it; this rank: {mode!r})")
+    if low.item() != high.item() and (device.type == "cuda" if alike is None else alike):
         raise ValueError(f"{ENV} differs between the ranks of one engine (this rank: {mode!r}); set it alike "
                          "on every rank")
+    return mode
 
 
 def agree_everywhere(ok, group, device: torch.device) -> bool:
