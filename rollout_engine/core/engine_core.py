@@ -135,11 +135,12 @@ class EngineCore:
         # them start ignoring it (tp_group.start_workers); the loop thread joins them.
         self._workers = self._start_workers(cfg)
         built: Future = Future()
-        self._thread = threading.Thread(target=self._run, args=(cfg, built), name="rollout-engine-loop", daemon=True)
-        _LIVE.add(self)
         try:
+            self._thread = threading.Thread(target=self._run, args=(cfg, built), name="rollout-engine-loop",
+                                            daemon=True)
+            _LIVE.add(self)
             self._thread.start()
-        except BaseException:
+        except BaseException:  # the loop thread, which would have joined them, never started
             if self._workers is not None:
                 self._workers.terminate()
             raise
