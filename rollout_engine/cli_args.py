@@ -46,7 +46,7 @@ FIELD_HELP: dict[str, str] = {
                            "can be released between rollouts (CUDA, gpu extra)",
     "weights_cpu_backup": "with the memory saver: keep a CPU copy of the weights so that a release keeps them",
     "tp_size": "tensor-parallel degree: GPUs per engine (processes over gloo on the CPU); it must divide the "
-               "model's attention heads and intermediate size, and go into or be a multiple of its KV heads (the "
+               "model's attention heads and intermediate size, and divide or be divided by its KV heads (the "
                "error names the sizes that fit); the all-reduce path: $ROLLOUT_ENGINE_ALLREDUCE (fused, the "
                "default; one-shot or nccl; docs/tensor-parallel.md)",
     "seed": "seed of dummy weights and of the sampling seeds drawn for requests",

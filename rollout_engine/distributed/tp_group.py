@@ -90,10 +90,13 @@ class TPChannel:
         """Every rank leaves at the same time (NCCL's teardown is collective:
         a rank destroying its communicator alone waits for the others), then
         the spawned ranks are joined."""
+        global _STANDALONE_WORLD
         try:
             self.send(("stop",))
             leave(self.comm, self.control, self.embedded)
         finally:
+            if not self.embedded:  # its world is gone, unless the teardown failed
+                _STANDALONE_WORLD = dist.is_initialized()
             self.outbox.close()
             for p in self.processes:
                 p.join(timeout)
@@ -190,8 +193,22 @@ def embedded_group(k: int, device: torch.device) -> tuple[TPComm, Any]:
     return TPComm(rank % k, k, mine[0]), mine[1]
 
 
+# Whether torch.distributed's default group in this process is a standalone engine's (its rank 0 formed it).
+_STANDALONE_WORLD = False
+
+
 def in_distributed_job() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """Whether this process is a rank of a torch.distributed job, so that a
+    tp_size > 1 engine is embedded in it. A live standalone engine's own
+    group is not one: another engine with tp_size > 1 beside it is refused
+    (it took that group for a job and waited for ranks that never came)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    if _STANDALONE_WORLD:
+        raise RuntimeError("a tensor-parallel engine is already running in this process (its ranks form "
+                           "torch.distributed's default group): shut it down before building another with "
+                           "tp_size > 1, or build each in a process of its own")
+    return True
 
 
 class TPStepRunner:
@@ -290,11 +307,13 @@ def start_workers(cfg, device: torch.device, worker_main) -> Started:
 
 def join_workers(started: Started) -> TPChannel:
     """Join the group of the workers `start_workers` started, as rank 0."""
+    global _STANDALONE_WORLD
     try:
         comm, control = join_group(0, len(started.procs) + 1, started.port, started.device, started.procs)
     except BaseException:
         started.terminate()
         raise
+    _STANDALONE_WORLD = True
     return channel_of(comm, control, started.procs, embedded=False)
 
 
