@@ -23,9 +23,10 @@ GPU, in two steps on the CPU (the same structure); `one-shot`, the one-shot
 kernel (`fast_allreduce`) for small messages and NCCL for the rest, each
 norm its own kernel; `nccl`, NCCL for every all-reduce. The fused kernel's
 first use on a machine builds FlashInfer's kernels (257 s on a 16-core H200
-host; cached after, and logged as a warning before it starts). A GPU where
-it cannot be set up goes on as `one-shot` (a warning when `fused` was asked
-for by name). Measured: BENCHMARKS.md, "Tensor parallelism".
+host; cached after, its progress logged). A GPU where it cannot be set up
+goes on as `one-shot` (a warning when `fused` was asked for by name or a
+build or setup failed, INFO where the kernel does not apply). Measured:
+BENCHMARKS.md, "Tensor parallelism".
 """
 from __future__ import annotations
 
