@@ -12,7 +12,9 @@ bf16 rate of an 8192^3 matmul. On a CUDA GPU:
 
     python3 benchmarks/moe_kernel.py --shape qwen3-30b-a3b --tokens 8,64,256,2048 --out /tmp/moe.json
 
-At one token the report also has the blocks path's time (`blocks_us`: with
+Where the launch shape runs short tails (moe.MoeLaunch.tails) the report also
+has the same launch without them (`whole_blocks_us`, `up_whole_us`,
+`down_whole_us`). At one token the report also has the blocks path's time (`blocks_us`: with
 the align launch) beside the one-token path's (`moe_us`: one pair per block,
 no align), and the whole sparse MLP after the attention (norm, router,
 routing, experts) in kernels/moe_row.py's three launches (`row_us`) and
@@ -124,8 +126,8 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
         cfg = moe.pick(t, top_k, experts)
         pairs = t * top_k
         aligned = moe_align._align(ids, experts, cfg.block_m)
-        act = moe._up(x, w13, aligned, pairs, top_k, cfg.block_m, cfg.up)
-        y = moe._down(act, w2, weights.reshape(-1), aligned, cfg.block_m, cfg.down)
+        act = moe._up(x, w13, aligned, pairs, top_k, cfg.block_m, cfg.up, tails=cfg.tails)
+        y = moe._down(act, w2, weights.reshape(-1), aligned, cfg.block_m, cfg.down, tails=cfg.tails)
         row = {"tokens": t, "distinct_experts": distinct, "bytes": nbytes, "flops": flops,
                "bound": "bandwidth" if bw_us >= fl_us else "compute", "limit_us": round(max(bw_us, fl_us), 2),
                "config": cfg._asdict() | {"up": cfg.up._asdict(), "down": cfg.down._asdict()},
@@ -134,10 +136,19 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
                "route_us": graph_us(lambda: moe_route.route(logits, top_k, renorm), calls=10),
                "align_us": graph_us(lambda: moe_align._align(ids, experts, cfg.block_m), calls=10),
                "align_torch_us": graph_us(lambda: moe_align.align_ref(ids, experts, cfg.block_m), calls=10),
-               "up_us": graph_us(lambda: moe._up(x, w13, aligned, pairs, top_k, cfg.block_m, cfg.up), calls=3),
-               "down_us": graph_us(lambda: moe._down(act, w2, weights.reshape(-1), aligned, cfg.block_m, cfg.down),
-                                   calls=3),
+               "up_us": graph_us(lambda: moe._up(x, w13, aligned, pairs, top_k, cfg.block_m, cfg.up,
+                                                 tails=cfg.tails), calls=3),
+               "down_us": graph_us(lambda: moe._down(act, w2, weights.reshape(-1), aligned, cfg.block_m, cfg.down,
+                                                     tails=cfg.tails), calls=3),
                "sum_us": graph_us(lambda: moe._sum_slots(y, t, top_k), calls=10)}
+        if cfg.tails:  # the same launch with every block running all its rows
+            whole = cfg._replace(tails=False)
+            row["whole_blocks_us"] = round(graph_us(lambda: moe._fused_moe_triton(x, w13, w2, weights, ids, whole),
+                                                    calls=3), 2)
+            row["up_whole_us"] = round(graph_us(lambda: moe._up(x, w13, aligned, pairs, top_k, cfg.block_m, cfg.up),
+                                                calls=3), 2)
+            row["down_whole_us"] = round(graph_us(lambda: moe._down(act, w2, weights.reshape(-1), aligned,
+                                                                    cfg.block_m, cfg.down), calls=3), 2)
         if t == 1:  # one token without the align launch (moe._fused_moe_one) against the blocks path
             row["blocks_us"] = round(graph_us(lambda: moe._fused_moe_triton(x, w13, w2, weights, ids, moe.DECODE),
                                               calls=3), 2)
@@ -159,7 +170,9 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
               f"invariant {row['invariant_us']} us ({row['invariant_share']:.0%}) | route {row['route_us']} "
               f"align {row['align_us']} (torch {row['align_torch_us']}) up {row['up_us']} down {row['down_us']} "
               f"sum {row['sum_us']} | block_m {cfg.block_m} | err {row['rel_err']} (ref {row['ref_rel_err']})"
-              + (f" | blocks path {row['blocks_us']} us" if t == 1 else ""))
+              + (f" | blocks path {row['blocks_us']} us" if t == 1 else "")
+              + (f" | whole blocks {row['whole_blocks_us']} us (up {row['up_whole_us']} down {row['down_whole_us']})"
+                 if cfg.tails else ""))
         if sweep:
             sweeps += sweep_tokens(name, t, x, w13, w2, weights, ids)
         del aligned, act, y

@@ -45,6 +45,11 @@ class MoeLaunch(NamedTuple):
     block_m: int  # pairs per block, all of one expert
     up: Tiles  # gate/up product: N over I, K over H
     down: Tiles  # down product: N over H, K over I
+    # A block whose real pairs fit a half or a quarter of it runs that many
+    # rows of products (an expert's last block: 129 pairs take 128 + 32 rows
+    # of products, not 256). Not with `invariant`: the rows a product runs
+    # could change a row's bits.
+    tails: bool = False
 
 
 # Measured on an H100 (benchmarks/moe_kernel.py --sweep, results in
@@ -57,7 +62,7 @@ class MoeLaunch(NamedTuple):
 DECODE = MoeLaunch(16, Tiles(64, 256, 4, 3), Tiles(64, 256, 4, 3))
 MID = MoeLaunch(32, Tiles(64, 128, 4, 4), Tiles(64, 256, 4, 3))
 LARGE = MoeLaunch(64, Tiles(64, 128, 4, 4), Tiles(128, 64, 8, 3))
-PREFILL = MoeLaunch(128, Tiles(128, 64, 8, 4), Tiles(128, 64, 8, 3))
+PREFILL = MoeLaunch(128, Tiles(128, 64, 8, 4), Tiles(128, 64, 8, 3), tails=True)
 INVARIANT = LARGE
 ROWS = ((12, DECODE), (24, MID), (96, LARGE))  # (mean pairs per expert up to, launch); PREFILL above
 
@@ -127,16 +132,26 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         return first + (pid % width) % size, (pid % width) // size
 
     @triton.jit
-    def _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M: tl.constexpr, ONE: tl.constexpr = False):
+    def _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M: tl.constexpr, ONE: tl.constexpr = False,
+                    ROWS: tl.constexpr = 0):
         """A block's pair ids (int32), which are real pairs, and its expert
-        (int64). ONE (one token: `_fused_moe_one`): block j is pair j alone
-        in its first row, its expert ids[j] (block_expert_ptr holds the ids)."""
-        r = tl.arange(0, BLOCK_M)
+        (int64); its first ROWS rows only, where ROWS is set (a tail). ONE
+        (one token: `_fused_moe_one`): block j is pair j alone in its first
+        row, its expert ids[j] (block_expert_ptr holds the ids)."""
+        r = tl.arange(0, BLOCK_M if ROWS == 0 else ROWS)
         if ONE:
             pair = tl.where(r == 0, block, P).to(tl.int32)
         else:
             pair = tl.load(sorted_ptr + block * BLOCK_M + r).to(tl.int32)
         return pair, pair < P, tl.load(block_expert_ptr + block).to(tl.int64)
+
+    @triton.jit
+    def _tails(sorted_ptr, block, P, BLOCK_M: tl.constexpr):
+        """Whether a block's real pairs reach past its first half, and past
+        its first quarter (the align pads an expert's run at its end, so row
+        r of a block is real exactly when r < the block's count of pairs)."""
+        base = sorted_ptr + block * BLOCK_M
+        return tl.load(base + BLOCK_M // 2) < P, tl.load(base + BLOCK_M // 4) < P
 
     @triton.jit
     def _mma(a, b, acc, IEEE: tl.constexpr):
@@ -150,10 +165,11 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                       stride_x, stride_we, stride_wn, TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                       IEEE: tl.constexpr, ONE: tl.constexpr = False, COUNTS: tl.constexpr = 1,
-                      PDL: tl.constexpr = False):
+                      TAILS: tl.constexpr = False, PDL: tl.constexpr = False):
         """One block of sorted pairs and one column tile of I: gate and up
         tiles over K = H, act = silu(gate) * up. ONE: `_block_rows`, and
         program 0 zeroes the down launch's COUNTS tile counters (total_ptr).
+        TAILS: a block of few real pairs runs fewer rows (`_tails`).
         PDL (here and in the other MoE kernels): launched early, it waits
         first (the experts it reads depend on the routing before it)."""
         if PDL:  # launched early: nothing read or written before the kernel before has finished
@@ -166,9 +182,32 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         else:
             if block * BLOCK_M >= tl.load(total_ptr):
                 return
-        pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE)
+        if TAILS:  # a block of few real pairs runs a half or a quarter of its rows
+            past_half, past_quarter = _tails(sorted_ptr, block, P, BLOCK_M)
+            if past_half:
+                _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
+                         stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
+            elif past_quarter:
+                _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
+                         stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE,
+                         ONE)
+            else:
+                _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
+                         stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE,
+                         ONE)
+        else:
+            _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x, stride_we,
+                     stride_wn, TOPK, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
+
+    @triton.jit
+    def _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x, stride_we,
+                 stride_wn, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+                 ONE: tl.constexpr):
+        """The gate/up product of a block's first ROWS rows."""
+        pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE, ROWS)
         gate_up_tile(x_ptr, x_ptr, 1.0, w_ptr, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we, stride_wn,
-                     TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, False)
+                     TOPK, ROWS, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, False)
 
     @triton.jit
     def gate_up_tile(x_ptr, g_ptr, inv, w_ptr, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we, stride_wn,
@@ -222,12 +261,13 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     def moe_down_kernel(act_ptr, w_ptr, y_ptr, out_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H,
                         I, stride_we, stride_wn, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
-                        ONE: tl.constexpr = False, PDL: tl.constexpr = False):
+                        ONE: tl.constexpr = False, TAILS: tl.constexpr = False, PDL: tl.constexpr = False):
         """One block of sorted pairs and one column tile of H: act @ w2[e]^T
-        over K = I, times the routing weight, to y[pair]. ONE: `_block_rows`,
-        and the slot sum too: total_ptr counts the tile's finished slots
-        (zeroed by the gate/up launch), and the slot that finishes last adds
-        the tile's rows of y in slot order into out, as moe_sum_kernel does."""
+        over K = I, times the routing weight, to y[pair]. TAILS: as the
+        gate/up launch. ONE: `_block_rows`, and the slot sum too: total_ptr
+        counts the tile's finished slots (zeroed by the gate/up launch), and
+        the slot that finishes last adds the tile's rows of y in slot order
+        into out, as moe_sum_kernel does."""
         if PDL:  # launched early: nothing read or written before the kernel before has finished
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -235,13 +275,44 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         if not ONE:
             if block * BLOCK_M >= tl.load(total_ptr):
                 return
-        pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE)
+        if TAILS:  # a block of few real pairs runs a half or a quarter of its rows
+            past_half, past_quarter = _tails(sorted_ptr, block, P, BLOCK_M)
+            if past_half:
+                _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
+                           stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
+            elif past_quarter:
+                _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
+                           stride_wn, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
+            else:
+                _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
+                           stride_wn, BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
+        else:
+            _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
+                       stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
+        if ONE:
+            # Every thread's stores before one thread's release; the last slot's acquire before its reads,
+            # which skip the L1 cache (other programs wrote those rows).
+            rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = rn < H
+            tl.debug_barrier()
+            if tl.atomic_add(total_ptr + nt, 1, sem="acq_rel", scope="gpu") == NB - 1:
+                total = tl.zeros([BLOCK_N], tl.float32)
+                for j in range(0, NB):
+                    total += tl.load(y_ptr + j * H + rn, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+                tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
+                   stride_wn, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr):
+        """The down product of a block's first ROWS rows, times the routing weights, to y."""
+        pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE, ROWS)
         rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < H
         rk = tl.arange(0, BLOCK_K)
         a_ptrs = act_ptr + pair.to(tl.int64)[:, None] * I + rk[None, :]
         w_ptrs = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
         for i in range(0, tl.cdiv(I, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
@@ -259,15 +330,6 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0)
         tl.store(y_ptr + pair.to(tl.int64)[:, None] * H + rn[None, :], (acc * rw[:, None]).to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
-        if ONE:
-            # Every thread's stores before one thread's release; the last slot's acquire before its reads,
-            # which skip the L1 cache (other programs wrote those rows).
-            tl.debug_barrier()
-            if tl.atomic_add(total_ptr + nt, 1, sem="acq_rel", scope="gpu") == NB - 1:
-                total = tl.zeros([BLOCK_N], tl.float32)
-                for j in range(0, NB):
-                    total += tl.load(y_ptr + j * H + rn, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-                tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
     def moe_sum_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
@@ -311,10 +373,11 @@ def _fit(t: Tiles, dtype: torch.dtype) -> Tiles:
 
 
 def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, block_m: int, t: Tiles,
-        one: bool = False) -> torch.Tensor:
+        one: bool = False, tails: bool = False) -> torch.Tensor:
     """The gate/up launch. `one` (`_fused_moe_one`): `aligned` holds the
     token's ids [k] as its block experts, one block per pair, and the down
-    launch's tile counters (a power of two of them) in place of the total."""
+    launch's tile counters (a power of two of them) in place of the total.
+    `tails`: MoeLaunch.tails."""
     sorted_ids, block_expert, total = aligned
     hidden = x.shape[1]
     inter = w13.shape[1] // 2
@@ -325,14 +388,15 @@ def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, blo
         x, w13, act, sorted_ids, block_expert, total, pairs, blocks, hidden, inter, x.stride(0), w13.stride(0),
         w13.stride(1), TOPK=top_k, GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, EVEN_N=inter % t.block_n == 0, IEEE=x.dtype == torch.float32,
-        num_warps=t.warps, num_stages=t.stages, ONE=one, COUNTS=total.numel() if one else 1, **pdl_args(x))
+        num_warps=t.warps, num_stages=t.stages, ONE=one, COUNTS=total.numel() if one else 1, TAILS=tails,
+        **pdl_args(x))
     return act
 
 
 def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_m: int, t: Tiles,
-          out: torch.Tensor | None = None) -> torch.Tensor:
+          out: torch.Tensor | None = None, tails: bool = False) -> torch.Tensor:
     """The down launch: y [pairs, H]. With `out` [1, H] (one token: `_up`'s
-    `one`), the slot sum too, into out."""
+    `one`), the slot sum too, into out. `tails`: MoeLaunch.tails."""
     sorted_ids, block_expert, total = aligned
     pairs, inter = act.shape
     hidden = w2.shape[1]
@@ -344,7 +408,7 @@ def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_
         w2.stride(0), w2.stride(1),
         GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
         EVEN_N=hidden % t.block_n == 0, IEEE=act.dtype == torch.float32, num_warps=t.warps,
-        num_stages=t.stages, ONE=out is not None, **pdl_args(act))
+        num_stages=t.stages, ONE=out is not None, TAILS=tails, **pdl_args(act))
     return y
 
 
@@ -395,6 +459,6 @@ def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     pairs = tokens * top_k
     x, w13, w2, rw = _prepare(x, w13, w2, weights)
     aligned = _align(ids, w13.shape[0], config.block_m)
-    act = _up(x, w13, aligned, pairs, top_k, config.block_m, config.up)
-    y = _down(act, w2, rw, aligned, config.block_m, config.down)
+    act = _up(x, w13, aligned, pairs, top_k, config.block_m, config.up, tails=config.tails)
+    y = _down(act, w2, rw, aligned, config.block_m, config.down, tails=config.tails)
     return _sum_slots(y, tokens, top_k)

@@ -200,6 +200,35 @@ def test_moe_row_replays_in_a_graph_with_new_tokens():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("load", ["uniform", "counts", "hot"])
+@pytest.mark.parametrize("inter,hidden", [(768, 2048), (96, 512), (40, 200)])
+def test_large_blocks_with_short_tails_match_the_whole_blocks(load, inter, hidden):
+    """128-pair blocks (PREFILL, from 96 pairs an expert) whose last block
+    runs a quarter, a half or all of its rows: against the same launch with
+    whole blocks and the fp32 reference. `counts` gives the experts 1, 31, 32,
+    33, 64, 65, 127, 128, 129, 160, 200 and 300 pairs."""
+    experts, top_k = 128, 8
+    x, w13, w2, weights, ids = problem(2048, experts, top_k, hidden, inter, torch.bfloat16, "cuda", load, seed=3)
+    if load == "counts":
+        counts = [1, 31, 32, 33, 64, 65, 127, 128, 129, 160, 200, 300]
+        flat = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+        flat = torch.cat([flat, 12 + torch.arange(ids.numel() - flat.numel()) % (experts - 12)])
+        ids = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))].view(ids.shape)
+        ids = ids.to("cuda", torch.int32)
+    config = moe.pick(x.shape[0], top_k, experts)
+    assert config.tails and config.block_m == 128
+    out = moe.fused_moe(x, w13, w2, weights, ids)
+    whole = moe._fused_moe_triton(x, w13, w2, weights, ids, config._replace(tails=False))
+    ref32 = moe.fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
+    ref = moe.fused_moe_ref(x, w13, w2, weights, ids)
+    err, ref_err = rel(out, ref32), rel(ref, ref32)
+    assert err < 1e-2 and err < 2 * ref_err + 1e-3, (err, ref_err)
+    rows = (out.float() - whole.float()).norm(dim=1) / whole.float().norm(dim=1)
+    assert float(rows.max()) < 1e-2  # every token's row: a pair left out would move its token's by ~1/8
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_fused_moe_in_fp32_and_without_tokens():
     x, w13, w2, weights, ids = problem(33, 16, 4, 256, 96, torch.float32, "cuda")
     ref = moe.fused_moe_ref(x, w13, w2, weights, ids)

@@ -105,6 +105,16 @@ def test_pick_keeps_one_shape_when_invariant():
     assert {moe.pick(t, 8, 128, invariant=True) for t in (1, 8, 300, 10_000)} == {moe.INVARIANT}
 
 
+def test_only_the_large_blocks_run_short_tails_and_never_invariant():
+    """An expert's last block runs fewer rows of products only at 128-pair
+    blocks (a quarter of a smaller block would be under the 16 rows of a
+    tensor-core product), and never with `invariant`, whose rows must not
+    change with the batch."""
+    assert moe.pick(2048, 8, 128).tails and moe.pick(2048, 8, 128).block_m == 128
+    assert not moe.INVARIANT.tails
+    assert all(not launch.tails for _, launch in moe.ROWS)
+
+
 # ---------------------------------------------------------------- Triton's interpreter (CPU)
 
 TINY = [MoeLaunch(16, Tiles(16, 16, 4, 2, group=1), Tiles(16, 16, 4, 2, group=1)),
@@ -146,6 +156,24 @@ def test_interpreted_fused_moe(config, tokens, experts, top_k, hidden, inter):
         ref32 = moe.fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
         out = moe._fused_moe_triton(x, w13, w2, weights, ids.long(), config)
         assert out.dtype == dtype and rel(out, ref32) < tol
+
+
+@interpreted
+@pytest.mark.parametrize("counts", [[5, 20, 40, 65, 94, 0, 16, 17, 33, 128], [1, 64, 129, 48]])
+def test_interpreted_short_tails(counts):
+    """Blocks of 64 pairs whose real pairs fill a quarter (16 rows), a half
+    or more of them: each expert's pairs counted as given (one slot a
+    token), in every branch of the tails, against the unshortened launch and
+    the reference."""
+    experts = len(counts)
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])[torch.randperm(sum(counts))][:, None]
+    x, w13, w2, _, _ = problem(ids.shape[0], experts, 1, 48, 40, torch.float32)
+    weights = torch.rand(ids.shape)
+    launch = MoeLaunch(64, Tiles(16, 16, 4, 2, group=3), Tiles(32, 16, 4, 2), tails=True)
+    out = moe._fused_moe_triton(x, w13, w2, weights, ids, launch)
+    full = moe._fused_moe_triton(x, w13, w2, weights, ids, launch._replace(tails=False))
+    ref32 = moe.fused_moe_ref(x, w13, w2, weights, ids)
+    assert rel(out, ref32) < 1e-5 and rel(out, full) < 1e-5
 
 
 @interpreted
