@@ -28,21 +28,24 @@ def time_ms(fn) -> float:
 
 def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: int, tensor_cores: bool,
              graph: bool, backend: str = "fa2", shared: int = 0, group: int = 1, kv_dtype: torch.dtype = torch.bfloat16,
-             **plan_kw) -> float:
+             layout: str = "NHD", **plan_kw) -> float:
     """Milliseconds of one decode attention call over sequences of `lens`
     tokens; `graph`: planned and replayed as the engine's CUDA graphs are.
     `shared`: each `group` of consecutive sequences has the pages of its first
     `shared` tokens in common (n samples of one prompt). `kv_dtype`: the
-    cache's (bf16, or e4m3 as kv_cache_dtype="fp8_e4m3" holds it). `plan_kw`:
-    more arguments for the plan (e.g. FlashInfer's split-KV controls)."""
+    cache's (bf16, or e4m3 as kv_cache_dtype="fp8_e4m3" holds it). `layout`:
+    a page as [tokens, heads, dim] (NHD, the engine's) or [heads, tokens, dim]
+    (HND: each head's part of a page one contiguous run). `plan_kw`: more
+    arguments for the plan (e.g. FlashInfer's split-KV controls)."""
     dev = torch.device("cuda")
     batch = len(lens)
     pages = -(-lens // page)
     indptr = torch.zeros(batch + 1, dtype=torch.int32)
     indptr[1:] = pages.cumsum(0)
     num_pages = int(indptr[-1])
-    k = torch.randn(num_pages, page, kv_heads, dim, dtype=torch.bfloat16, device=dev).to(kv_dtype)
-    v = torch.randn(num_pages, page, kv_heads, dim, dtype=torch.bfloat16, device=dev).to(kv_dtype)
+    shape = (num_pages, page, kv_heads, dim) if layout == "NHD" else (num_pages, kv_heads, page, dim)
+    k = torch.randn(shape, dtype=torch.bfloat16, device=dev).to(kv_dtype)
+    v = torch.randn(shape, dtype=torch.bfloat16, device=dev).to(kv_dtype)
     # Pages of one sequence scattered over the pool, as after many requests came and went.
     indices = torch.randperm(num_pages, device=dev, dtype=torch.int64).to(torch.int32)
     if shared:
@@ -58,7 +61,7 @@ def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: 
     if graph:
         kw = dict(use_cuda_graph=True, paged_kv_indptr_buffer=indptr.to(dev), paged_kv_indices_buffer=indices,
                   paged_kv_last_page_len_buffer=last.to(dev))
-    w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores, backend=backend, **kw)
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, layout, use_tensor_cores=tensor_cores, backend=backend, **kw)
 
     def plan(indptr, last):
         w.plan(indptr, indices, last, heads, kv_heads, dim, page, q_data_type=torch.bfloat16,
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--page-sizes", type=positive_int, nargs="+", default=[1, 16], help="tokens per KV page")
     p.add_argument("--kv-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"],
                    help="KV cache dtypes (kv_cache_dtype): auto is bf16")
+    p.add_argument("--layouts", nargs="+", default=["NHD"], choices=["NHD", "HND"],
+                   help="page layouts: NHD (the engine's) or HND (heads first)")
     p.add_argument("--engine-only", action="store_true",
                    help="only what the engine runs from 64 rows on: tensor cores, no split, in a graph, "
                         "ragged lengths")
@@ -138,24 +143,29 @@ def main(argv: list[str] | None = None) -> None:
                 for page, kv_name in itertools.product(args.page_sizes, args.kv_dtypes):
                     kv_dtype = torch.bfloat16 if kv_name == "auto" else torch.float8_e4m3fn
                     kv_bytes = 2 * int(lens.sum()) * kv_heads * dim * kv_dtype.itemsize
+                    # shared pages counted once: the bytes a kernel must bring from memory
+                    unique = int(lens.sum()) - (batch - -(-batch // args.group)) * (args.shared_prefix // page * page)
+                    unique_bytes = 2 * unique * kv_heads * dim * kv_dtype.itemsize
                     kernels = (((True, False),) if args.engine_only
                                else ((False, True), (True, True), (True, False)))
-                    for (tc, split), backend in itertools.product(kernels, args.backends):
+                    for (tc, split), backend, layout in itertools.product(kernels, args.backends, args.layouts):
                         if backend != "fa2" and not tc:
                             continue
                         for graph in (True,) if args.engine_only else (False, True):
                             kw = {} if split else {"disable_split_kv": True}
                             try:
                                 ms = run_case(flashinfer, heads, kv_heads, dim, lens, page, tc, graph, backend,
-                                              args.shared_prefix, args.group, kv_dtype, **kw)
+                                              args.shared_prefix, args.group, kv_dtype, layout, **kw)
                             except Exception as e:  # a kernel this build lacks: recorded
                                 print(backend, "failed:", str(e).splitlines()[0][:200], flush=True)
                                 continue
                             row = {"batch": batch, "context": context, "ragged": ragged, "page_size": page,
                                    "kv_cache_dtype": kv_name,
                                    "tensor_cores": tc, "split_kv": split, "graph": graph, "backend": backend,
+                                   "layout": layout,
                                    "shared_prefix": args.shared_prefix, "group": args.group,
-                                   "us": round(ms * 1e3, 1), "kv_TBps": round(kv_bytes / ms / 1e9, 3)}
+                                   "us": round(ms * 1e3, 1), "kv_TBps": round(kv_bytes / ms / 1e9, 3),
+                                   "unique_kv_TBps": round(unique_bytes / ms / 1e9, 3)}
                             rows.append(row)
                             print(row, flush=True)
     write_rows(args.out, args.model, rows)
