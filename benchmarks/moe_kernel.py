@@ -21,7 +21,8 @@ routing, experts) in kernels/moe_row.py's three launches (`row_us`) and
 unfused (`row_unfused_us`).
 
 `--sweep` also times every candidate launch shape of the two products per
-block size (SWEEP_UP, SWEEP_DOWN), the data behind moe.pick's tables."""
+block size (SWEEP_UP, SWEEP_DOWN), the data behind moe.pick's tables, and
+from 64-pair blocks the whole call with short tails for the best of them."""
 from __future__ import annotations
 
 import json
@@ -268,6 +269,27 @@ def sweep_tokens(name, t, x, w13, w2, weights, ids) -> list[dict]:
                 print("    " + product + ": " + " ".join(f"{tuple(r['tiles'])}={r.get('us', 'x')}" for r in out
                                                          if r["tokens"] == t and r["block_m"] == bm
                                                          and r["product"] == product))
+        if bm >= 64:  # short tails (MoeLaunch.tails): the whole call, the three best tiles of each product
+            out += sweep_tails(name, t, bm, x, w13, w2, weights, ids, out)
+    return out
+
+
+def sweep_tails(name, t, bm, x, w13, w2, weights, ids, rows: list[dict]) -> list[dict]:
+    """The whole fused call with short tails at block size `bm`, for the
+    three fastest gate/up and down tiles of `rows` (timed whole-block)."""
+    def best(product):
+        timed = [r for r in rows if r["tokens"] == t and r["block_m"] == bm and r["product"] == product and "us" in r]
+        return [Tiles(*r["tiles"]) for r in sorted(timed, key=lambda r: r["us"])[:3]]
+
+    out = []
+    for up in best("up"):
+        for down in best("down"):
+            launch = moe.MoeLaunch(bm, up, down, tails=True)
+            us = round(graph_us(lambda: moe._fused_moe_triton(x, w13, w2, weights, ids, launch), calls=3, reps=15), 2)
+            out.append({"shape": name, "tokens": t, "block_m": bm, "product": "fused_tails", "up": list(up),
+                        "down": list(down), "us": us})
+    print(f"  sweep {name} T={t} block_m={bm} with short tails: " + " ".join(
+        f"{tuple(r['up'])}/{tuple(r['down'])}={r['us']}" for r in out))
     return out
 
 

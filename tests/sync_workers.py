@@ -50,6 +50,7 @@ def fsdp_rank(rank: int, port: int, folder_a: str, folder_b: str, kind: int, out
     """An FSDP trainer rank with an engine in the same process: one engine per
     rank (tp_size=1), or one engine over both ranks (tp_size=2, embedded).
     FSDP1 (kind 1) always runs on the GPU; FSDP2 (kind 2) where asked."""
+    import faulthandler
     import os
 
     import torch
@@ -59,6 +60,7 @@ def fsdp_rank(rank: int, port: int, folder_a: str, folder_b: str, kind: int, out
     from rollout_engine import RolloutEngine, SamplingParams
     from rollout_engine.integrations.fsdp import sync_to_engine
 
+    faulthandler.dump_traceback_later(200, exit=True)  # a hang shows where, before the test's 240 s deadline
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     on_gpu = kind == 1 or bool(on_gpu)  # FSDP1 needs an accelerator: one GPU per rank, NCCL
     if on_gpu:
@@ -85,6 +87,7 @@ def fsdp_rank(rank: int, port: int, folder_a: str, folder_b: str, kind: int, out
     engine.shutdown()
     dist.barrier()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def embedded_rank(rank: int, world: int, port: int, folder: str, second_folder: str, tp: int, prompts,
