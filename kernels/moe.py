@@ -52,11 +52,14 @@ class MoeLaunch(NamedTuple):
     tails: bool = False
 
 
-# Measured on an H100 (benchmarks/moe_kernel.py --sweep, results in
-# benchmarks/results/moe/) at the shapes of Qwen3-30B-A3B, OLMoE and Mixtral:
-# by the mean pairs per expert, 16-pair blocks up to 12 (reading the weights
-# is all the cost), 32 up to 24, 64 up to 96, then 128 (fewer blocks share a
-# weight tile, at the price of more padding: 129 pairs take 256 rows).
+# By the mean pairs per expert: 16-pair blocks up to 12 (reading the weights
+# is all the cost), 32 up to 24, 64 up to 48, then 128 with short tails.
+# First swept on an H100 (benchmarks/moe_kernel.py --sweep, results in
+# benchmarks/results/moe/) at the shapes of Qwen3-30B-A3B, OLMoE and Mixtral;
+# the 128-pair blocks moved down from 96 pairs once they ran short tails: on
+# an H200 the whole call at 24-48 pairs ties the 64-pair blocks, at 64 takes
+# 355 us against 398 (Qwen3) and 235 against 269 (OLMoE), at 96 392 against
+# 517 and 252 against 342 (moe-pick-tails-h200.json).
 # INVARIANT, one shape for every T, is LARGE: 1-6% slower than `pick`'s
 # shape from 8 to 256 tokens, 1.15x (Qwen3) to 1.5x its time at 2,048.
 DECODE = MoeLaunch(16, Tiles(64, 256, 4, 3), Tiles(64, 256, 4, 3))
@@ -64,7 +67,7 @@ MID = MoeLaunch(32, Tiles(64, 128, 4, 4), Tiles(64, 256, 4, 3))
 LARGE = MoeLaunch(64, Tiles(64, 128, 4, 4), Tiles(128, 64, 8, 3))
 PREFILL = MoeLaunch(128, Tiles(128, 64, 8, 4), Tiles(128, 64, 8, 3), tails=True)
 INVARIANT = LARGE
-ROWS = ((12, DECODE), (24, MID), (96, LARGE))  # (mean pairs per expert up to, launch); PREFILL above
+ROWS = ((12, DECODE), (24, MID), (48, LARGE))  # (mean pairs per expert up to, launch); PREFILL above
 
 
 def pick(tokens: int, top_k: int, experts: int, invariant: bool = False) -> MoeLaunch:
