@@ -1,8 +1,9 @@
 """Mixture-of-experts layer: the experts' SwiGLU MLPs of every (token, slot)
 pair in a few launches, on the device alone.
 
-The routing is kernels/moe_route.py. `fused_moe`, for ids [T, k] (pair
-p = t * k + j is slot j of token t):
+The routing is kernels/moe_route.py, the products' kernels
+kernels/moe_tiles.py. `fused_moe`, for ids [T, k] (pair p = t * k + j is
+slot j of token t):
 1. align (kernels/moe_align.py): the pairs sorted by expert, each expert's
    run padded to a multiple of BLOCK_M, on the device (programs past the
    padded total return at once). One token needs none: its slots are
@@ -11,7 +12,9 @@ p = t * k + j is slot j of token t):
    of w13[e] in one program; writes silu(gate) * up, rounded as
    `silu_and_mul` rounds it, to act [T*k, I].
 3. down: act @ w2[e]^T per block, times the pair's routing weight, to
-   y [T, k, H] in x's dtype.
+   y [T, k, H] in x's dtype. With 128-pair blocks (`MoeLaunch.tails`) the
+   last block of an expert runs a half or a quarter of its rows in both
+   products where its real pairs fit there.
 4. sum: y over the slots in order (0, 1, ...) in fp32, into [T, H].
 
 Every pair's row is reduced over K by one program whatever its neighbours,
@@ -119,234 +122,8 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
 # ---------------------------------------------------------------- kernels
 
-if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the kernels
-    import triton
-    import triton.language as tl
-
-    from rollout_engine.kernels.row_parts import row_input
-
-    @triton.jit
-    def _tile(pid, NB, tiles, GROUP: tl.constexpr):
-        """Program pid's (block, column tile): GROUP blocks in a row take
-        column tile 0, then tile 1, ... (a weight tile read for them together)."""
-        width = GROUP * tiles
-        first = (pid // width) * GROUP
-        size = tl.minimum(NB - first, GROUP)
-        return first + (pid % width) % size, (pid % width) // size
-
-    @triton.jit
-    def _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M: tl.constexpr, ONE: tl.constexpr = False,
-                    ROWS: tl.constexpr = 0):
-        """A block's pair ids (int32), which are real pairs, and its expert
-        (int64); its first ROWS rows only, where ROWS is set (a tail). ONE
-        (one token: `_fused_moe_one`): block j is pair j alone in its first
-        row, its expert ids[j] (block_expert_ptr holds the ids)."""
-        r = tl.arange(0, BLOCK_M if ROWS == 0 else ROWS)
-        if ONE:
-            pair = tl.where(r == 0, block, P).to(tl.int32)
-        else:
-            pair = tl.load(sorted_ptr + block * BLOCK_M + r).to(tl.int32)
-        return pair, pair < P, tl.load(block_expert_ptr + block).to(tl.int64)
-
-    @triton.jit
-    def _tails(sorted_ptr, block, P, BLOCK_M: tl.constexpr):
-        """Whether a block's real pairs reach past its first half, and past
-        its first quarter (the align pads an expert's run at its end, so row
-        r of a block is real exactly when r < the block's count of pairs)."""
-        base = sorted_ptr + block * BLOCK_M
-        return tl.load(base + BLOCK_M // 2) < P, tl.load(base + BLOCK_M // 4) < P
-
-    @triton.jit
-    def _mma(a, b, acc, IEEE: tl.constexpr):
-        """acc += a b^T."""
-        if IEEE:
-            return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-        return tl.dot(a, tl.trans(b), acc)
-
-    @triton.jit(do_not_specialize=["P", "NB"])
-    def moe_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H, I,
-                      stride_x, stride_we, stride_wn, TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                      IEEE: tl.constexpr, ONE: tl.constexpr = False, COUNTS: tl.constexpr = 1,
-                      TAILS: tl.constexpr = False, PDL: tl.constexpr = False):
-        """One block of sorted pairs and one column tile of I: gate and up
-        tiles over K = H, act = silu(gate) * up. ONE: `_block_rows`, and
-        program 0 zeroes the down launch's COUNTS tile counters (total_ptr).
-        TAILS: a block of few real pairs runs fewer rows (`_tails`).
-        PDL (here and in the other MoE kernels): launched early, it waits
-        first (the experts it reads depend on the routing before it)."""
-        if PDL:  # launched early: nothing read or written before the kernel before has finished
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        block, nt = _tile(tl.program_id(0), NB, tl.cdiv(I, BLOCK_N), GROUP)
-        if ONE:
-            if tl.program_id(0) == 0:
-                tl.store(total_ptr + tl.arange(0, COUNTS), tl.zeros([COUNTS], tl.int32))
-        else:
-            if block * BLOCK_M >= tl.load(total_ptr):
-                return
-        if TAILS:  # a block of few real pairs runs a half or a quarter of its rows
-            past_half, past_quarter = _tails(sorted_ptr, block, P, BLOCK_M)
-            if past_half:
-                _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
-                         stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
-            elif past_quarter:
-                _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
-                         stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE,
-                         ONE)
-            else:
-                _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
-                         stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE,
-                         ONE)
-        else:
-            _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x, stride_we,
-                     stride_wn, TOPK, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
-
-    @triton.jit
-    def _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x, stride_we,
-                 stride_wn, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
-                 ONE: tl.constexpr):
-        """The gate/up product of a block's first ROWS rows."""
-        pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE, ROWS)
-        gate_up_tile(x_ptr, x_ptr, 1.0, w_ptr, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we, stride_wn,
-                     TOPK, ROWS, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, False)
-
-    @triton.jit
-    def gate_up_tile(x_ptr, g_ptr, inv, w_ptr, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we, stride_wn,
-                     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr):
-        """act[pair] for column tile nt of I: the pairs' rows of x (token pair
-        // TOPK; real rows m_ok) times expert e's gate and up rows over K = H,
-        then silu(gate) * up. NORM (one token, kernels/moe_row.py): x's row
-        0 is RMSNorm'd on the fly (norm weight at g_ptr, `inv` = 1 / rms),
-        rounded as the norm kernel rounds it."""
-        rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < I
-        rk = tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_x + rk[None, :]
-        g_ptrs = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-        u_ptrs = g_ptrs + I * stride_wn
-        dt = act_ptr.dtype.element_ty
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for i in range(0, tl.cdiv(H, BLOCK_K)):
-            k_ok = (i * BLOCK_K + rk < H)[None, :]
-            if NORM:
-                row = row_input(x_ptr, x_ptr, g_ptr, i * BLOCK_K + rk, i * BLOCK_K + rk < H, inv, True, False)
-                a = tl.where(m_ok[:, None], row.to(dt)[None, :], 0.0).to(dt)
-            elif EVEN_K:
-                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
-            if EVEN_K:
-                if EVEN_N:
-                    g = tl.load(g_ptrs)
-                    u = tl.load(u_ptrs)
-                else:
-                    g = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
-                    u = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
-            else:
-                g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
-                u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
-            acc_g = _mma(a, g, acc_g, IEEE=IEEE)
-            acc_u = _mma(a, u, acc_u, IEEE=IEEE)
-            a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
-        gate = acc_g.to(dt).to(tl.float32)  # rounded as the unfused gate_up product is
-        up = acc_u.to(dt).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up  # rounded like F.silu, then the product
-        tl.store(act_ptr + pair.to(tl.int64)[:, None] * I + rn[None, :], act.to(dt),
-                 mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit(do_not_specialize=["P", "NB"])
-    def moe_down_kernel(act_ptr, w_ptr, y_ptr, out_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H,
-                        I, stride_we, stride_wn, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
-                        ONE: tl.constexpr = False, TAILS: tl.constexpr = False, PDL: tl.constexpr = False):
-        """One block of sorted pairs and one column tile of H: act @ w2[e]^T
-        over K = I, times the routing weight, to y[pair]. TAILS: as the
-        gate/up launch. ONE: `_block_rows`, and the slot sum too: total_ptr
-        counts the tile's finished slots (zeroed by the gate/up launch), and
-        the slot that finishes last adds the tile's rows of y in slot order
-        into out, as moe_sum_kernel does."""
-        if PDL:  # launched early: nothing read or written before the kernel before has finished
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        block, nt = _tile(tl.program_id(0), NB, tl.cdiv(H, BLOCK_N), GROUP)
-        if not ONE:
-            if block * BLOCK_M >= tl.load(total_ptr):
-                return
-        if TAILS:  # a block of few real pairs runs a half or a quarter of its rows
-            past_half, past_quarter = _tails(sorted_ptr, block, P, BLOCK_M)
-            if past_half:
-                _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
-                           stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
-            elif past_quarter:
-                _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
-                           stride_wn, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
-            else:
-                _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
-                           stride_wn, BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
-        else:
-            _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
-                       stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
-        if ONE:
-            # Every thread's stores before one thread's release; the last slot's acquire before its reads,
-            # which skip the L1 cache (other programs wrote those rows).
-            rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = rn < H
-            tl.debug_barrier()
-            if tl.atomic_add(total_ptr + nt, 1, sem="acq_rel", scope="gpu") == NB - 1:
-                total = tl.zeros([BLOCK_N], tl.float32)
-                for j in range(0, NB):
-                    total += tl.load(y_ptr + j * H + rn, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-                tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-    @triton.jit
-    def _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
-                   stride_wn, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr):
-        """The down product of a block's first ROWS rows, times the routing weights, to y."""
-        pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE, ROWS)
-        rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < H
-        rk = tl.arange(0, BLOCK_K)
-        a_ptrs = act_ptr + pair.to(tl.int64)[:, None] * I + rk[None, :]
-        w_ptrs = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        for i in range(0, tl.cdiv(I, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-                if EVEN_N:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = (i * BLOCK_K + rk < I)[None, :]
-                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
-            acc = _mma(a, w, acc, IEEE=IEEE)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0)
-        tl.store(y_ptr + pair.to(tl.int64)[:, None] * H + rn[None, :], (acc * rw[:, None]).to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def moe_sum_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
-        """out[t] = y[t, 0] + y[t, 1] + ... in fp32, in slot order."""
-        if PDL:  # launched early: nothing read or written before the kernel before has finished
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        ok = h < H
-        acc = tl.zeros([BLOCK_H], tl.float32)
-        for j in tl.static_range(TOPK):
-            acc += tl.load(y_ptr + (t * TOPK + j) * H + h, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=ok)
+if importlib.util.find_spec("triton") is not None:
+    from rollout_engine.kernels.moe_tiles import moe_down_kernel, moe_sum_kernel, moe_up_kernel
 
 
 # ---------------------------------------------------------------- wrappers

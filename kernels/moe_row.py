@@ -2,7 +2,7 @@
 to the experts' sum, in three launches: the router's product with the
 post-attention RMSNorm (and its residual add) inside it (`gemv.norm_gemv`);
 the routing, the norm and the gate/up product in `moe_row_up_kernel`; the
-down product with the slot sum inside it (`moe.moe_down_kernel`, one token).
+down product with the slot sum inside it (`moe_tiles.moe_down_kernel`, one token).
 Unfused that is five: the norm, the router, the routing, gate/up, down with
 the slot sum (`moe.fused_moe` at one token; seven through the align).
 
@@ -30,7 +30,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     import triton
     import triton.language as tl
 
-    from rollout_engine.kernels.moe import gate_up_tile
+    from rollout_engine.kernels.moe_tiles import gate_up_tile
     from rollout_engine.kernels.moe_route import top_k_rows
     from rollout_engine.kernels.row_parts import row_inv_rms
 
