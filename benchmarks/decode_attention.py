@@ -4,7 +4,9 @@ kernel against the tensor-core one (with FlashInfer's split-KV planning and
 without), page sizes 1 and 16, called directly or
 replayed in a CUDA graph as the engine does, as achieved KV read bandwidth
 (bytes of K and V read / kernel time). Tells which kernel the backend
-should pick for a head layout.
+should pick for a head layout. `--backends triton` times the engine's own
+Triton decode kernel (the triton backend's) over the same pages
+(`triton-widen`: with an e4m3 cache's products in bf16, as before fp16).
 
     python3 benchmarks/decode_attention.py --model qwen3-0.6b --out /tmp/attn.json
 
@@ -55,8 +57,10 @@ def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: 
                 head = int(indptr[b - b % group])
                 indices[int(indptr[b]): int(indptr[b]) + common] = indices[head: head + common]
     last = (lens - (pages - 1) * page).to(torch.int32)
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=dev)
+    if backend.startswith("triton"):
+        return _triton_ms(q, k, v, indices, indptr, lens, page, dim, widen=backend == "triton-widen")
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     kw = {}
     if graph:
         kw = dict(use_cuda_graph=True, paged_kv_indptr_buffer=indptr.to(dev), paged_kv_indices_buffer=indices,
@@ -78,6 +82,34 @@ def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: 
     with torch.cuda.graph(g):
         w.run(q, (k, v))
     plan(indptr, last)
+    return time_ms(g.replay)
+
+
+def _triton_ms(q, k, v, indices, indptr, lens, page: int, dim: int, widen: bool = False) -> float:
+    """The engine's Triton decode kernel (`kernels.attention`, the triton
+    backend's) over the same pages, through a token -> slot table, replayed
+    in a CUDA graph. `widen`: an e4m3 cache widened to bf16 for the products
+    (`E4M3_IN_F16` off) rather than to fp16."""
+    from rollout_engine.kernels import attention
+    from rollout_engine.kernels.attention import decode_attention
+
+    attention.E4M3_IN_F16 = not widen
+    dev = q.device
+    batch, width = len(lens), int(lens.max())
+    t = torch.arange(width)
+    table = torch.zeros(batch, width, dtype=torch.int32)
+    idx = indices.cpu()
+    for b in range(batch):
+        pages_b = idx[int(indptr[b]): int(indptr[b + 1])].long()
+        table[b] = (pages_b[(t // page).clamp(max=len(pages_b) - 1)] * page + t % page).int()
+    table = table.to(dev)
+    kc, vc = k.view(-1, k.shape[2], dim), v.view(-1, v.shape[2], dim)  # NHD pages as slots
+    rows = torch.arange(batch, dtype=torch.int32, device=dev)
+    seq = lens.to(dev, torch.int32)
+    decode_attention(q, kc, vc, table, rows, seq, dim ** -0.5)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        decode_attention(q, kc, vc, table, rows, seq, dim ** -0.5)
     return time_ms(g.replay)
 
 
@@ -114,7 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 32, 128, 256], help="requests per batch")
     p.add_argument("--contexts", type=positive_int, nargs="+", default=[512, 1024, 4096],
                    help="mean tokens of KV per request")
-    p.add_argument("--backends", nargs="+", default=["fa2"], choices=["fa2", "fa3"], help="FlashInfer kernels")
+    p.add_argument("--backends", nargs="+", default=["fa2"], choices=["fa2", "fa3", "triton", "triton-widen"],
+                   help="FlashInfer kernels, or the engine's Triton decode kernel (NHD pages only; triton-widen: "
+                        "an e4m3 cache widened to bf16, not fp16)")
     p.add_argument("--shared-prefix", type=non_negative_int, default=0,
                    help="tokens at the start of each sequence whose pages a group of --group sequences shares")
     p.add_argument("--group", type=positive_int, default=8, help="sequences per shared prefix")
@@ -149,9 +183,10 @@ def main(argv: list[str] | None = None) -> None:
                     kernels = (((True, False),) if args.engine_only
                                else ((False, True), (True, True), (True, False)))
                     for (tc, split), backend, layout in itertools.product(kernels, args.backends, args.layouts):
-                        if backend != "fa2" and not tc:
+                        triton = backend.startswith("triton")
+                        if (backend != "fa2" and not tc) or (triton and (split or layout != "NHD")):
                             continue
-                        for graph in (True,) if args.engine_only else (False, True):
+                        for graph in (True,) if args.engine_only or triton else (False, True):
                             kw = {} if split else {"disable_split_kv": True}
                             try:
                                 ms = run_case(flashinfer, heads, kv_heads, dim, lens, page, tc, graph, backend,

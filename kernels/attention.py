@@ -12,6 +12,11 @@ import torch
 
 from rollout_engine.kernels._triton import next_pow2
 
+# bf16 queries over an e4m3 cache: the decode kernel's products in fp16
+# (`decode_kernel`'s F16). A/B runs (benchmarks/decode_attention.py
+# --backends triton triton-widen) turn it off.
+E4M3_IN_F16 = True
+
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                         rows: list[int], seq_lens: list[int], extend_lens: list[int], scale: float) -> torch.Tensor:
@@ -81,7 +86,13 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     @triton.jit
     def decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, lens_ptr, table_stride, scale,
                       stride_qt, stride_qh, stride_ks, stride_kh,
-                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                      F16: tl.constexpr = False):
+        """One sequence's query heads of one KV head. F16 (bf16 queries over
+        an e4m3 cache): the products in fp16, which e4m3 widens to in one
+        instruction per pair of values where bf16 takes several. The
+        queries are scaled by 1/16 first (the scale by 16): fp16 then holds
+        them up to 2^20 in magnitude."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         row = tl.load(rows_ptr + b).to(tl.int64)
@@ -91,6 +102,9 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         heads = kvh * GROUP + g
         q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
                     other=0.0)
+        if F16:
+            q = (q.to(tl.float32) * 0.0625).to(tl.float16)
+            scale = scale * 16.0
         m = tl.full([GROUP_P], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, D], tl.float32)
@@ -170,7 +184,8 @@ def _kernels():
 
 
 def decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale: float) -> torch.Tensor:
-    """q: [B, Hq, D]; rows, seq_lens: [B] device tensors."""
+    """q: [B, Hq, D]; rows, seq_lens: [B] device tensors. bf16 queries over
+    an e4m3 cache take fp16 products (`decode_kernel`'s F16)."""
     bsz, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
@@ -178,7 +193,8 @@ def decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale: float) -
     if bsz:
         _kernels()[0][(bsz, hk)](q, k_cache, v_cache, out, table, rows, seq_lens, table.stride(0), scale,
                                  q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                                 GROUP=group, GROUP_P=max(16, next_pow2(group)), D=d, BLOCK_N=64)
+                                 GROUP=group, GROUP_P=max(16, next_pow2(group)), D=d, BLOCK_N=64,
+                                 F16=E4M3_IN_F16 and q.dtype == torch.bfloat16 and k_cache.dtype == torch.float8_e4m3fn)
     return out
 
 

@@ -1,0 +1,51 @@
+"""The Triton paged attention kernels (kernels/attention.py) under Triton's
+interpreter on the CPU (run with TRITON_INTERPRET=1 where Triton is
+installed; skipped otherwise), and on the GPU: bf16 queries over an e4m3
+cache, whose products run in fp16."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from rollout_engine.kernels.attention import decode_attention, paged_attention_ref
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+def _e4m3_case(hq, hk, d, lens, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    slots = 3 * max(lens) + 64
+    k = (torch.randn(slots, hk, d, generator=g) * 3).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
+    v = (torch.randn(slots, hk, d, generator=g) * 3).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
+    table = torch.randperm(slots, generator=g)[: len(lens) * max(lens)].view(len(lens), -1).int().to(device)
+    q = (torch.randn(len(lens), hq, d, generator=g) * 30).to(torch.bfloat16)
+    q[0, 0, 0] = 3e5  # past fp16's largest value (65504) before the queries' scaling
+    q[1, 0, :4] = 1e-4  # and values that end below fp16's normal range after it
+    return q.to(device), k, v, table
+
+
+def _check_e4m3_decode(hq, hk, d, lens, device):
+    q, k, v, table = _e4m3_case(hq, hk, d, lens, device)
+    rows = list(range(len(lens)))[::-1]
+    dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    got = decode_attention(q, k, v, table, dev(rows), dev(lens), d ** -0.5)
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), table, rows, lens, [1] * len(lens), d ** -0.5)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), ref, atol=4e-2, rtol=1e-2)  # bf16 outputs of a few units
+
+
+@interpreted
+def test_interpreted_bf16_queries_over_an_e4m3_cache():
+    _check_e4m3_decode(8, 2, 16, [1, 77, 180], "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("hq,hk", [(28, 4), (32, 8), (16, 16)])
+def test_gpu_bf16_queries_over_an_e4m3_cache(hq, hk):
+    _check_e4m3_decode(hq, hk, 128, [1, 63, 700, 1100], "cuda")
