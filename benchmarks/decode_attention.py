@@ -1,9 +1,10 @@
 """FlashInfer's paged decode attention alone, for the shapes of a model, at
 a few batch sizes and contexts (equal or ragged lengths): the CUDA-core
 kernel against the tensor-core one (with FlashInfer's split-KV planning and
-without), page sizes 1 and 16, called directly or
-replayed in a CUDA graph as the engine does, as achieved KV read bandwidth
-(bytes of K and V read / kernel time). Tells which kernel the backend
+without), page sizes (1 and 16 by default) and layouts (`--layouts`: the
+engine's NHD, or HND), called directly or replayed in a CUDA graph as the
+engine does, as achieved KV read bandwidth (bytes of K and V read / kernel
+time; `unique_kv_TBps` counts a shared prefix's pages once). Tells which kernel the backend
 should pick for a head layout. `--backends triton` times the engine's own
 Triton decode kernel (the triton backend's) over the same pages
 (`triton-widen`: with an e4m3 cache's products in bf16, as before fp16).

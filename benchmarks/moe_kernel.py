@@ -1,5 +1,5 @@
-"""The MoE layer's kernels alone (kernels/moe.py) at one model's expert
-shapes (one layer, bf16): routing, align, and the whole fused call (align,
+"""The MoE layer's kernels alone (kernels/moe.py) at the expert shapes of
+the models `--shape` names (one layer each, bf16): routing, align, and the whole fused call (align,
 gate/up product with SiLU * up, down product, slot sum) at several token
 counts, each captured in a CUDA graph as the engine runs it and timed by
 CUDA events (median over replays, after warm-up). The ids come from `route`
@@ -303,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_checked(argv)
     try:
         tokens = [int(v) for v in args.tokens.split(",")]
-        assert tokens and all(v > 0 for v in tokens)
-    except (ValueError, AssertionError):
+    except ValueError:
+        tokens = []
+    if not tokens or any(v <= 0 for v in tokens):
         p.error(f"argument --tokens: positive integers separated by commas, not {args.tokens!r}")
     needs_cuda(p, "the kernels are timed on the GPU")
     limits = measure_device()

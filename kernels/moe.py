@@ -63,8 +63,10 @@ class MoeLaunch(NamedTuple):
 # an H200 the whole call at 24-48 pairs ties the 64-pair blocks, at 64 takes
 # 355 us against 398 (Qwen3) and 235 against 269 (OLMoE), at 96 392 against
 # 517 and 252 against 342 (moe-pick-tails-h200.json).
-# INVARIANT, one shape for every T, is LARGE: 1-6% slower than `pick`'s
-# shape from 8 to 256 tokens, 1.15x (Qwen3) to 1.5x its time at 2,048.
+# INVARIANT, one shape for every T, is LARGE: on the H100 1-6% slower than
+# `pick`'s shape from 8 to 256 tokens, 1.15x (Qwen3) to 1.5x its time at
+# 2,048; on the H200 with short tails 1.09x at 8 tokens and 1.33-1.46x at
+# 2,048 (Qwen3, moe-kernel-tails-h200.json).
 DECODE = MoeLaunch(16, Tiles(64, 256, 4, 3), Tiles(64, 256, 4, 3))
 MID = MoeLaunch(32, Tiles(64, 128, 4, 4), Tiles(64, 256, 4, 3))
 LARGE = MoeLaunch(64, Tiles(64, 128, 4, 4), Tiles(128, 64, 8, 3))
@@ -130,8 +132,9 @@ if importlib.util.find_spec("triton") is not None:
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               invariant: bool = False) -> torch.Tensor:
-    """fused_moe_ref's result: on the GPU in five launches or fewer (align,
-    up, down, slot sum; two for one token: `_fused_moe_one`) that
+    """fused_moe_ref's result: on the GPU in five launches or fewer (the
+    align's one or two, up, down, slot sum; two for one token:
+    `_fused_moe_one`) that
     never wait for the host, so the call can be captured in a CUDA graph and
     replayed with new ids and weights of the same T; the reference elsewhere. `invariant`: one launch shape whatever
     T, so that a token's output has the same bits in any batch."""
