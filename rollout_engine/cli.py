@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from rollout_engine.interrupts import DeferredInterrupt, generate_keeping_partia
 from rollout_engine.model_zoo import ZOO
 
 PROG = "rollout-engine"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -211,8 +213,24 @@ def _version() -> str:
         return rollout_engine.__version__
 
 
-def _subparser(sub: Any, name: str, help: str) -> Parser:
-    return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+def _subparser(sub: Any, name: str, help: str, log_level: bool = True) -> Parser:
+    p = sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+    if log_level:
+        p.add_argument("--log-level", choices=LOG_LEVELS, help="show the engine's log lines from this level on "
+                       "(default: warnings and errors, unadorned); serve: the HTTP server's too, info adding "
+                       "one line per request")
+    return p
+
+
+def show_logs(level: str) -> None:
+    """The engine's log lines from `level` on, to stderr, each with its
+    time and level (`--log-level`)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    log = logging.getLogger("rollout_engine")
+    log.handlers[:] = [handler]
+    log.setLevel(level.upper())
+    log.propagate = False
 
 
 def _add_download(sub: Any) -> None:
@@ -241,7 +259,7 @@ def _add_demo(sub: Any) -> None:
 
 def _add_run(sub: Any) -> None:
     p = _subparser(sub, "run", "start a program with the memory-saver preload hook: run -- python train.py "
-                               "(needs the gpu extra)")
+                               "(needs the gpu extra)", log_level=False)  # the program's own logs
     p.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments, after --")
     p.set_defaults(func=cmd_run)
 
@@ -269,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         args = build_parser().parse_args(argv)
+        if getattr(args, "log_level", None):
+            show_logs(args.log_level)
         return args.func(args)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)

@@ -333,3 +333,37 @@ def test_an_interrupted_conversion_leaves_nothing_in_the_model_cache(tmp_path, m
     models = os.path.dirname(model_zoo.model_dir(DEFAULT_MODEL))
     assert os.listdir(models) == []
     assert not model_zoo.is_ready(model_zoo.model_dir(DEFAULT_MODEL))
+
+
+@pytest.fixture
+def engine_logger():
+    """The rollout_engine logger restored after a test that configures it."""
+    import logging
+
+    log = logging.getLogger("rollout_engine")
+    saved = log.handlers[:], log.level, log.propagate
+    yield log
+    log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
+
+
+def test_log_level_shows_the_engines_lines_from_that_level_on(engine_logger, capsys):
+    from rollout_engine.cli import show_logs
+
+    engine_logger.info("before")  # default: warnings and errors only
+    show_logs("info")
+    engine_logger.getChild("tp").info("the norms take the all-reduce")
+    engine_logger.debug("hidden")
+    err = capsys.readouterr().err
+    assert "INFO rollout_engine.tp: the norms take the all-reduce" in err
+    assert "before" not in err and "hidden" not in err
+
+
+@pytest.mark.parametrize("command", ["download", "generate", "demo", "bench", "serve"])
+def test_every_command_but_run_takes_a_log_level_and_refuses_a_wrong_one(command, capsys, no_model_load):
+    from rollout_engine.cli import build_parser
+
+    extra = ["smollm2-135m"] if command == "download" else []
+    assert build_parser().parse_args([command, *extra, "--log-level", "debug"]).log_level == "debug"
+    assert main([command, *extra, "--log-level", "loud"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "argument --log-level: invalid choice: 'loud'" in err

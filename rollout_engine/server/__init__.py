@@ -13,14 +13,15 @@ KEEP_ALIVE_S = 75
 
 
 def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
-          ready: Callable[[str], None] | None = None, **server_options) -> None:
+          ready: Callable[[str], None] | None = None, log_level: str = "warning", **server_options) -> None:
     """Serve one engine until SIGINT/SIGTERM: then stop accepting, abort
     what runs (those requests answer with finish_reason "abort"), shut the
     engine down (GPU memory freed, TP workers gone) and return.
 
     `engine_or_kwargs`: a RolloutEngine, or the keyword arguments of one
     (`model` included), built here. `ready`: called with the server's URL
-    once its port accepts connections. `server_options`: ServerConfig fields."""
+    once its port accepts connections. `log_level`: uvicorn's ("info": a
+    line per request). `server_options`: ServerConfig fields."""
     import uvicorn
 
     from rollout_engine.server.app import build_app
@@ -55,7 +56,7 @@ def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api
             if captured is not None:
                 captured.clear()
 
-    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level,
                                    timeout_graceful_shutdown=3, limit_concurrency=None,
                                    timeout_keep_alive=KEEP_ALIVE_S))
     try:

@@ -74,5 +74,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = RolloutEngine(kwargs.pop("model"), **kwargs)
     host, port = options.pop("host"), options.pop("port")
     serve(engine, host, port, ready=lambda url: print(f"rollout-engine: serving {config.model} on {url}", flush=True),
-          **options)
+          log_level=args.log_level or "warning", **options)
     return 0
