@@ -256,6 +256,8 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
     ("shared_prefix_attention", ["--shared-prefixes", "650"], "--shared-prefixes"),
     ("moe_pdl_ab", ["maybe", "moe_kernel.py"], "side"),
     ("moe_pdl_ab", ["on", "moe_kernel.py", "--tokens", "0"], "--tokens"),  # "off" would patch the kernels
+    ("e4m3_decode_ab", ["cutlass"], "side"), ("decode_attention", ["--backends", "cuda"], "--backends"),
+    ("decode_attention", ["--layouts", "NDH"], "--layouts"), ("moe_kernel", ["--tokens", "8,0"], "--tokens"),
 ])
 def test_benchmark_scripts_name_a_bad_flag_before_looking_for_a_gpu(name, argv, flag, capsys, monkeypatch):
     import torch
