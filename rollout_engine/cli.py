@@ -29,6 +29,8 @@ from rollout_engine.model_zoo import ZOO
 
 PROG = "rollout-engine"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_HELP = ("show the engine's log lines from this level on, with time and level (default: warnings and errors, "
+            "unadorned); before or after the command")
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -193,6 +195,7 @@ def build_parser() -> Parser:
     parser = Parser(prog=PROG, description="LLM inference engine for RL rollouts.",
                     epilog="Errors are one line; ROLLOUT_ENGINE_DEBUG=1 shows the traceback of run-time failures.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, help=LOG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=SubcommandParser)
     _add_download(sub)
     _add_generate(sub)
@@ -215,10 +218,10 @@ def _version() -> str:
 
 def _subparser(sub: Any, name: str, help: str, log_level: bool = True) -> Parser:
     p = sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
-    if log_level:
-        p.add_argument("--log-level", choices=LOG_LEVELS, help="show the engine's log lines from this level on "
-                       "(default: warnings and errors, unadorned); serve: the HTTP server's too, info adding "
-                       "one line per request")
+    if log_level:  # also after the command; given there, it wins over one before it
+        p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=argparse.SUPPRESS,
+                       help=LOG_HELP + ("; the HTTP server's too, info adding a line per request"
+                                        if name == "serve" else ""))
     return p
 
 

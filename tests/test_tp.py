@@ -81,7 +81,8 @@ def test_tp2_with_or_without_the_norms_taking_the_all_reduce_equals_tp1(tmp_path
     monkeypatch.setenv("ROLLOUT_ENGINE_ALLREDUCE", mode)
     with caplog.at_level(logging.INFO, logger="rollout_engine"):
         two, _ = _run(folder, 2, max_prefill_tokens=40)
-    assert ("the norms take the all-reduce" in caplog.text) == (mode != "one-shot")
+    assert ("each norm sums the ranks' partial results" in caplog.text) == (mode != "one-shot")
+    assert "all-reduces over gloo" in caplog.text
     _same(one, two)
 
 

@@ -5,6 +5,8 @@ Built once, on the constructing thread (memory-saver regions are entered
 here and nowhere per step)."""
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,8 @@ from rollout_engine.weights.loader import WeightLoader
 from rollout_engine.weights.receiver import WeightReceiver
 from rollout_engine.weights.updater import WeightUpdater
 from rollout_engine.weights.validity import WeightValidity
+
+log = logging.getLogger("rollout_engine")
 
 
 @dataclass
@@ -128,15 +132,32 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
         if shape.moe is None:
             raise ValueError(f"enable_return_routed_experts=True needs a mixture-of-experts model; "
                              f"{shape.architecture} has no experts")
+    start = time.monotonic()
     model = load_model(path, cfg.load_format, comm, device, dtype, cfg.seed,
                        weights_region=memory.region("weights", cfg.weights_cpu_backup), quantization=cfg.quantization)
     memory.register("weights", model.parameters())
+    said = log.isEnabledFor(logging.INFO) and comm.tp_rank == 0  # (the other ranks' lines would repeat it)
+    if said:
+        log.info("model %s (%s): %.2f GiB of weights%s in %s on %s%s, loaded in %.1f s", shape.architecture, path,
+                 memory.nbytes("weights") / 2**30, " (fp8 linear layers)" if cfg.quantization else "",
+                 str(dtype).removeprefix("torch."), device, f", tp_size {comm.tp_size}" if comm.tp_size > 1 else "",
+                 time.monotonic() - start)
     if cfg.deterministic:
         make_batch_invariant(model)
     tokenizer = load_tokenizer(path, cfg.tokenizer)
     kv_pool, allocator, table, limits = _kv_memory(cfg, model, memory, device, dtype, free_before, comm)
     prefix_cache = RadixCache(allocator) if cfg.enable_prefix_cache else NoPrefixCache(allocator)
+    start = time.monotonic()
     runner = _runner(cfg, model, kv_pool, table, memory, device, dtype)
+    if said:
+        log.info("KV cache: %d tokens in pages of %d, %.2f GiB in %s; prefix cache %s", limits.kv_capacity,
+                 cfg.page_size, memory.nbytes("kv_cache") / 2**30, str(kv_pool.dtype).removeprefix("torch."),
+                 "on" if cfg.enable_prefix_cache else "off")
+        graphs = runner.graphs
+        log.info("attention: %s; %s", type(runner.backend).__name__,
+                 f"CUDA graphs for {len(graphs.buckets)} batch sizes up to {graphs.buckets[-1]} "
+                 f"({memory.nbytes('cuda_graph') / 2**20:.0f} MiB), ready in {time.monotonic() - start:.1f} s"
+                 if graphs is not None else "no CUDA graphs")
     mc = model.config
     stop = StopChecker(mc.eos_token_ids or tokenizer_eos_ids(tokenizer), mc.max_position, tokenizer)
     scheduler = Scheduler(SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens,

@@ -86,6 +86,8 @@ def make_fast_all_reduce(group, tp_size: int, dtype: torch.dtype, device: torch.
         return None
     mode = allreduce_mode_everywhere(group, device)
     if device.type != "cuda":  # gloo for every all-reduce
+        if mode != "fused":  # (fused_norm says it, with the norms)
+            log.info("tensor parallelism on the CPU: all-reduces over gloo")
         return None
     if mode == "nccl":
         log.info("tensor parallelism: NCCL for every all-reduce (%s=nccl)", ENV)

@@ -145,7 +145,8 @@ def make_fused_norm(comm, hidden: int, dtype: torch.dtype, device: torch.device)
         log.log(logging.WARNING if loud else logging.INFO, "tensor parallelism: no fused all-reduce + norm here (%s); "
                 "the all-reduce and the norm stay separate, as with %s=one-shot", why, ENV)
         return None
-    log.info("tensor parallelism: the norms take the all-reduce, in two steps (no fused kernel on the CPU)")
+    log.info("tensor parallelism on the CPU: all-reduces over gloo; each norm sums the ranks' partial results "
+             "before it, then normalises (the fused all-reduce + norm kernel is GPU-only)")
     return AllReduceThenNorm()
 
 

@@ -17,6 +17,7 @@ should (BENCHMARKS.md, `memory` workload)."""
 from __future__ import annotations
 
 import gc
+import logging
 from typing import Sequence
 
 import torch
@@ -26,6 +27,8 @@ from rollout_engine.runner.device_lock import DEVICE_WIDE
 
 GRAPH_MODES = ("pause", "keep", "recapture")
 TORCH_HOOK_GRAPH_MODE = "keep"
+
+log = logging.getLogger("rollout_engine")
 
 
 class MemoryController:
@@ -75,6 +78,7 @@ class MemoryController:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # activation blocks cached by the step path go back too
         self._sync()
+        log.debug("memory released: %s", ", ".join(f"{tag} {n / 2**20:.0f} MiB" for tag, n in freed.items()))
         return freed
 
     def _free_bytes(self) -> int | None:
@@ -113,6 +117,7 @@ class MemoryController:
             if tag == "weights" and not self.weights_cpu_backup:
                 self.validity.mark_all("released without weights_cpu_backup")
         self._sync()
+        log.debug("memory resumed: %s", ", ".join(tags))
 
     def check_can_generate(self) -> None:
         released = [t for t in ("weights", "kv_cache") if not self.manager.resident(t)]

@@ -56,10 +56,29 @@ def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api
             if captured is not None:
                 captured.clear()
 
-    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level,
+    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level, log_config=_logging(),
                                    timeout_graceful_shutdown=3, limit_concurrency=None,
                                    timeout_keep_alive=KEEP_ALIVE_S))
     try:
         server.run()
     finally:
         engine.shutdown()
+
+
+def _logging() -> dict:
+    """uvicorn's logging, every line on stderr (its request lines went to
+    stdout) and in the engine's form: time, level, logger, message."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    for handler in cfg["handlers"].values():
+        handler["stream"] = "ext://sys.stderr"
+    cfg["formatters"]["default"]["fmt"] = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    cfg["formatters"]["access"]["fmt"] = ('%(asctime)s %(levelname)s %(name)s: %(client_addr)s - "%(request_line)s" '
+                                          '%(status_code)s')
+    for formatter in cfg["formatters"].values():
+        formatter["datefmt"] = "%H:%M:%S"
+        formatter["use_colors"] = False
+    return cfg

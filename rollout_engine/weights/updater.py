@@ -14,6 +14,7 @@ Transactions, where they can be had:
   other weights is never served."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Iterable, Sequence
 
@@ -24,6 +25,8 @@ from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.weights.loader import WeightLoader, iter_safetensors, safetensors_shapes
 from rollout_engine.weights.receiver import WeightReceiver
 from rollout_engine.weights.validity import WeightValidity, name_list, plural
+
+log = logging.getLogger("rollout_engine")
 
 
 class IncompleteUpdate(RuntimeError):
@@ -90,6 +93,7 @@ class WeightUpdater:
                 torch.cuda.synchronize(self.device)
         self.prefix_cache.advance_epoch()
         self.version = self.version + 1 if version is None else version
+        log.debug("weights updated: version %d", self.version)
         return self.version
 
     def _broke_off(self, written: set, cause: BaseException) -> None:
