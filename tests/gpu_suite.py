@@ -1,0 +1,131 @@
+"""The GPU tests on every GPU of the machine at once: the single-GPU tests
+(`-m "gpu and not multigpu"`) split by file into one shard per GPU, each
+shard a pytest of its own on its GPU (CUDA_VISIBLE_DEVICES), then, with two
+GPUs or more, the multi-GPU tests (`-m multigpu`) over all of them. Files
+are dealt to shards by their expected minutes (SECONDS, measured on H200s;
+unlisted files count SECONDS_PER_TEST a test), longest first. Each pytest is
+bounded by --timeout; logs and JUnit reports go to --out.
+
+    python tests/gpu_suite.py --out /tmp/gpu-suite            # every GPU
+    python tests/gpu_suite.py --gpus 2 -- -x -k "not differential"   # extra pytest arguments after --
+
+Exit status: 0 when every pytest passed, 1 otherwise (each one's last line
+is printed), 2 for bad arguments or no GPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+SINGLE = "gpu and not multigpu"
+# Seconds per file on an H200 (whole-suite runs of 2026-11-26/27), for dealing files to shards.
+SECONDS = {"test_gpu_differential.py": 420, "test_gpu_moe.py": 240, "test_gpu_fp8.py": 200,
+           "test_gpu_fp8_kv_cache.py": 200, "test_gpu_deterministic.py": 150, "test_gpu_fast_path.py": 150,
+           "test_gpu_moe_kernels.py": 110, "test_gpu_parity.py": 100, "test_gpu_kernels.py": 60,
+           "test_one_seq_attention.py": 60, "test_gpu_fp8_row.py": 60}
+SECONDS_PER_TEST = 5
+
+
+def deal(files: dict[str, int], shards: int) -> list[list[str]]:
+    """Files (name -> number of tests) into `shards` lists of about equal
+    expected time: longest first, each to the shard with the least so far."""
+    cost = {f: SECONDS.get(os.path.basename(f), SECONDS_PER_TEST * n) for f, n in files.items()}
+    out: list[list[str]] = [[] for _ in range(shards)]
+    load = [0] * shards
+    for f in sorted(cost, key=lambda f: (-cost[f], f)):
+        i = load.index(min(load))
+        out[i].append(f)
+        load[i] += cost[f]
+    return out
+
+
+def collect(marker: str, extra: list[str]) -> dict[str, int]:
+    """Test files with tests of `marker`, and how many each has."""
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
+                          marker, *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    files: dict[str, int] = {}
+    for line in res.stdout.splitlines():
+        if "::" in line:
+            name = line.split("::")[0]
+            files[name] = files.get(name, 0) + 1
+    return files
+
+
+def run(args, shards: list[list[str]]) -> list[tuple[str, int, str]]:
+    """Phase 1 (one pytest per shard, on its GPU, at once), then phase 2
+    (the multi-GPU tests on all): (name, exit status, last line) each.
+    Every pytest runs in a process group of its own, killed on Ctrl-C."""
+    phases = [[(f"gpu{i}", dict(os.environ, CUDA_VISIBLE_DEVICES=str(i)), ["-m", SINGLE, *files])
+               for i, files in enumerate(shards) if files]]
+    if args.gpus >= 2:
+        phases.append([("multigpu", dict(os.environ), ["-m", "multigpu"])])
+    results = []
+    for phase in phases:
+        running = [(name, _start(args, env, name, select)) for name, env, select in phase]
+        deadline = time.monotonic() + args.timeout
+        try:
+            for name, proc in running:
+                results.append(_finish(args, name, proc, deadline))
+        finally:
+            for _, proc in running:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, 9)
+                    proc.wait()
+    return results
+
+
+def _start(args, env, name: str, select: list[str]) -> subprocess.Popen:
+    with open(os.path.join(args.out, f"{name}.log"), "w") as log:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "--durations=10",
+               f"--junitxml={os.path.join(args.out, name + '.xml')}", *select, *args.pytest_args]
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finish(args, name: str, proc: subprocess.Popen, deadline: float) -> tuple[str, int, str]:
+    try:
+        rc = proc.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        rc = 124
+    with open(os.path.join(args.out, f"{name}.log")) as f:
+        lines = [line.strip() for line in f if line.strip()]
+    return name, rc, (lines[-1] if lines else "") + (" (timed out)" if rc == 124 else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
+
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = ScriptParser("gpu_suite.py", __doc__)
+    p.add_argument("--gpus", type=positive_int, help="GPUs to use (default: every one torch sees)")
+    p.add_argument("--out", default="gpu-suite", help="folder for the logs and JUnit reports")
+    p.add_argument("--timeout", type=positive_int, default=1800, help="seconds each pytest may run")
+    args = p.parse_args(argv[:split])
+    args.pytest_args = argv[split + 1:]
+    import torch
+
+    needs_cuda(p, "it runs the GPU tests")
+    args.gpus = args.gpus or torch.cuda.device_count()
+    if args.gpus > torch.cuda.device_count():
+        p.error(f"argument --gpus: {args.gpus}, but torch sees {torch.cuda.device_count()} GPUs")
+    os.makedirs(args.out, exist_ok=True)
+    shards = deal(collect(SINGLE, args.pytest_args), args.gpus)
+    for i, files in enumerate(shards):
+        print(f"gpu{i}: {' '.join(os.path.basename(f) for f in files)}", flush=True)
+    results = run(args, shards)
+    for name, rc, last in results:
+        print(f"{name}: exit {rc}: {last}")
+    return 0 if all(rc == 0 for _, rc, _ in results) else 1
+
+
+if __name__ == "__main__":
+    from rollout_engine.cli_args import run_script
+
+    raise SystemExit(run_script(main))

@@ -1,0 +1,43 @@
+"""tests/gpu_suite.py, the GPU tests over every GPU at once: how files are
+dealt to shards, its refusals on a machine without GPUs, and a shard's run
+(on the CPU, with a marker that selects CPU tests)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import gpu_suite
+
+
+def test_files_are_dealt_longest_first_to_the_least_loaded_shard():
+    files = {"tests/test_gpu_differential.py": 7, "tests/test_gpu_moe.py": 18, "tests/test_gpu_kernels.py": 59,
+             "tests/test_new.py": 3, "tests/test_gpu_fp8.py": 38}
+    two = gpu_suite.deal(files, 2)
+    assert two == [["tests/test_gpu_differential.py", "tests/test_gpu_kernels.py"],
+                   ["tests/test_gpu_moe.py", "tests/test_gpu_fp8.py", "tests/test_new.py"]]
+    assert sorted(sum(gpu_suite.deal(files, 3), [])) == sorted(files)  # every file once
+    assert gpu_suite.deal(files, 8)[5:] == [[], [], []]
+
+
+@pytest.mark.parametrize("argv,words", [([], "needs a CUDA GPU"), (["--gpus", "0"], "argument --gpus"),
+                                        (["--timeout", "x"], "argument --timeout")])
+def test_refusals_are_one_line(argv, words, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        gpu_suite.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and words in err and "\n" not in err, err
+
+
+def test_a_shard_runs_its_files_and_one_past_its_time_is_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_suite, "SINGLE", "not gpu")  # CPU tests stand in for a GPU shard
+    args = argparse.Namespace(out=str(tmp_path), timeout=300, gpus=1, pytest_args=["-k", "ticking"])
+    [(name, rc, last)] = gpu_suite.run(args, [["tests/test_progress.py"]])
+    assert (name, rc) == ("gpu0", 0) and "passed" in last
+    assert (tmp_path / "gpu0.xml").exists() and "passed" in (tmp_path / "gpu0.log").read_text()
+    args.timeout, args.pytest_args = 1, []
+    [(name, rc, last)] = gpu_suite.run(args, [["tests/test_logs.py"]])  # builds an engine: more than a second
+    assert rc == 124 and last.endswith("(timed out)")
