@@ -1,6 +1,7 @@
 """What the engine says on its logger ("rollout_engine"): at INFO what it
 built (model, KV cache, attention and graphs), at DEBUG the memory and
-weight events of an RL loop (memory release needs a GPU: the update here). Shown by `--log-level` on the command line."""
+weight events of an RL loop (memory release needs a GPU: the update here).
+Shown by `--log-level` on the command line."""
 from __future__ import annotations
 
 import logging
