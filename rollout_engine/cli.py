@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import logging
 import os
 import signal
 import subprocess
@@ -25,10 +24,10 @@ from rollout_engine.cli_args import (INPUT_IDS_HELP, HelpFormatter, UsageError, 
 from rollout_engine.suggest import unrecognized, with_choice_hint
 from rollout_engine.config import EngineConfig
 from rollout_engine.interrupts import DeferredInterrupt, generate_keeping_partials
+from rollout_engine.logs import LEVELS as LOG_LEVELS, show_logs
 from rollout_engine.model_zoo import ZOO
 
 PROG = "rollout-engine"
-LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_HELP = ("show the engine's log lines from this level on, with time and level (default: warnings and errors, "
             "unadorned); before or after the command")
 DEMO_PROMPTS = [
@@ -223,17 +222,6 @@ def _subparser(sub: Any, name: str, help: str, log_level: bool = True) -> Parser
                        help=LOG_HELP + ("; the HTTP server's too, info adding a line per request"
                                         if name == "serve" else ""))
     return p
-
-
-def show_logs(level: str) -> None:
-    """The engine's log lines from `level` on, to stderr, each with its
-    time and level (`--log-level`)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-    log = logging.getLogger("rollout_engine")
-    log.handlers[:] = [handler]
-    log.setLevel(level.upper())
-    log.propagate = False
 
 
 def _add_download(sub: Any) -> None:

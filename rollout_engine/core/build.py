@@ -136,12 +136,7 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     model = load_model(path, cfg.load_format, comm, device, dtype, cfg.seed,
                        weights_region=memory.region("weights", cfg.weights_cpu_backup), quantization=cfg.quantization)
     memory.register("weights", model.parameters())
-    said = log.isEnabledFor(logging.INFO) and comm.tp_rank == 0  # (the other ranks' lines would repeat it)
-    if said:
-        log.info("model %s (%s): %.2f GiB of weights%s in %s on %s%s, loaded in %.1f s", shape.architecture, path,
-                 memory.nbytes("weights") / 2**30, " (fp8 linear layers)" if cfg.quantization else "",
-                 str(dtype).removeprefix("torch."), device, f", tp_size {comm.tp_size}" if comm.tp_size > 1 else "",
-                 time.monotonic() - start)
+    loaded_s = time.monotonic() - start
     if cfg.deterministic:
         make_batch_invariant(model)
     tokenizer = load_tokenizer(path, cfg.tokenizer)
@@ -149,15 +144,7 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     prefix_cache = RadixCache(allocator) if cfg.enable_prefix_cache else NoPrefixCache(allocator)
     start = time.monotonic()
     runner = _runner(cfg, model, kv_pool, table, memory, device, dtype)
-    if said:
-        log.info("KV cache: %d tokens in pages of %d, %.2f GiB in %s; prefix cache %s", limits.kv_capacity,
-                 cfg.page_size, memory.nbytes("kv_cache") / 2**30, str(kv_pool.dtype).removeprefix("torch."),
-                 "on" if cfg.enable_prefix_cache else "off")
-        graphs = runner.graphs
-        log.info("attention: %s; %s", type(runner.backend).__name__,
-                 f"CUDA graphs for {len(graphs.buckets)} batch sizes up to {graphs.buckets[-1]} "
-                 f"({memory.nbytes('cuda_graph') / 2**20:.0f} MiB), ready in {time.monotonic() - start:.1f} s"
-                 if graphs is not None else "no CUDA graphs")
+    runner_s = time.monotonic() - start
     mc = model.config
     stop = StopChecker(mc.eos_token_ids or tokenizer_eos_ids(tokenizer), mc.max_position, tokenizer)
     scheduler = Scheduler(SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens,
@@ -169,8 +156,31 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     controller = MemoryController(memory, scheduler, prefix_cache, runner, device, cfg.weights_cpu_backup,
                                   validity)
     updater = WeightUpdater(loader, WeightReceiver(), controller, validity, prefix_cache, device)
-    return EngineParts(cfg, device, dtype, model, tokenizer, memory, kv_pool, limits, prefix_cache, runner,
-                       scheduler, controller, updater, comm, channel)
+    parts = EngineParts(cfg, device, dtype, model, tokenizer, memory, kv_pool, limits, prefix_cache, runner,
+                        scheduler, controller, updater, comm, channel)
+    _say_built(parts, path, (loaded_s, runner_s))
+    return parts
+
+
+def _say_built(parts: EngineParts, path: str, seconds: tuple[float, float]) -> None:
+    """What the engine built, at INFO (rank 0; the other ranks' lines would
+    repeat it): the weights, the KV cache, attention and graphs (`seconds`:
+    the weights' load, the runner's build)."""
+    if not log.isEnabledFor(logging.INFO) or parts.comm.tp_rank != 0:
+        return
+    cfg, memory, runner, tp = parts.config, parts.memory, parts.runner, parts.comm.tp_size
+    each, name = f" (each of {tp} ranks)" if tp > 1 else "", parts.model.config.architecture
+    log.info("model %s (%s): %.2f GiB of weights%s%s in %s on %s, loaded in %.1f s", name, path,
+             memory.nbytes("weights") / 2**30, each, " (fp8 linear layers)" if cfg.quantization else "",
+             str(parts.dtype).removeprefix("torch."), parts.device, seconds[0])
+    log.info("KV cache: %d tokens in pages of %d, %.2f GiB%s in %s; prefix cache %s", parts.limits.kv_capacity,
+             cfg.page_size, memory.nbytes("kv_cache") / 2**30, each, str(parts.kv_pool.dtype).removeprefix("torch."),
+             "on" if cfg.enable_prefix_cache else "off")
+    graphs = runner.graphs
+    log.info("attention: %s; %s", type(runner.backend).__name__,
+             f"CUDA graphs for {len(graphs.buckets)} batch sizes up to {graphs.buckets[-1]} "
+             f"({memory.nbytes('cuda_graph') / 2**20:.0f} MiB), ready in {seconds[1]:.1f} s"
+             if graphs is not None else "no CUDA graphs")
 
 
 def _kv_memory(cfg: EngineConfig, model: DecoderForCausalLM, memory: MemoryManager, device: torch.device,

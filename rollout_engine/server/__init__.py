@@ -72,13 +72,15 @@ def _logging() -> dict:
 
     from uvicorn.config import LOGGING_CONFIG
 
+    from rollout_engine.logs import DATEFMT, FORMAT
+
     cfg = copy.deepcopy(LOGGING_CONFIG)
     for handler in cfg["handlers"].values():
         handler["stream"] = "ext://sys.stderr"
-    cfg["formatters"]["default"]["fmt"] = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    cfg["formatters"]["access"]["fmt"] = ('%(asctime)s %(levelname)s %(name)s: %(client_addr)s - "%(request_line)s" '
-                                          '%(status_code)s')
+    cfg["formatters"]["default"]["fmt"] = FORMAT
+    cfg["formatters"]["access"]["fmt"] = FORMAT.replace("%(message)s",
+                                                        '%(client_addr)s - "%(request_line)s" %(status_code)s')
     for formatter in cfg["formatters"].values():
-        formatter["datefmt"] = "%H:%M:%S"
+        formatter["datefmt"] = DATEFMT
         formatter["use_colors"] = False
     return cfg
