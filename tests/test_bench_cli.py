@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import os
+import sys
 
 import pytest
 
@@ -256,7 +257,12 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
     ("shared_prefix_attention", ["--shared-prefixes", "650"], "--shared-prefixes"),
     ("moe_pdl_ab", ["maybe", "moe_kernel.py"], "side"),
     ("moe_pdl_ab", ["on", "moe_kernel.py", "--tokens", "0"], "--tokens"),  # "off" would patch the kernels
-    ("e4m3_decode_ab", ["cutlass"], "side"), ("decode_attention", ["--backends", "cuda"], "--backends"),
+    ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACUM=0", "rollout-engine"], "module.NAME=value"),
+    ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACCUM=maybe", "rollout-engine"], "module.NAME=value"),
+    ("ab_switch", ["rollout_engine.layers.no_such.FAST_ACCUM=0", "rollout-engine"], "module.NAME=value"),
+    ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACCUM=0"], "module.NAME=value"),
+    ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACCUM=0", "no_such.py"], "program"),
+    ("decode_attention", ["--backends", "cuda"], "--backends"),
     ("decode_attention", ["--layouts", "NDH"], "--layouts"), ("moe_kernel", ["--tokens", "8,0"], "--tokens"),
 ])
 def test_benchmark_scripts_name_a_bad_flag_before_looking_for_a_gpu(name, argv, flag, capsys, monkeypatch):
@@ -267,6 +273,19 @@ def test_benchmark_scripts_name_a_bad_flag_before_looking_for_a_gpu(name, argv, 
         _benchmark(name).main(argv)
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and f"error: argument {flag}: " in err and "\n" not in err, err
+
+
+def test_ab_switch_sets_the_switch_for_the_program_it_runs(monkeypatch):
+    from rollout_engine import console
+    from rollout_engine.layers import fp8_linear
+
+    monkeypatch.setattr(fp8_linear, "FAST_ACCUM", True)  # restored after the test
+    seen = {}
+    monkeypatch.setattr(console, "main", lambda: seen.update(argv=sys.argv[:], fast=fp8_linear.FAST_ACCUM) or 0)
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    assert _benchmark("ab_switch").main(["rollout_engine.layers.fp8_linear.FAST_ACCUM=0", "rollout-engine", "bench",
+                                         "--workload", "grpo"]) == 0
+    assert seen == {"argv": ["rollout-engine", "bench", "--workload", "grpo"], "fast": False}
 
 
 def test_step_breakdown_checks_its_output_paths_before_the_run(tmp_path, capsys):

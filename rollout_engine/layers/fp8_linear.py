@@ -10,7 +10,10 @@ element by element); otherwise the rows are quantized in one launch
 (kernels/fp8_quantize.py) and multiplied, up to MAX_FP8_ROWS rows by
 `kernels.batch_gemm` (tiles and split reductions that fill the GPU), more by
 `torch._scaled_mm` (row-wise scales, the bias in its epilogue, output in x's
-dtype).
+dtype). `FAST_ACCUM`: the products keep the tensor cores' own running sums,
+whose precision on Hopper is below fp32's, as Triton's fp8 dot does there by
+default (so `kernels.batch_gemm` and `kernels.fp8_row` already do); without
+it the partial sums are promoted into fp32 registers every few blocks of K.
 Elsewhere, and on the CPU, the same arithmetic in fp32 from the dequantized
 operands: the reference the GPU paths are held to."""
 from __future__ import annotations
@@ -22,6 +25,9 @@ from rollout_engine.kernels.batch_gemm import MAX_FP8_ROWS, fp8_batch_gemm
 from rollout_engine.kernels.fp8 import quantize_rows
 from rollout_engine.kernels.fp8_quantize import quantize_rows_gpu
 from rollout_engine.kernels.fp8_row import fp8_one_row, fp8_row
+
+# `torch._scaled_mm`'s use_fast_accum (benchmarks/ab_switch.py turns it off for A/B runs).
+FAST_ACCUM = True
 
 
 def scaled_mm_fits(weight: torch.Tensor) -> bool:
@@ -43,7 +49,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
             y = fp8_batch_gemm(q, s, weight, scale_inv, bias, x.dtype)
         else:
             y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale_inv.view(1, -1), bias=bias,
-                                 out_dtype=x.dtype)
+                                 out_dtype=x.dtype, use_fast_accum=FAST_ACCUM)
     else:
         q, s = quantize_rows(rows)
         y = ((q.float() @ weight.float().t()) * s * scale_inv.t())
