@@ -3,9 +3,9 @@
 then runs `rollout-engine <args>` or a script of this folder (`<name>.py
 <args>`) in this process. Alternate the sides in one device call:
 
-    python3 benchmarks/ab_switch.py rollout_engine.layers.fp8_linear.FAST_ACCUM=0 \\
-        rollout-engine bench --workload grpo --model qwen2.5-7b --quantization fp8 --out /tmp/off.json
-    python3 benchmarks/ab_switch.py rollout_engine.layers.fp8_linear.FAST_ACCUM=1 rollout-engine bench ...
+    python3 benchmarks/ab_switch.py rollout_engine.layers.fp8_linear.FAST_ACCUM=1 \\
+        rollout-engine bench --workload grpo --model qwen2.5-7b --quantization fp8 --out /tmp/fast.json
+    python3 benchmarks/ab_switch.py rollout_engine.layers.fp8_linear.FAST_ACCUM=0 rollout-engine bench ...
     python3 benchmarks/ab_switch.py rollout_engine.kernels.attention.E4M3_IN_F16=0 decode_attention.py ...
 
 Several settings may come before the program. The switch must already exist

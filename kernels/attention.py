@@ -16,6 +16,9 @@ from rollout_engine.kernels._triton import next_pow2
 # (`decode_kernel`'s F16). A/B runs (benchmarks/decode_attention.py
 # --backends triton triton-widen) turn it off.
 E4M3_IN_F16 = True
+# The decode kernel's launch shape, (keys per block, warps, pipeline
+# stages): `decode_tile`'s pick, or this one where set (sweeps).
+DECODE_TILE: tuple[int, int, int] | None = None
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
@@ -183,6 +186,20 @@ def _kernels():
     return decode_kernel, extend_kernel
 
 
+def decode_tile(programs: int, e4m3: bool) -> tuple[int, int, int]:
+    """(keys per block, warps, stages) for `programs` (sequences x KV heads):
+    about 1,024 warps in all, so one warp a program from 1,024 programs (the
+    16-row products then run on one warp's tensor cores, and more programs
+    stay resident to hide the gathers' latency), four below 256; blocks of 32
+    keys a warp. Five stages for an e4m3 cache, three for bf16 / fp16.
+    Measured on an H200 at qwen2.5-7b's heads, 64 to 512 rows
+    (BENCHMARKS.md, "Triton decode tiles")."""
+    if DECODE_TILE is not None:
+        return DECODE_TILE
+    warps = 4 if programs < 256 else max(1, 1024 // next_pow2(programs))
+    return 32 * warps, warps, 5 if e4m3 else 3
+
+
 def decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale: float) -> torch.Tensor:
     """q: [B, Hq, D]; rows, seq_lens: [B] device tensors. bf16 queries over
     an e4m3 cache take fp16 products (`decode_kernel`'s F16)."""
@@ -190,11 +207,13 @@ def decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale: float) -
     hk = k_cache.shape[1]
     group = hq // hk
     out = torch.empty_like(q)
+    block_n, warps, stages = decode_tile(bsz * hk, k_cache.dtype == torch.float8_e4m3fn)
     if bsz:
         _kernels()[0][(bsz, hk)](q, k_cache, v_cache, out, table, rows, seq_lens, table.stride(0), scale,
                                  q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                                 GROUP=group, GROUP_P=max(16, next_pow2(group)), D=d, BLOCK_N=64,
-                                 F16=E4M3_IN_F16 and q.dtype == torch.bfloat16 and k_cache.dtype == torch.float8_e4m3fn)
+                                 GROUP=group, GROUP_P=max(16, next_pow2(group)), D=d, BLOCK_N=block_n,
+                                 F16=E4M3_IN_F16 and q.dtype == torch.bfloat16 and k_cache.dtype == torch.float8_e4m3fn,
+                                 num_warps=warps, num_stages=stages)
     return out
 
 

@@ -98,15 +98,24 @@ KV_TOLERANCES = {"smollm2": (3.5, 4.5, 0.4), "random": (6.0, 6.0, 1.5)}
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
-def test_differential_stress_with_an_e4m3_cache(model, kv_reference, backend, page_size):
+@pytest.mark.parametrize("backend", ["flashinfer", "triton", "flashinfer-e4m3-decode"])
+def test_differential_stress_with_an_e4m3_cache(model, kv_reference, backend, page_size, monkeypatch):
     """Graphs, overlap, the prefix cache, retraction and aborts with the KV
     in e4m3, teacher-forced against the fp8-KV oracle: another request's KV
-    is many nats off; what is left is bf16's rounding, amplified by e4m3's."""
+    is many nats off; what is left is bf16's rounding, amplified by e4m3's.
+    `flashinfer`: FlashInfer's prefill, the Triton kernel's fp16 decode (the
+    default, `flashinfer_backend.TRITON_DECODE_E4M3`);
+    `flashinfer-e4m3-decode`: FlashInfer's e4m3 decode kernels too."""
+    from rollout_engine.attention import flashinfer_backend
+
+    own = backend == "flashinfer-e4m3-decode"
+    monkeypatch.setattr(flashinfer_backend, "TRITON_DECODE_E4M3", not own)
     calls = int(os.environ.get("STRESS_CALLS", "60"))  # as the bf16 suite: page size 1 retracts late in the run
-    engine = stress_against(model, kv_reference, KV_TOLERANCES, backend, page_size, calls, "fp8 KV",
-                            kv_cache_dtype="fp8_e4m3")
+    engine = stress_against(model, kv_reference, KV_TOLERANCES, "flashinfer" if own else backend, page_size,
+                            calls, "fp8 KV", kv_cache_dtype="fp8_e4m3")
     assert engine.core.parts.kv_pool.k[0].dtype == FP8
+    if backend.startswith("flashinfer"):
+        assert (engine.core.parts.runner.backend.triton_decode is None) == own
     engine.shutdown()
 
 

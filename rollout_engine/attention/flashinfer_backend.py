@@ -4,7 +4,10 @@ rows on). Planned once per step for all layers; page indices are built on
 the GPU from the device request table. An e4m3 KV cache is read by the same
 kernels (scale 1: no k_scale / v_scale). Decode wrappers for CUDA graphs plan into fixed buffers.
 A decode step of one sequence takes the engine's own one-launch kernel
-(`kernels.one_seq_attention`, no plan: it reads the length on the device)."""
+(`kernels.one_seq_attention`, no plan: it reads the length on the device).
+Decode steps over an e4m3 cache go to the Triton backend's kernel
+(`TRITON_DECODE_E4M3`; fp16 products: `kernels.attention`), prefill staying
+here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,6 +38,12 @@ NO_SPLIT_MIN_BATCH = 64
 # kernel and merge pass took ~12 us a layer at 1,000 tokens of context;
 # BENCHMARKS.md "Attention at batch 1"). A/B runs and tests turn it off.
 ONE_SEQ_ENABLED = True
+# Decode steps over an e4m3 cache with bf16 queries through the Triton
+# backend (`TritonAttentionBackend`), whose kernel multiplies in fp16:
+# FlashInfer's e4m3 decode is slower than its bf16 one on an H200, the Triton
+# kernel takes 0.5-0.7x its time at 64-512 rows (BENCHMARKS.md, "Triton
+# decode tiles"). Read when the backend is built (A/B runs set it before).
+TRITON_DECODE_E4M3 = True
 
 
 @dataclass
@@ -72,6 +81,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self._plan_copied: torch.cuda.Event | None = None
         self.one_seq = ONE_SEQ_ENABLED and one_seq_shape(shape)  # read at construction (A/B runs set it before)
+        self.triton_decode = None  # decode steps' delegate (TRITON_DECODE_E4M3)
+        if TRITON_DECODE_E4M3 and shape.cache_dtype == torch.float8_e4m3fn and shape.dtype == torch.bfloat16:
+            from rollout_engine.attention.triton_backend import TritonAttentionBackend
+
+            self.triton_decode = TritonAttentionBackend(shape)
 
     def tensor_cores(self, batch: int) -> bool:
         return batch >= self.tensor_core_min_batch
@@ -121,6 +135,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         if takes_one_seq(self.one_seq, fb):  # no page table, no plan
             fb.attn_metadata = ONE_SEQ
             return
+        if self.triton_decode is not None and fb.is_decode:  # its metadata: a tuple (`forward` tells them apart)
+            self.triton_decode.init_forward_metadata(fb)
+            return
         s = self.shape
         pt = PageTable.of(fb.seq_lens, s.page_size)
         indices = self.page_indices(fb, pt)
@@ -148,10 +165,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.last_page_len_buf = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.indices_buf = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=dev)
         self.graph_wrappers: dict[int, object] = {}
+        if self.triton_decode is not None:
+            self.triton_decode.init_graph_buffers(max_bs, max_context)
 
     def graph_metadata(self, bs: int, fb: "ForwardBatch"):
         if takes_one_seq(self.one_seq, fb):
             return ONE_SEQ
+        if self.triton_decode is not None:
+            return self.triton_decode.graph_metadata(bs, fb)
         wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores(bs),
             paged_kv_indptr_buffer=self.indptr_buf[: bs + 1], paged_kv_indices_buffer=self.indices_buf,
@@ -173,6 +194,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         lengths are (it would derive them with tensor ops on the host)."""
         if fb.attn_metadata is ONE_SEQ:  # the kernel reads the length on the device: nothing to plan
             return
+        if isinstance(fb.attn_metadata, tuple):
+            self.triton_decode.prepare_replay(bs, bucket, seq_lens, fb)
+            return
         pad = bucket - bs
         real = PageTable.of(seq_lens, self.shape.page_size)
         total = int(real.indptr[-1])
@@ -188,6 +212,8 @@ class FlashInferAttentionBackend(AttentionBackend):
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         if fb.attn_metadata is ONE_SEQ:
             return one_seq(q, layer, fb)
+        if isinstance(fb.attn_metadata, tuple):  # the Triton decode's
+            return self.triton_decode.forward(q, layer, fb)
         pool = fb.kv_pool
         p = self.shape.page_size
         k_cache = pool.k[layer.layer_id].view(-1, p, layer.num_kv_heads, layer.head_dim)
