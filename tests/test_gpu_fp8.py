@@ -79,11 +79,12 @@ def _reference(x, q, scale, bias=None):
     return fp8_linear(x.cpu().float(), q.cpu(), scale.cpu(), None if bias is None else bias.cpu().float()).cuda()
 
 
-def _close(got, want, rtol):
-    """Within `rtol` (the bf16 rounding of the output) and the accumulation
-    (fp32 in another order; the tensor cores' shorter sums of 128)."""
+def _close(got, want, rtol, accumulation=1e-3):
+    """Within `rtol` (the bf16 rounding of the output) and `accumulation`
+    times the largest output (fp32 in another order; the tensor cores'
+    shorter sums of 128)."""
     err = (got.float() - want).abs()
-    assert bool((err <= rtol * want.abs() + 1e-3 * want.abs().max()).all()), float(err.max())
+    assert bool((err <= rtol * want.abs() + accumulation * want.abs().max()).all()), float(err.max())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])
@@ -94,8 +95,10 @@ def test_products_equal_the_reference(rows, n, k, bias):
     operands and scales as the reference and accumulates in fp32: they
     differ by the accumulation order and the bf16 rounding of the output:
     up to one ulp (the tensor cores' fp8 sums are kept to fewer bits within
-    128 products; `_scaled_mm`'s row-wise epilogue rounds more than once)."""
-    from rollout_engine.kernels.batch_gemm import new_counters, use_counters
+    128 products; `_scaled_mm`'s row-wise epilogue rounds more than once),
+    and `_scaled_mm` with fast accumulation by its shorter sums over all of K."""
+    from rollout_engine.kernels.batch_gemm import MAX_FP8_ROWS, new_counters, use_counters
+    from rollout_engine.layers import fp8_linear as fp8_linear_module
     from rollout_engine.layers.fp8_linear import fp8_linear, scaled_mm_fits
 
     g = torch.Generator(device="cuda").manual_seed(rows * n + k)
@@ -106,7 +109,10 @@ def test_products_equal_the_reference(rows, n, k, bias):
     assert scaled_mm_fits(q)
     with use_counters(new_counters(x.device)):  # the split reductions of the batch kernel, as the engine's runner
         got = fp8_linear(x, q, scale, b)
-    _close(got, _reference(x, q, scale, b), 2 ** -7)
+    # `_scaled_mm` with FAST_ACCUM keeps the tensor cores' own sums over all of K: measured on the H200 up to
+    # 1.2% of the largest output (0.38 of 33 at K = 4,096); a wrong row or column would be off by ~100%
+    fast = rows > MAX_FP8_ROWS and fp8_linear_module.FAST_ACCUM
+    _close(got, _reference(x, q, scale, b), 2 ** -7, 2 ** -5 if fast else 1e-3)
 
 
 @pytest.fixture(scope="module")

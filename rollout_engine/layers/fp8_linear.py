@@ -10,11 +10,12 @@ element by element); otherwise the rows are quantized in one launch
 (kernels/fp8_quantize.py) and multiplied, up to MAX_FP8_ROWS rows by
 `kernels.batch_gemm` (tiles and split reductions that fill the GPU), more by
 `torch._scaled_mm` (row-wise scales, the bias in its epilogue, output in x's
-dtype; the partial sums promoted into fp32 registers every few blocks of K,
-as the Triton kernels here promote every 128 products: `FAST_ACCUM` keeps
-the tensor cores' own running sums instead, whose precision on Hopper is
-below fp32's: +3.5% fp8 grpo throughput on an H200, twice the products'
-largest error, BENCHMARKS.md).
+dtype; `FAST_ACCUM`: the tensor cores' own running sums, whose precision on
+Hopper is below fp32's, where the Triton kernels here promote every 128
+products into fp32: on an H200 +3.5-5% fp8 grpo throughput, the products'
+largest error ~1% of their largest output against ~0.5% promoted, and no
+change in the engine's distance from bf16 beyond run-to-run noise:
+BENCHMARKS.md, "Triton decode tiles").
 Elsewhere, and on the CPU, the same arithmetic in fp32 from the dequantized
 operands: the reference the GPU paths are held to."""
 from __future__ import annotations
@@ -27,8 +28,8 @@ from rollout_engine.kernels.fp8 import quantize_rows
 from rollout_engine.kernels.fp8_quantize import quantize_rows_gpu
 from rollout_engine.kernels.fp8_row import fp8_one_row, fp8_row
 
-# `torch._scaled_mm`'s use_fast_accum (off; benchmarks/ab_switch.py sets it for A/B runs).
-FAST_ACCUM = False
+# `torch._scaled_mm`'s use_fast_accum (benchmarks/ab_switch.py turns it off for A/B runs).
+FAST_ACCUM = True
 
 
 def scaled_mm_fits(weight: torch.Tensor) -> bool:
