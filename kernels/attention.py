@@ -106,7 +106,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
                     other=0.0)
         if F16:
-            q = (q * 0.0625).to(tl.float16)  # in bf16 (a power of two: exact), then narrowed
+            q = tl.minimum(tl.maximum(q.to(tl.float32) * 0.0625, -65504.0), 65504.0).to(tl.float16)
             scale = scale * 16.0
         m = tl.full([GROUP_P], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_P], tl.float32)
