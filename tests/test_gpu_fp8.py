@@ -128,7 +128,10 @@ def fp8_reference(model):
 # puts SmolLM2's tokens 13-27 nats off. Over a 40-call sequence on the Triton backend (H200, 2026-11-26) SmolLM2
 # reached a greedy gap of 3.01, a token 4.18 and a request mean 0.65 (FlashInfer 1.54, 3.66, 0.43): the bounds sit
 # near 1.5x those, a third of the cross-request signature.
-FP8_TOLERANCES = {"smollm2": (4.5, 6.0, 1.0), "random": (6.0, 6.0, 1.5)}
+# The random model's largest token spreads with the arithmetic's order: its 40-call Triton sequence (H200,
+# 2026-11-27) gave 3.73, 5.05 and 6.89 nats as the attention's tiles and the products' accumulation changed,
+# its request mean 0.85 each time; the mean bound is the one a wrong request's KV trips.
+FP8_TOLERANCES = {"smollm2": (4.5, 6.0, 1.0), "random": (6.0, 9.0, 1.5)}
 
 
 def stress_against(model, reference, tolerances: dict, backend: str, page_size: int, calls: int, label: str,
