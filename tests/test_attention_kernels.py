@@ -49,3 +49,16 @@ def test_interpreted_bf16_queries_over_an_e4m3_cache():
 @pytest.mark.parametrize("hq,hk", [(28, 4), (32, 8), (16, 16)])
 def test_gpu_bf16_queries_over_an_e4m3_cache(hq, hk):
     _check_e4m3_decode(hq, hk, 128, [1, 63, 700, 1100], "cuda")
+
+
+def test_decode_tiles_keep_about_a_thousand_warps_in_flight(monkeypatch):
+    """`decode_tile`: one warp a program from 1,024 programs (sequences x KV
+    heads), two from 512, four below; 32 keys a warp; five stages for an
+    e4m3 cache, three for bf16; a forced DECODE_TILE wins."""
+    from rollout_engine.kernels import attention
+
+    assert attention.decode_tile(4096, True) == (32, 1, 5) and attention.decode_tile(1024, False) == (32, 1, 3)
+    assert attention.decode_tile(512, True) == (64, 2, 5) and attention.decode_tile(300, False) == (64, 2, 3)
+    assert attention.decode_tile(255, True) == (128, 4, 5) and attention.decode_tile(1, False) == (128, 4, 3)
+    monkeypatch.setattr(attention, "DECODE_TILE", (16, 1, 2))
+    assert attention.decode_tile(4096, True) == (16, 1, 2)
