@@ -6,10 +6,15 @@ then runs `rollout-engine <args>` or a script of this folder (`<name>.py
     python3 benchmarks/ab_switch.py rollout_engine.layers.fp8_linear.FAST_ACCUM=1 \\
         rollout-engine bench --workload grpo --model qwen2.5-7b --quantization fp8 --out /tmp/fast.json
     python3 benchmarks/ab_switch.py rollout_engine.layers.fp8_linear.FAST_ACCUM=0 rollout-engine bench ...
-    python3 benchmarks/ab_switch.py rollout_engine.kernels.attention.E4M3_IN_F16=0 decode_attention.py ...
+    python3 benchmarks/ab_switch.py "rollout_engine.kernels.attention.DECODE_TILE=(64, 4, 3)" \
+        decode_attention.py --backends triton ...
 
 Several settings may come before the program. The switch must already exist
-in the module (a misspelt name is refused, not added)."""
+in the module (a misspelt name is refused, not added); a switch that is None
+takes any literal. Set the module that reads the switch: a name another
+module imported by value (`from m import NAME`) keeps its own copy there.
+A script that sets the switch itself (decode_attention.py sets E4M3_IN_F16
+from its --backends) overrides this."""
 from __future__ import annotations
 
 import ast
@@ -39,23 +44,29 @@ def parse_setting(text: str) -> tuple[object, str, object]:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
         value = raw  # a bare word: a string
-    if isinstance(old, bool) and value in (0, 1):
+    if isinstance(old, bool) and type(value) is int and value in (0, 1):
         value = bool(value)
-    if type(value) is not type(old) and not (isinstance(old, float) and type(value) is int):
+    if old is not None and type(value) is not type(old) and not (isinstance(old, float) and type(value) is int):
         raise UsageError(f"{name} is a {type(old).__name__}, not {raw!r}")
     return module, name, value
 
 
 def main(argv: list[str] | None = None) -> int:
     p = ScriptParser("ab_switch.py", __doc__)
-    p.add_argument("settings", nargs="+", metavar="module.NAME=value", help="the switches to set, then the program")
+    p.add_argument("settings", nargs="+", metavar="module.NAME=value", help="the switches to set")
+    p.add_argument("program", help="rollout-engine or a script of benchmarks/ (name.py), then its arguments")
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
         p.parse_args(argv[:1])
     n = next((i for i, a in enumerate(argv) if "=" not in a), len(argv))
-    if n == 0 or n == len(argv):
-        p.error("argument module.NAME=value: expected one or more, then rollout-engine or a script of benchmarks/")
+    if n == 0:
+        p.error(f"argument module.NAME=value: expected a setting first, got {argv[0]!r}" if argv else
+                "argument module.NAME=value: expected one or more settings, then the program")
+    if n == len(argv):
+        p.error("argument program: expected rollout-engine or a script of benchmarks/ after the settings")
     program, rest = argv[n], argv[n + 1:]
+    if program.startswith("benchmarks/"):  # as the examples spell the scripts
+        program = program[len("benchmarks/"):]
     if program != "rollout-engine" and not (program.endswith(".py") and os.path.exists(os.path.join(HERE, program))):
         p.error(f"argument program: {program!r} is neither rollout-engine nor a script of benchmarks/")
     try:
@@ -72,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return console_main()
     sys.path.insert(0, HERE)
     script = importlib.import_module(program[:-3])
-    return script.main(rest)
+    sys.argv = [os.path.join(HERE, program), *rest]  # every script's main reads sys.argv when given no list
+    return script.main()
 
 
 if __name__ == "__main__":

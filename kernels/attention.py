@@ -95,8 +95,9 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         an e4m3 cache): the products in fp16, which e4m3 widens to in one
         instruction per pair of values where bf16 takes several. The
         queries are scaled by 1/16 first (the scale by 16) and clamped to
-        fp16's range: exact up to 2^20 in magnitude (without the clamp a
-        query of 3e5 came out non-finite on the GPU)."""
+        fp16's range: exact from 2^-10 to 2^20 in magnitude, smaller values
+        rounding to fp16's subnormal steps (without the clamp a query of 3e5
+        came out non-finite on the GPU)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         row = tl.load(rows_ptr + b).to(tl.int64)

@@ -260,8 +260,10 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
     ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACUM=0", "rollout-engine"], "module.NAME=value"),
     ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACCUM=maybe", "rollout-engine"], "module.NAME=value"),
     ("ab_switch", ["rollout_engine.layers.no_such.FAST_ACCUM=0", "rollout-engine"], "module.NAME=value"),
-    ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACCUM=0"], "module.NAME=value"),
+    ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACCUM=0"], "program"),
     ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACCUM=0", "no_such.py"], "program"),
+    ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACCUM=0.0", "rollout-engine"], "module.NAME=value"),
+    ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACCUM", "rollout-engine"], "module.NAME=value"),
     ("decode_attention", ["--backends", "cuda"], "--backends"),
     ("decode_attention", ["--layouts", "NDH"], "--layouts"), ("moe_kernel", ["--tokens", "8,0"], "--tokens"),
 ])
@@ -286,6 +288,34 @@ def test_ab_switch_sets_the_switch_for_the_program_it_runs(monkeypatch):
     assert _benchmark("ab_switch").main(["rollout_engine.layers.fp8_linear.FAST_ACCUM=0", "rollout-engine", "bench",
                                          "--workload", "grpo"]) == 0
     assert seen == {"argv": ["rollout-engine", "bench", "--workload", "grpo"], "fast": False}
+
+
+def test_ab_switch_says_what_it_set_then_the_scripts_own_error(monkeypatch, capsys):
+    """The path spelt as the examples spell it; the script checks its own flags."""
+    from rollout_engine.kernels import attention
+
+    monkeypatch.setattr(attention, "DECODE_TILE", None)
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    with pytest.raises(SystemExit) as exit_:
+        _benchmark("ab_switch").main(["rollout_engine.kernels.attention.DECODE_TILE=(8, 1, 2)",
+                                      "benchmarks/fp8_gemm_configs.py", "--rows", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 2, err
+    assert err[0] == "ab_switch: rollout_engine.kernels.attention.DECODE_TILE = (8, 1, 2)"
+    assert err[1].startswith("fp8_gemm_configs.py: error: argument --rows: "), err
+
+
+def test_ab_switch_runs_scripts_whose_main_reads_sys_argv(monkeypatch, capsys):
+    """cpu_prefill.py's main takes no list: it reads sys.argv, as ab_switch sets it; a None switch takes a tuple."""
+    from rollout_engine.kernels import attention
+
+    monkeypatch.setattr(attention, "DECODE_TILE", None)
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    with pytest.raises(SystemExit) as exit_:
+        _benchmark("ab_switch").main(["rollout_engine.kernels.attention.DECODE_TILE=(32, 1, 5)", "cpu_prefill.py",
+                                      "--help"])
+    assert exit_.value.code == 0 and "cpu_prefill.py" in capsys.readouterr().out
+    assert attention.DECODE_TILE == (32, 1, 5)
 
 
 def test_step_breakdown_checks_its_output_paths_before_the_run(tmp_path, capsys):

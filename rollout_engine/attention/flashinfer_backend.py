@@ -5,9 +5,9 @@ the GPU from the device request table. An e4m3 KV cache is read by the same
 kernels (scale 1: no k_scale / v_scale). Decode wrappers for CUDA graphs plan into fixed buffers.
 A decode step of one sequence takes the engine's own one-launch kernel
 (`kernels.one_seq_attention`, no plan: it reads the length on the device).
-Decode steps over an e4m3 cache go to the Triton backend's kernel
-(`TRITON_DECODE_E4M3`; fp16 products: `kernels.attention`), prefill staying
-here."""
+Decode steps of bf16 queries over an e4m3 cache go to the Triton backend's
+kernel (`TRITON_DECODE_E4M3`; fp16 products: `kernels.attention`), prefill
+staying here."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -12,8 +12,9 @@ element by element); otherwise the rows are quantized in one launch
 `torch._scaled_mm` (row-wise scales, the bias in its epilogue, output in x's
 dtype; `FAST_ACCUM`: the tensor cores' own running sums, whose precision on
 Hopper is below fp32's, where the Triton kernels here promote every 128
-products into fp32: on an H200 +3.5-5% fp8 grpo throughput, the products'
-largest error up to 1.2% of their largest output against 0.25% promoted, and no
+products into fp32: on an H200 +3.5% fp8 grpo throughput (+5.4% with the
+e4m3 cache), the products' largest error 0.5-1.2% of their largest output
+against 0.25% promoted, and no
 change in the engine's distance from bf16 beyond run-to-run noise:
 BENCHMARKS.md, "Triton decode tiles").
 Elsewhere, and on the CPU, the same arithmetic in fp32 from the dequantized
