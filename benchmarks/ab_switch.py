@@ -76,14 +76,20 @@ def main(argv: list[str] | None = None) -> int:
     for module, name, value in settings:
         setattr(module, name, value)
         print(f"ab_switch: {module.__name__}.{name} = {value!r}", file=sys.stderr, flush=True)
+    return run_program(program, rest)
+
+
+def run_program(program: str, args: list[str]) -> int:
+    """`rollout-engine args` or the script `program` of this folder with
+    `args`, in this process (the A/B scripts' second half)."""
     if program == "rollout-engine":
         from rollout_engine.console import main as console_main
 
-        sys.argv = ["rollout-engine", *rest]
+        sys.argv = ["rollout-engine", *args]
         return console_main()
     sys.path.insert(0, HERE)
     script = importlib.import_module(program[:-3])
-    sys.argv = [os.path.join(HERE, program), *rest]  # every script's main reads sys.argv when given no list
+    sys.argv = [os.path.join(HERE, program), *args]  # every script's main reads sys.argv when given no list
     return script.main()
 
 

@@ -10,9 +10,9 @@ Alternate the sides in one device call:
     python3 benchmarks/moe_pdl_ab.py off moe_kernel.py --shape qwen3-30b-a3b --tokens 1,8,64,2048"""
 from __future__ import annotations
 
-import os
 import sys
 
+from ab_switch import run_program  # benchmarks/, the script's own folder
 from rollout_engine.cli_args import ScriptParser, run_script
 from rollout_engine.suggest import unrecognized
 
@@ -32,15 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.side == "off":
         for module in (moe, moe_align, moe_route, moe_row):
             module.pdl_args = lambda x: {"PDL": False}
-    if args.program == "rollout-engine":
-        from rollout_engine.console import main as console_main
-
-        sys.argv = ["rollout-engine", *args.args]
-        return console_main()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import moe_kernel
-
-    return moe_kernel.main(args.args)
+    return run_program(args.program, args.args)
 
 
 if __name__ == "__main__":
