@@ -55,10 +55,15 @@ def models(tmp_path_factory):
 
 
 # bf16 against fp32: a router near-tie that rounds the other way sends a
-# token to another expert, which moves later tokens by up to a few nats (4.4
-# seen over 15k tokens; request means up to 0.3), while another request's KV
-# puts whole requests 10+ nats off. The exact check is the fp32 run below.
-MOE_MARGIN, MOE_LOGPROB_TOL, MOE_MEAN_TOL = 6.0, 6.0, 1.0
+# token to another expert, which moves later tokens by a few nats (request
+# means up to 0.4 seen), while another request's KV puts whole requests 10+
+# nats off: the request mean is the bound crosstalk trips. Single tokens:
+# 6.55 nats seen (Triton, page size 16, the decode tiles of 128 keys): the
+# token before it went to other experts than HF's in all three sparse layers
+# after a layer-0 near-tie (HF's 4th and 5th probabilities 1.5e-4 apart); the
+# same request with 64-key tiles follows HF's routing there and is 0.02 nats
+# off. The exact check is the fp32 run below.
+MOE_MARGIN, MOE_LOGPROB_TOL, MOE_MEAN_TOL = 9.0, 9.0, 1.0
 
 # Mixtral in bf16 is left to the fp32 run: with two renormalized experts of
 # eight, a flipped one is half the layer's MLP, and on these random peaked
@@ -194,10 +199,9 @@ def test_routing_capture_in_graphs_with_overlap_equals_the_reference(models, dty
         call = gen.call()
         call.params = [dataclasses.replace(p, return_routed_experts=True) for p in call.params]
         outputs = run_call(engine, call, f"c{c}")
-        # tokens held as in the stress runs, fp32 exactly; one bf16 token of these sequences is 6.8 nats off
-        # after a flipped expert (seen), so a single bf16 token may be off by twice the stress runs' bound
-        # (request means still within 1 nat)
-        tol = 5e-2 if dtype == "float32" else 2 * MOE_LOGPROB_TOL
+        # fp32 exactly; in bf16 one token of these sequences is 6.8 nats off after a flipped expert (seen), so
+        # a single token may be off by 12 nats, request means by the stress runs' 1 nat
+        tol = 5e-2 if dtype == "float32" else 12.0
         check_outputs(reference, call, outputs, report, min(tol, MOE_MARGIN), tol, f"call {c}", MOE_MEAN_TOL)
         for out in outputs:
             got = out.routed_experts
