@@ -106,10 +106,20 @@ def test_cached_prompt_answers_its_own_prompt(model, reference, backend):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
-def test_differential_stress(model, reference, backend, page_size):
+@pytest.mark.parametrize("backend", ["flashinfer", "triton", "flashinfer-triton-decode"])
+def test_differential_stress(model, reference, backend, page_size, monkeypatch):
+    """`flashinfer`: FlashInfer's kernels for every step;
+    `flashinfer-triton-decode`: FlashInfer's prefill and small decode steps,
+    the Triton kernel's decode from 8 rows (graphs and eager steps of both
+    in one engine, whatever the model's query heads per KV head)."""
+    from rollout_engine.attention import flashinfer_backend
+
     folder, _, prompts, token_range = model
     calls = int(os.environ.get("STRESS_CALLS", "60"))
+    split = backend == "flashinfer-triton-decode"
+    monkeypatch.setattr(flashinfer_backend, "TRITON_DECODE_BF16_MIN_ROWS", 8 if split else 0)
+    monkeypatch.setattr(flashinfer_backend, "TRITON_DECODE_BF16_MIN_GROUP", 1)
+    backend = "flashinfer" if split else backend
     # Small prefill chunks; a pool tight enough for retractions; graph buckets
     # up to 32 so batches cross them and run above them (eager).
     engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", attention_backend=backend,
@@ -119,7 +129,10 @@ def test_differential_stress(model, reference, backend, page_size):
                             max_new_tokens=48, max_batch=40)
     report = stress(engine, reference, gen, calls, MARGIN, LOGPROB_TOL, MEAN_TOL)
     stats = engine.cache_stats()
-    print(f"{backend} page_size={page_size}: {report.summary()}; retractions {stats['retractions']}, "
+    if backend == "flashinfer":
+        assert (engine.core.parts.runner.backend.triton_decode is not None) == split
+    print(f"{backend}{' + triton decode' * split} page_size={page_size}: {report.summary()}; "
+          f"retractions {stats['retractions']}, "
           f"hit rate {stats['hit_rate']:.2f}, ahead steps {stats['ahead_steps']}")
     assert not report.violations, report.violations[:5]
     assert stats["hit_rate"] > 0.1 and report.aborted > 0 and stats["retractions"] > 0

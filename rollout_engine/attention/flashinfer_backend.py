@@ -6,8 +6,9 @@ kernels (scale 1: no k_scale / v_scale). Decode wrappers for CUDA graphs plan in
 A decode step of one sequence takes the engine's own one-launch kernel
 (`kernels.one_seq_attention`, no plan: it reads the length on the device).
 Decode steps of bf16 queries over an e4m3 cache go to the Triton backend's
-kernel (`TRITON_DECODE_E4M3`; fp16 products: `kernels.attention`), prefill
-staying here."""
+kernel (`TRITON_DECODE_E4M3`; fp16 products: `kernels.attention`), and
+over a bf16 cache those of 32 rows or more where 4+ query heads share a KV
+head (`triton_decode_rows`); prefill stays here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,6 +45,27 @@ ONE_SEQ_ENABLED = True
 # kernel takes 0.5-0.7x its time at 64-512 rows (BENCHMARKS.md, "Triton
 # decode tiles"). Read when the backend is built (A/B runs set it before).
 TRITON_DECODE_E4M3 = True
+# Decode steps over a bf16 cache go to the same kernel from
+# TRITON_DECODE_BF16_MIN_ROWS rows where TRITON_DECODE_BF16_MIN_GROUP or more
+# query heads share a KV head (0 rows: never). llama-3.1-8b (4 a KV head):
+# steps 4-7% shorter at 64-256 rows, 2% at 32; Qwen3-0.6B (2 a KV head):
+# offline 7% slower. Below 32 rows FlashInfer splits long keys over blocks,
+# where the Triton kernel has one program per row and KV head.
+TRITON_DECODE_BF16_MIN_ROWS = 32
+TRITON_DECODE_BF16_MIN_GROUP = 4
+
+
+def triton_decode_rows(shape: AttentionShape) -> int | None:
+    """The fewest rows whose decode steps a FlashInfer backend of `shape`
+    sends to the Triton kernel; None: it sends none."""
+    if shape.dtype != torch.bfloat16:
+        return None
+    if shape.cache_dtype == torch.float8_e4m3fn:
+        return 1 if TRITON_DECODE_E4M3 else None
+    group = shape.num_heads // shape.num_kv_heads
+    if shape.cache_dtype == torch.bfloat16 and TRITON_DECODE_BF16_MIN_ROWS and group >= TRITON_DECODE_BF16_MIN_GROUP:
+        return TRITON_DECODE_BF16_MIN_ROWS
+    return None
 
 
 @dataclass
@@ -81,11 +103,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self._plan_copied: torch.cuda.Event | None = None
         self.one_seq = ONE_SEQ_ENABLED and one_seq_shape(shape)  # read at construction (A/B runs set it before)
-        self.triton_decode = None  # decode steps' delegate (TRITON_DECODE_E4M3)
-        if TRITON_DECODE_E4M3 and shape.cache_dtype == torch.float8_e4m3fn and shape.dtype == torch.bfloat16:
+        self.triton_decode = None  # the delegate of decode steps of `triton_rows` rows or more
+        self.triton_rows = triton_decode_rows(shape)  # read at construction (A/B runs set the switches before)
+        if self.triton_rows is not None:
             from rollout_engine.attention.triton_backend import TritonAttentionBackend
 
             self.triton_decode = TritonAttentionBackend(shape)
+
+    def delegates(self, batch: int) -> bool:
+        """Whether a decode step of `batch` rows goes to the Triton kernel."""
+        return self.triton_rows is not None and batch >= self.triton_rows
 
     def tensor_cores(self, batch: int) -> bool:
         return batch >= self.tensor_core_min_batch
@@ -135,7 +162,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if takes_one_seq(self.one_seq, fb):  # no page table, no plan
             fb.attn_metadata = ONE_SEQ
             return
-        if self.triton_decode is not None and fb.is_decode:  # its metadata: a tuple (`forward` tells them apart)
+        if fb.is_decode and self.delegates(fb.batch_size):  # its metadata: a tuple (`forward` tells them apart)
             self.triton_decode.init_forward_metadata(fb)
             return
         s = self.shape
@@ -171,7 +198,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def graph_metadata(self, bs: int, fb: "ForwardBatch"):
         if takes_one_seq(self.one_seq, fb):
             return ONE_SEQ
-        if self.triton_decode is not None:
+        if self.delegates(bs):
             return self.triton_decode.graph_metadata(bs, fb)
         wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores(bs),
