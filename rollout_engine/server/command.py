@@ -73,6 +73,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     engine = RolloutEngine(kwargs.pop("model"), **kwargs)
     host, port = options.pop("host"), options.pop("port")
+    if args.log_level:  # else serve()'s default
+        options["log_level"] = args.log_level
     serve(engine, host, port, ready=lambda url: print(f"rollout-engine: serving {config.model} on {url}", flush=True),
-          log_level=args.log_level or "warning", **options)
+          **options)
     return 0
