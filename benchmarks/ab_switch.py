@@ -47,7 +47,8 @@ def parse_setting(text: str) -> tuple[object, str, object]:
     if isinstance(old, bool) and type(value) is int and value in (0, 1):
         value = bool(value)
     if old is not None and type(value) is not type(old) and not (isinstance(old, float) and type(value) is int):
-        raise UsageError(f"{name} is a {type(old).__name__}, not {raw!r}")
+        kind = type(old).__name__
+        raise UsageError(f"{name} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not {raw!r}")
     return module, name, value
 
 

@@ -264,6 +264,8 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
     ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACCUM=0", "no_such.py"], "program"),
     ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACCUM=0.0", "rollout-engine"], "module.NAME=value"),
     ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACCUM", "rollout-engine"], "module.NAME=value"),
+    ("ab_switch", ["rollout_engine.attention.flashinfer_backend.TRITON_DECODE_BF16_MIN_ROWS=many", "rollout-engine"],
+     "module.NAME=value"),
     ("decode_attention", ["--backends", "cuda"], "--backends"),
     ("decode_attention", ["--layouts", "NDH"], "--layouts"), ("moe_kernel", ["--tokens", "8,0"], "--tokens"),
 ])

@@ -115,6 +115,43 @@ def test_the_banner_comes_once_the_port_accepts_connections(tmp_path):
             proc.kill()
 
 
+@pytest.mark.slow  # a server subprocess of its own; run by .ci/run after the fast tests
+def test_two_quick_ctrl_cs_stop_the_server_without_a_traceback(tmp_path):
+    """A second Ctrl-C while the first shuts the server down (uvicorn then
+    cancels what is left) ends it without a traceback (exit 0, or 130 with
+    one line when it lands after the server has stopped); a request under
+    way is answered with "abort" or its connection closed."""
+    from models import make_hf_model, save_model
+
+    srv = Server(save_model(make_hf_model("llama", seed=0, max_position_embeddings=8192), tmp_path), "--device", "cpu")
+    answers = []
+
+    def long_request():
+        try:
+            answers.append(srv.post("/generate", {"input_ids": [1, 2, 3], "sampling_params": {
+                "max_new_tokens": 6000, "ignore_eos": True}}))
+        except httpx.HTTPError as e:  # the second Ctrl-C may close the connection first
+            answers.append(e)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(1.5)
+    srv.proc.send_signal(signal.SIGINT)
+    time.sleep(0.15)
+    srv.proc.send_signal(signal.SIGINT)
+    try:
+        code = srv.proc.wait(30)
+    finally:
+        srv.proc.kill()
+    t.join(10)
+    out = "".join(srv.output)
+    # 130 and one line ("interrupted") when the second comes after the server has stopped
+    assert code in (0, 130) and "Traceback" not in out and "CancelledError" not in out, (code, out[-3000:])
+    assert answers, "the request neither answered nor failed"
+    if isinstance(answers[0], httpx.Response):
+        assert answers[0].json().get("meta_info", {}).get("finish_reason", {}).get("type") == "abort", answers[0].text
+
+
 LOAD_REQUESTS = 200
 
 
@@ -180,7 +217,7 @@ def test_load_from_64_clients_loses_nothing_and_memory_settles(smollm2_dir):
             async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as http:
                 async def one(i):
                     body = {"text": f"Story {i}:", "stream": True,
-                            "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+                            "sampling_params": {"max_new_tokens": 6000, "ignore_eos": True}}
                     async with http.stream("POST", srv.url + "/generate", json=body, timeout=120) as r:
                         if r.status_code != 200:
                             return

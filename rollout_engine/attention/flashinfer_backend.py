@@ -47,10 +47,11 @@ ONE_SEQ_ENABLED = True
 TRITON_DECODE_E4M3 = True
 # Decode steps over a bf16 cache go to the same kernel from
 # TRITON_DECODE_BF16_MIN_ROWS rows where TRITON_DECODE_BF16_MIN_GROUP or more
-# query heads share a KV head (0 rows: never). llama-3.1-8b (4 a KV head):
-# steps 4-7% shorter at 64-256 rows, 2% at 32; Qwen3-0.6B (2 a KV head):
-# offline 7% slower. Below 32 rows FlashInfer splits long keys over blocks,
-# where the Triton kernel has one program per row and KV head.
+# query heads share a KV head (0 or less: never; with CUDA graphs the rows
+# are the graph's). llama-3.1-8b (4 a KV head): steps 4-7% shorter at 64-256
+# rows, 2% at 32; Qwen3-0.6B (2 a KV head): offline 6-9% slower. Below 32
+# rows FlashInfer splits long keys over blocks, where the Triton kernel has
+# one program per row and KV head.
 TRITON_DECODE_BF16_MIN_ROWS = 32
 TRITON_DECODE_BF16_MIN_GROUP = 4
 
@@ -63,7 +64,7 @@ def triton_decode_rows(shape: AttentionShape) -> int | None:
     if shape.cache_dtype == torch.float8_e4m3fn:
         return 1 if TRITON_DECODE_E4M3 else None
     group = shape.num_heads // shape.num_kv_heads
-    if shape.cache_dtype == torch.bfloat16 and TRITON_DECODE_BF16_MIN_ROWS and group >= TRITON_DECODE_BF16_MIN_GROUP:
+    if shape.cache_dtype == torch.bfloat16 and TRITON_DECODE_BF16_MIN_ROWS > 0 and group >= TRITON_DECODE_BF16_MIN_GROUP:
         return TRITON_DECODE_BF16_MIN_ROWS
     return None
 

@@ -3,6 +3,9 @@
 prometheus-client), imported only here."""
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from typing import Any, Callable, Mapping
 
 # Idle keep-alive connections stay open this long (uvicorn's default is 5 s).
@@ -56,13 +59,29 @@ def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api
             if captured is not None:
                 captured.clear()
 
+    # lifespan off: the app has no startup or shutdown handlers, and a second
+    # Ctrl-C (uvicorn's forced exit) logged the cancelled lifespan task's traceback
     server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level, log_config=_logging(),
                                    timeout_graceful_shutdown=3, limit_concurrency=None,
-                                   timeout_keep_alive=KEEP_ALIVE_S))
+                                   timeout_keep_alive=KEEP_ALIVE_S, lifespan="off"))
     try:
         server.run()
     finally:
-        engine.shutdown()
+        with _ctrl_c_ignored():  # a further Ctrl-C while it stops would interrupt the shutdown at a random line
+            engine.shutdown()
+
+
+@contextlib.contextmanager
+def _ctrl_c_ignored():
+    """SIGINT ignored inside (on the main thread; elsewhere it does not come)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _logging() -> dict:
