@@ -1,10 +1,12 @@
 """Ctrl-C noted instead of raised, for the stretches where a
 KeyboardInterrupt landing anywhere would do harm (an import under way, a
-library's cleanup): the code checks the note at points of its own. And
+library's cleanup): the code checks the note at points of its own; or
+ignored (workers starting, a server's engine shutting down). And
 `generate` cut short by Ctrl-C with the samples so far kept (the CLI's
 generate and demo)."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -22,6 +24,22 @@ class DeferredInterrupt:
 
     def __call__(self, signum, frame) -> None:
         self.hit = True
+
+
+@contextlib.contextmanager
+def ctrl_c_ignored():
+    """SIGINT ignored inside. Only on the main thread over a handler set
+    from Python (elsewhere Python cannot swap it back); a Ctrl-C inside is
+    dropped."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def generate_keeping_partials(engine: Any, main_thread: bool, **kwargs: Any) -> tuple[list[Any], bool]:

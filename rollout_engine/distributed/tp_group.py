@@ -12,12 +12,10 @@ parent process dies (PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +26,7 @@ import torch.distributed as dist
 
 from rollout_engine.distributed import fused_norm, messages
 from rollout_engine.distributed.comm import TPComm
+from rollout_engine.interrupts import ctrl_c_ignored
 
 TIMEOUT = timedelta(minutes=10)
 
@@ -292,7 +291,10 @@ def start_workers(cfg, device: torch.device, worker_main) -> Started:
     base = device.index or 0
     started = Started(port, device, [])
     try:
-        with _ctrl_c_ignored():  # the workers start deaf to it, then ignore it for good
+        # Ctrl-C ignored while the workers start: a spawned process keeps an ignored signal through exec, so a
+        # Ctrl-C while it imports torch, this package and the main script (seconds) prints no traceback from
+        # every worker; `deaf_to_ctrl_c` then keeps ignoring it. One within the starts' milliseconds is dropped.
+        with ctrl_c_ignored():
             for rank in range(1, k):
                 worker_device = torch.device("cuda", base + rank) if device.type == "cuda" else device
                 p = ctx.Process(target=worker_main, args=(cfg, rank, k, port, str(worker_device)), daemon=True,
@@ -315,25 +317,6 @@ def join_workers(started: Started) -> TPChannel:
         raise
     _STANDALONE_WORLD = True
     return channel_of(comm, control, started.procs, embedded=False)
-
-
-@contextlib.contextmanager
-def _ctrl_c_ignored():
-    """SIGINT ignored while workers start. A spawned process keeps an
-    ignored signal through exec, so a Ctrl-C while it imports torch, this
-    package and the main script (seconds) no longer prints a traceback from
-    every worker; `deaf_to_ctrl_c` then keeps ignoring it. Only on the main
-    thread over a handler set from Python (elsewhere Python cannot swap it
-    back). A Ctrl-C within the few milliseconds of the starts is dropped."""
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def deaf_to_ctrl_c() -> None:

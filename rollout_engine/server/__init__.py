@@ -3,10 +3,9 @@
 prometheus-client), imported only here."""
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
 from typing import Any, Callable, Mapping
+
+from rollout_engine.interrupts import ctrl_c_ignored
 
 # Idle keep-alive connections stay open this long (uvicorn's default is 5 s).
 # Clients with connection pools (RL frameworks, routers) reuse a connection
@@ -67,21 +66,8 @@ def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api
     try:
         server.run()
     finally:
-        with _ctrl_c_ignored():  # a further Ctrl-C while it stops would interrupt the shutdown at a random line
+        with ctrl_c_ignored():  # a further Ctrl-C while it stops would interrupt the shutdown at a random line
             engine.shutdown()
-
-
-@contextlib.contextmanager
-def _ctrl_c_ignored():
-    """SIGINT ignored inside (on the main thread; elsewhere it does not come)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _logging() -> dict:
