@@ -10,9 +10,11 @@ import pytest
 import gpu_suite
 
 
-def test_files_are_dealt_longest_first_to_the_least_loaded_shard():
+def test_files_are_dealt_longest_first_to_the_least_loaded_shard(monkeypatch):
+    monkeypatch.setattr(gpu_suite, "SECONDS", {"test_gpu_differential.py": 420, "test_gpu_moe.py": 240,
+                                               "test_gpu_fp8.py": 200, "test_gpu_kernels.py": 60})
     files = {"tests/test_gpu_differential.py": 7, "tests/test_gpu_moe.py": 18, "tests/test_gpu_kernels.py": 59,
-             "tests/test_new.py": 3, "tests/test_gpu_fp8.py": 38}
+             "tests/test_new.py": 3, "tests/test_gpu_fp8.py": 38}  # test_new.py: 3 tests x SECONDS_PER_TEST
     two = gpu_suite.deal(files, 2)
     assert two == [["tests/test_gpu_differential.py", "tests/test_gpu_kernels.py"],
                    ["tests/test_gpu_moe.py", "tests/test_gpu_fp8.py", "tests/test_new.py"]]
