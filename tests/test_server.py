@@ -351,3 +351,12 @@ def test_weights_from_a_trainer_over_the_sync_group_routes(server, smollm2_dir):
     assert server.post("/update_weights_from_disk", {"model_path": smollm2_dir}).json()["success"]
     restored = server.post("/generate", {"text": PROMPTS[1], "sampling_params": GREEDY}).json()
     assert restored["output_ids"] == before["output_ids"]
+
+
+@pytest.mark.parametrize("field,value", [("host", " "), ("port", 70000), ("api_key", ""), ("max_body_bytes", 10),
+                                         ("max_queued_requests", 0), ("served_model_name", " ")])
+def test_server_config_refuses_a_bad_field_by_name(field, value):
+    from rollout_engine.server.config import ServerConfig
+
+    with pytest.raises(ValueError, match=f"^{field} must"):
+        ServerConfig(**{field: value})

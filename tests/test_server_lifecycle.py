@@ -63,7 +63,7 @@ def test_serve_refuses_a_busy_port_and_bad_flags_before_loading(smollm2_dir):
         for flags, message in ((["--port", str(port)], "cannot listen on"),
                                (["--port", "70000"], "--port: must be in"),
                                (["--host", ""], "--host"), (["--host", "999.1.1.1"], "--host"),
-                               (["--api-key", ""], "--api-key"),
+                               (["--api-key", ""], "--api-key"), (["--served-model-name", " "], "--served-model-name"),
                                (["--max-queued-requests", "0"], "--max-queued-requests")):
             out = subprocess.run([sys.executable, "-m", "rollout_engine.cli", "serve", "--model", smollm2_dir, *flags],
                                  capture_output=True, text=True, timeout=120)

@@ -13,7 +13,7 @@ from rollout_engine.server.config import API_KEY_ENV, ServerConfig
 
 SERVER_HELP = {
     "host": "address to listen on; 127.0.0.1 keeps the server local, 0.0.0.0 opens it to the network",
-    "port": "TCP port",
+    "port": "TCP port (0: a free one, named in the serving line)",
     "api_key": f"require 'Authorization: Bearer KEY' on every route but /health (or set ${API_KEY_ENV})",
     "max_body_bytes": "largest request body accepted; larger ones get 413",
     "max_queued_requests": "most samples admitted at once; past it, 503 with Retry-After",
@@ -61,6 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}
     if options["api_key"] is not None and not options["api_key"].strip():
         raise UsageError("argument --api-key: empty; leave the flag out to serve without a key")
+    if options["served_model_name"] is not None and not options["served_model_name"].strip():
+        raise UsageError("argument --served-model-name: empty; leave the flag out to serve under the model's name")
     options["api_key"] = options["api_key"] or ServerConfig.env_api_key()
     try:
         ServerConfig(**options)

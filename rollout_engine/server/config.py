@@ -28,6 +28,9 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests must be an integer >= 1, got {self.max_queued_requests!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string or None")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name.strip()):
+            raise ValueError(f"served_model_name must be a non-empty string or None, got {self.served_model_name!r}")
 
     @staticmethod
     def env_api_key() -> str | None:
