@@ -14,11 +14,13 @@ in the module (a misspelt name is refused, not added); a switch that is None
 takes any literal. Set the module that reads the switch: a name another
 module imported by value (`from m import NAME`) keeps its own copy there.
 A script that sets the switch itself (decode_attention.py sets E4M3_IN_F16
-from its --backends) overrides this."""
+from its --backends) overrides this. A `rollout-engine bench` report records
+the settings under "switches"."""
 from __future__ import annotations
 
 import ast
 import importlib
+import json
 import os
 import sys
 
@@ -66,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if n == len(argv):
         p.error("argument program: expected rollout-engine or a script of benchmarks/ after the settings")
     program, rest = argv[n], argv[n + 1:]
-    if program.startswith("benchmarks/"):  # as the examples spell the scripts
-        program = program[len("benchmarks/"):]
+    program = program.removeprefix("benchmarks/")  # as the examples spell the scripts
     if program != "rollout-engine" and not (program.endswith(".py") and os.path.exists(os.path.join(HERE, program))):
         p.error(f"argument program: {program!r} is neither rollout-engine nor a script of benchmarks/")
     try:
@@ -77,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     for module, name, value in settings:
         setattr(module, name, value)
         print(f"ab_switch: {module.__name__}.{name} = {value!r}", file=sys.stderr, flush=True)
+    from rollout_engine.bench.run import SWITCHES_ENV
+
+    # recorded by `rollout-engine bench` reports
+    os.environ[SWITCHES_ENV] = json.dumps({f"{m.__name__}.{n}": repr(v) for m, n, v in settings})
     return run_program(program, rest)
 
 

@@ -11,7 +11,11 @@ import pytest
 from rollout_engine.cli import main
 
 
-def test_bench_grpo_reports_cache_on_and_off(llama, tmp_path):
+def test_bench_grpo_reports_cache_on_and_off(llama, tmp_path, monkeypatch):
+    """... and, for an A/B side, the switches benchmarks/ab_switch.py set."""
+    from rollout_engine.bench.run import SWITCHES_ENV
+
+    monkeypatch.setenv(SWITCHES_ENV, '{"rollout_engine.layers.fp8_linear.FAST_ACCUM": "False"}')
     _, folder = llama
     out = tmp_path / "grpo.json"
     rc = main(["bench", "--workload", "grpo", "--model", folder, "--load-format", "auto", "--num-prompts", "3",
@@ -28,6 +32,7 @@ def test_bench_grpo_reports_cache_on_and_off(llama, tmp_path):
     # the report's config says what ran: no CUDA graphs on the CPU, no derived flags
     assert report["config"]["cuda_graph"] is False and "no_cuda_graph" not in report["config"]
     assert report["config"]["num_prompts"] == 3 and report["config"]["output_len"] == 6
+    assert report["switches"] == {"rollout_engine.layers.fp8_linear.FAST_ACCUM": "False"}
 
 
 def _files_under(folder):
@@ -43,6 +48,9 @@ def test_bench_without_out_prints_the_report_and_writes_no_file(llama, tmp_path,
     under benchmarks/ (results are put under benchmarks/results/ by hand)."""
     import pathlib
 
+    from rollout_engine.bench.run import SWITCHES_ENV
+
+    monkeypatch.delenv(SWITCHES_ENV, raising=False)
     _, folder = llama
     benchmarks = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
     before = _files_under(benchmarks)
@@ -52,6 +60,7 @@ def test_bench_without_out_prints_the_report_and_writes_no_file(llama, tmp_path,
     printed = capsys.readouterr().out
     report = json.loads(printed[printed.index("{"):])
     assert report["config"]["out"] is None and report["results"]["in_process_s"] > 0
+    assert "switches" not in report  # none set
     assert list(tmp_path.iterdir()) == []
     assert _files_under(benchmarks) == before
 
@@ -283,13 +292,18 @@ def test_ab_switch_sets_the_switch_for_the_program_it_runs(monkeypatch):
     from rollout_engine import console
     from rollout_engine.layers import fp8_linear
 
+    from rollout_engine.bench.run import SWITCHES_ENV
+
     monkeypatch.setattr(fp8_linear, "FAST_ACCUM", True)  # restored after the test
+    monkeypatch.delenv(SWITCHES_ENV, raising=False)  # and this
     seen = {}
-    monkeypatch.setattr(console, "main", lambda: seen.update(argv=sys.argv[:], fast=fp8_linear.FAST_ACCUM) or 0)
+    monkeypatch.setattr(console, "main", lambda: seen.update(argv=sys.argv[:], fast=fp8_linear.FAST_ACCUM,
+                                                             switches=os.environ.get(SWITCHES_ENV)) or 0)
     monkeypatch.setattr(sys, "argv", sys.argv[:])
     assert _benchmark("ab_switch").main(["rollout_engine.layers.fp8_linear.FAST_ACCUM=0", "rollout-engine", "bench",
                                          "--workload", "grpo"]) == 0
-    assert seen == {"argv": ["rollout-engine", "bench", "--workload", "grpo"], "fast": False}
+    assert seen == {"argv": ["rollout-engine", "bench", "--workload", "grpo"], "fast": False,
+                    "switches": '{"rollout_engine.layers.fp8_linear.FAST_ACCUM": "False"}'}
 
 
 def test_ab_switch_says_what_it_set_then_the_scripts_own_error(monkeypatch, capsys):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import random
 import time
@@ -214,6 +215,11 @@ def _workloads():
             "longtail": bench_longtail, "soak": bench_soak}
 
 
+# JSON {"module.NAME": repr(value)} of the switches benchmarks/ab_switch.py set
+# for this run; the report carries them as "switches".
+SWITCHES_ENV = "ROLLOUT_ENGINE_SWITCHES"
+
+
 def _config(args) -> dict[str, Any]:
     """The flags as the run used them: graphs only where CUDA runs them, and
     not the derived no_cuda_graph."""
@@ -228,6 +234,11 @@ def main(args) -> int:
         "attention_backend": args.attention_backend, "device": _device_name(),
         "date": time.strftime("%Y-%m-%d"), "config": _config(args),
     }
+    if os.environ.get(SWITCHES_ENV):  # the module switches an A/B side set (benchmarks/ab_switch.py)
+        try:
+            report["switches"] = json.loads(os.environ[SWITCHES_ENV])
+        except ValueError:
+            report["switches"] = os.environ[SWITCHES_ENV]
     report["results"] = _workloads()[args.workload](args)
     text = json.dumps(report, indent=2)
     print(text)
