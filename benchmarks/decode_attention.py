@@ -89,10 +89,12 @@ def run_case(fi, heads: int, kv_heads: int, dim: int, lens: torch.Tensor, page: 
 def _triton_ms(q, k, v, indices, indptr, lens, page: int, dim: int, widen: bool = False) -> float:
     """The engine's Triton decode kernel (`kernels.attention`, the triton
     backend's) over the same pages, through a token -> slot table, replayed
-    in a CUDA graph. `widen`: an e4m3 cache widened to bf16 for the products
-    (`E4M3_IN_F16` off) rather than to fp16."""
+    in a CUDA graph, its programs longest sequence first as the backend
+    starts them (`triton_backend.LONGEST_FIRST`). `widen`: an e4m3 cache
+    widened to bf16 for the products (`E4M3_IN_F16` off) rather than to fp16."""
+    from rollout_engine.attention import triton_backend
     from rollout_engine.kernels import attention
-    from rollout_engine.kernels.attention import decode_attention
+    from rollout_engine.kernels.attention import decode_attention, longest_first
 
     attention.E4M3_IN_F16 = not widen
     dev = q.device
@@ -107,10 +109,11 @@ def _triton_ms(q, k, v, indices, indptr, lens, page: int, dim: int, widen: bool 
     kc, vc = k.view(-1, k.shape[2], dim), v.view(-1, v.shape[2], dim)  # NHD pages as slots
     rows = torch.arange(batch, dtype=torch.int32, device=dev)
     seq = lens.to(dev, torch.int32)
-    decode_attention(q, kc, vc, table, rows, seq, dim ** -0.5)
+    order = (torch.from_numpy(longest_first(lens.numpy())).to(dev) if triton_backend.LONGEST_FIRST else None)
+    decode_attention(q, kc, vc, table, rows, seq, dim ** -0.5, order)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        decode_attention(q, kc, vc, table, rows, seq, dim ** -0.5)
+        decode_attention(q, kc, vc, table, rows, seq, dim ** -0.5, order)
     return time_ms(g.replay)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import torch
 
 from rollout_engine.kernels._triton import next_pow2
@@ -87,19 +88,27 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         return q_start, q_len, row, kv_len, kv_len - q_len
 
     @triton.jit
-    def decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, lens_ptr, table_stride, scale,
+    def decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, lens_ptr, order_ptr, table_stride, scale,
                       stride_qt, stride_qh, stride_ks, stride_kh,
                       GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      F16: tl.constexpr = False):
-        """One sequence's query heads of one KV head. F16 (bf16 queries over
+                      F16: tl.constexpr = False, ORDERED: tl.constexpr = False):
+        """One sequence's query heads of one KV head. ORDERED: program
+        (h, i) takes KV head h of sequence order[i], so the programs start
+        the longest sequences first, all heads of a sequence together (the
+        GPU starts programs about in order: the short ones fill the tail).
+        Otherwise program (b, h): sequence b, KV head h. F16 (bf16 queries over
         an e4m3 cache): the products in fp16, which e4m3 widens to in one
         instruction per pair of values where bf16 takes several. The
         queries are scaled by 1/16 first (the scale by 16) and clamped to
         fp16's range: exact from 2^-10 to 2^20 in magnitude, smaller values
         rounding to fp16's subnormal steps (without the clamp a query of 3e5
         came out non-finite on the GPU)."""
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
+        if ORDERED:
+            b = tl.load(order_ptr + tl.program_id(1))
+            kvh = tl.program_id(0)
+        else:
+            b = tl.program_id(0)
+            kvh = tl.program_id(1)
         row = tl.load(rows_ptr + b).to(tl.int64)
         kv_len = tl.load(lens_ptr + b)
         g = tl.arange(0, GROUP_P)
@@ -202,20 +211,32 @@ def decode_tile(programs: int, e4m3: bool) -> tuple[int, int, int]:
     return 32 * warps, warps, 5 if e4m3 else 3
 
 
-def decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale: float) -> torch.Tensor:
+def longest_first(seq_lens: np.ndarray) -> np.ndarray:
+    """`decode_attention`'s `order` for these lengths: the rows by length,
+    longest first (ties in row order), as int32."""
+    return np.argsort(-seq_lens.astype(np.int64), kind="stable").astype(np.int32)
+
+
+def decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale: float,
+                     order: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; rows, seq_lens: [B] device tensors. bf16 queries over
-    an e4m3 cache take fp16 products (`decode_kernel`'s F16)."""
+    an e4m3 cache take fp16 products (`decode_kernel`'s F16). `order`: a
+    permutation of the B rows as an int32 device tensor (`longest_first`):
+    the programs start in that order, longest sequences first, so ragged
+    lengths do not leave a tail of long ones; the outputs are the same."""
     bsz, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
     out = torch.empty_like(q)
+    if not bsz:
+        return out
     block_n, warps, stages = decode_tile(bsz * hk, k_cache.dtype == torch.float8_e4m3fn)
-    if bsz:
-        _kernels()[0][(bsz, hk)](q, k_cache, v_cache, out, table, rows, seq_lens, table.stride(0), scale,
-                                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                                 GROUP=group, GROUP_P=max(16, next_pow2(group)), D=d, BLOCK_N=block_n,
-                                 F16=E4M3_IN_F16 and q.dtype == torch.bfloat16 and k_cache.dtype == torch.float8_e4m3fn,
-                                 num_warps=warps, num_stages=stages)
+    grid = (bsz, hk) if order is None else (hk, bsz)
+    _kernels()[0][grid](q, k_cache, v_cache, out, table, rows, seq_lens, rows if order is None else order,
+                        table.stride(0), scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                        GROUP=group, GROUP_P=max(16, next_pow2(group)), D=d, BLOCK_N=block_n,
+                        F16=E4M3_IN_F16 and q.dtype == torch.bfloat16 and k_cache.dtype == torch.float8_e4m3fn,
+                        ORDERED=order is not None, num_warps=warps, num_stages=stages)
     return out
 
 

@@ -85,3 +85,101 @@ def test_flashinfer_sends_decode_steps_to_the_triton_kernel_by_cache_heads_and_r
     monkeypatch.setattr(fb, "TRITON_DECODE_BF16_MIN_ROWS", 8)
     monkeypatch.setattr(fb, "TRITON_DECODE_BF16_MIN_GROUP", 1)
     assert fb.triton_decode_rows(shape(9, 3)) == 8
+
+
+def _ragged_case(hq, hk, d, lens, device, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    slots = len(lens) * max(lens) + 64
+    k = torch.randn(slots, hk, d, generator=g).to(dtype).to(device)
+    v = torch.randn(slots, hk, d, generator=g).to(dtype).to(device)
+    table = torch.randperm(slots, generator=g)[: len(lens) * max(lens)].view(len(lens), -1).int().to(device)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype).to(device)
+    return q, k, v, table
+
+
+def _check_longest_first(hq, hk, d, lens, device, dtype):
+    """Programs started in another order compute the same sums: the output
+    with `order` (longest first, and a shuffle) equals the one without, bit
+    for bit, and the reference within the dtype's rounding."""
+    import numpy as np
+
+    from rollout_engine.kernels.attention import longest_first
+
+    q, k, v, table = _ragged_case(hq, hk, d, lens, device, dtype)
+    rows = list(range(len(lens)))[::-1]
+    dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    plain = decode_attention(q, k, v, table, dev(rows), dev(lens), d ** -0.5)
+    order = longest_first(np.array(lens))
+    assert sorted(order.tolist()) == list(range(len(lens))) and lens[order[0]] == max(lens)
+    shuffled = torch.randperm(len(lens), generator=torch.Generator().manual_seed(2)).int().to(device)
+    for o in (torch.from_numpy(order).to(device), shuffled):
+        assert torch.equal(decode_attention(q, k, v, table, dev(rows), dev(lens), d ** -0.5, o), plain)
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), table, rows, lens, [1] * len(lens), d ** -0.5)
+    torch.testing.assert_close(plain.float(), ref, atol=2e-2, rtol=1e-2)
+
+
+@interpreted
+def test_interpreted_decode_programs_in_longest_first_order():
+    _check_longest_first(8, 2, 16, [3, 90, 1, 40, 90, 17], "cpu", torch.float32)  # numpy has no bf16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("hq,hk", [(16, 8), (32, 8)])
+def test_gpu_decode_programs_in_longest_first_order(hq, hk):
+    _check_longest_first(hq, hk, 128, [5, 1500, 1, 700, 1500, 64, 300, 2], "cuda", torch.bfloat16)
+
+
+def test_longest_first_is_a_stable_int32_permutation():
+    import numpy as np
+
+    from rollout_engine.kernels.attention import longest_first
+
+    got = longest_first(np.array([5, 9, 2, 9, 1], dtype=np.int32))
+    assert got.dtype == np.int32 and got.tolist() == [1, 3, 0, 2, 4]  # ties keep row order
+    assert longest_first(np.array([], dtype=np.int32)).tolist() == []
+
+
+def test_triton_backend_sends_each_decode_step_its_longest_first_order(monkeypatch):
+    """The Triton backend's decode metadata carries the order (eager: in the
+    step's one copy; graphs: a graph of `bs` rows reads lengths at [0, bs) and
+    the order at [bs, 2 bs) of one buffer, both written by one copy before a
+    replay, padding rows last). Prefill steps, LONGEST_FIRST off and the
+    batch-invariant backend carry none."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rollout_engine.attention import triton_backend
+    from rollout_engine.attention.base import AttentionShape
+    from rollout_engine.attention.invariant_backend import BatchInvariantTritonBackend
+    from rollout_engine.attention.triton_backend import TritonAttentionBackend
+
+    shape = AttentionShape(8, 2, 16, 1, torch.float32, torch.device("cpu"))
+    step = lambda lens, decode=True: SimpleNamespace(  # noqa: E731
+        is_decode=decode, batch_size=len(lens), seq_lens=np.array(lens, dtype=np.int64),
+        extend_lens=np.ones(len(lens), dtype=np.int64) if decode else np.array(lens, dtype=np.int64), attn_metadata=None)
+    be = TritonAttentionBackend(shape)
+    fb = step([4, 30, 7])
+    be.init_forward_metadata(fb)
+    lens, qo, max_q, order = fb.attn_metadata
+    assert lens.tolist() == [4, 30, 7] and qo.tolist() == [0, 1, 2, 3] and max_q == 1 and order.tolist() == [1, 2, 0]
+    fb = step([4, 30, 7], decode=False)
+    be.init_forward_metadata(fb)
+    assert fb.attn_metadata[3] is None and fb.attn_metadata[1].tolist() == [0, 4, 34, 41]
+
+    be.init_graph_buffers(8, 64)
+    fb = step([1, 1, 1, 1])
+    fb.attn_metadata = be.graph_metadata(4, fb)
+    assert fb.attn_metadata[3].tolist() == [0, 1, 2, 3]  # a permutation before the first replay
+    be.prepare_replay(3, 4, np.array([5, 9, 2]), fb)
+    assert fb.attn_metadata[0].tolist() == [5, 9, 2, 1] and fb.attn_metadata[3].tolist() == [1, 0, 2, 3]
+
+    monkeypatch.setattr(triton_backend, "LONGEST_FIRST", False)
+    fb = step([4, 30, 7])
+    be.init_forward_metadata(fb)
+    assert fb.attn_metadata[3] is None and be.graph_metadata(4, fb)[3] is None
+    monkeypatch.setattr(triton_backend, "LONGEST_FIRST", True)
+    inv = BatchInvariantTritonBackend(shape)
+    inv.init_forward_metadata(fb)
+    assert fb.attn_metadata[3] is None

@@ -58,12 +58,14 @@ class BatchInvariantTritonBackend(TritonAttentionBackend):
     one-sequence kernel: it splits the keys, so a sequence alone would not
     equal itself in a batch."""
 
+    orders_decode = False  # its kernel's grid is by sequence and query block
+
     def __init__(self, shape: AttentionShape, **_):
         super().__init__(shape)
         self.one_seq = False
 
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         pool = fb.kv_pool
-        seq_lens, qo_indptr, max_q_len = fb.attn_metadata
+        seq_lens, qo_indptr, max_q_len, _ = fb.attn_metadata
         return invariant_attention(q, pool.k[layer.layer_id], pool.v[layer.layer_id], fb.table.tensor,
                                    fb.rows_device, seq_lens, qo_indptr, max_q_len, layer.scaling)
