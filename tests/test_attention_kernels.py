@@ -66,9 +66,9 @@ def test_decode_tiles_keep_about_a_thousand_warps_in_flight(monkeypatch):
 
 def test_flashinfer_sends_decode_steps_to_the_triton_kernel_by_cache_heads_and_rows(monkeypatch):
     """`triton_decode_rows`: every decode step over an e4m3 cache; over a bf16
-    cache those of 32 rows or more where 4+ query heads share a KV head
-    (llama-3.1-8b's 32 / 8, not Qwen3-0.6B's 16 / 8); none for fp16 queries;
-    the switches turn each off."""
+    cache those of 32 rows or more, whatever the heads a KV head
+    (llama-3.1-8b's 32 / 8 and Qwen3-0.6B's 16 / 8); none for fp16 queries;
+    the switches turn each off, and the group switch asks for more heads."""
     from rollout_engine.attention import flashinfer_backend as fb
     from rollout_engine.attention.base import AttentionShape
 
@@ -77,14 +77,14 @@ def test_flashinfer_sends_decode_steps_to_the_triton_kernel_by_cache_heads_and_r
 
     e4m3 = torch.float8_e4m3fn
     assert fb.triton_decode_rows(shape(32, 8)) == 32 and fb.triton_decode_rows(shape(28, 4)) == 32
-    assert fb.triton_decode_rows(shape(16, 8)) is None and fb.triton_decode_rows(shape(9, 3)) is None
+    assert fb.triton_decode_rows(shape(16, 8)) == 32 and fb.triton_decode_rows(shape(9, 3)) == 32
     assert fb.triton_decode_rows(shape(16, 8, kv=e4m3)) == 1 and fb.triton_decode_rows(shape(32, 8, torch.float16)) is None
     monkeypatch.setattr(fb, "TRITON_DECODE_BF16_MIN_ROWS", 0)
     monkeypatch.setattr(fb, "TRITON_DECODE_E4M3", False)
     assert fb.triton_decode_rows(shape(32, 8)) is None and fb.triton_decode_rows(shape(32, 8, kv=e4m3)) is None
     monkeypatch.setattr(fb, "TRITON_DECODE_BF16_MIN_ROWS", 8)
-    monkeypatch.setattr(fb, "TRITON_DECODE_BF16_MIN_GROUP", 1)
-    assert fb.triton_decode_rows(shape(9, 3)) == 8
+    monkeypatch.setattr(fb, "TRITON_DECODE_BF16_MIN_GROUP", 4)
+    assert fb.triton_decode_rows(shape(9, 3)) is None and fb.triton_decode_rows(shape(32, 8)) == 8
 
 
 def _ragged_case(hq, hk, d, lens, device, dtype, seed=1):

@@ -49,11 +49,13 @@ TRITON_DECODE_E4M3 = True
 # TRITON_DECODE_BF16_MIN_ROWS rows where TRITON_DECODE_BF16_MIN_GROUP or more
 # query heads share a KV head (0 or less: never; with CUDA graphs the rows
 # are the graph's). llama-3.1-8b (4 a KV head): steps 4-7% shorter at 64-256
-# rows, 2% at 32; Qwen3-0.6B (2 a KV head): offline 6-9% slower. Below 32
-# rows FlashInfer splits long keys over blocks, where the Triton kernel has
-# one program per row and KV head.
+# rows, 2% at 32. Qwen3-0.6B (2 a KV head): offline 6% faster since the
+# kernel starts the longest sequences first (it was 6-9% slower before: with
+# ragged lengths the long ones ran last). Below 32 rows FlashInfer splits
+# long keys over blocks, where the Triton kernel has one program per row and
+# KV head.
 TRITON_DECODE_BF16_MIN_ROWS = 32
-TRITON_DECODE_BF16_MIN_GROUP = 4
+TRITON_DECODE_BF16_MIN_GROUP = 1
 
 
 def triton_decode_rows(shape: AttentionShape) -> int | None:
