@@ -142,6 +142,15 @@ def test_bad_generate_flags(llama, flags, named, capsys, no_model_load):
     assert f"argument {named}:" in one_line_error(capsys)
 
 
+def test_a_field_that_may_be_none_is_said_as_a_flag_to_leave_out(llama, capsys, no_model_load):
+    """The config says "must be None or ..."; on the command line None is the flag left out."""
+    _, folder = llama
+    assert main(["generate", "--model", folder, "--max-total-tokens", "-5"]) == 2
+    line = one_line_error(capsys)
+    assert "argument --max-total-tokens: must be an integer >= 1, got -5 (or leave the flag out)" in line
+    assert "None" not in line
+
+
 def test_a_wrong_all_reduce_path_is_one_line_naming_the_variable(llama, capsys, no_model_load, monkeypatch):
     _, folder = llama
     monkeypatch.setenv("ROLLOUT_ENGINE_ALLREDUCE", "bogus")

@@ -75,13 +75,15 @@ def test_serve_refuses_a_busy_port_and_bad_flags_before_loading(smollm2_dir):
 def test_the_banner_comes_once_the_port_accepts_connections(tmp_path):
     """`serving ... on http://...` is the signal scripts wait for: a request
     sent the moment it appears is answered (no connection refused). With
-    `--log-level info` the server logs a line per request."""
+    `--log-level info` the server logs a line per request; the banner names
+    the --served-model-name."""
     from models import make_hf_model, save_model
 
     folder = save_model(make_hf_model("llama", seed=0), tmp_path)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "rollout_engine.cli", "serve", "--model", folder, "--device", "cpu",
-                             "--port", str(port), "--max-total-tokens", "2048", "--log-level", "info"],
+                             "--port", str(port), "--max-total-tokens", "2048", "--log-level", "info",
+                             "--served-model-name", "policy"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     banner = threading.Event()
@@ -102,7 +104,7 @@ def test_the_banner_comes_once_the_port_accepts_connections(tmp_path):
         while not any(line.startswith("health") for line in lines) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "health 200\n" in lines, "".join(lines)[-2000:]
-        assert f"on http://127.0.0.1:{port}" in next(line for line in lines if "serving" in line)
+        assert f" as policy on http://127.0.0.1:{port}" in next(line for line in lines if "serving" in line)
         deadline = time.monotonic() + 10
         while not any('"GET /health HTTP/1.1" 200' in line for line in lines) and time.monotonic() < deadline:
             time.sleep(0.05)

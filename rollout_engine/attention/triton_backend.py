@@ -1,7 +1,10 @@
-"""Triton paged attention (kernels/attention.py): for GPUs without FlashInfer.
-Reads K/V through the device request table, so no page-index build is needed.
-A decode step of one sequence takes `kernels.one_seq_attention` (one launch
-whose programs split the keys, where the batch kernel has one per KV head)."""
+"""Triton paged attention (kernels/attention.py): for GPUs without FlashInfer,
+and the decode steps a FlashInfer backend sends here
+(`flashinfer_backend.triton_decode_rows`). Reads K/V through the device
+request table, so no page-index build is needed. A decode step of one
+sequence takes `kernels.one_seq_attention` (one launch whose programs split
+the keys, where the batch kernel has one per sequence and KV head, started
+longest sequence first)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -19,9 +22,9 @@ if TYPE_CHECKING:
 
 
 # Decode steps start their longest sequences first (`decode_attention`'s
-# `order`): with ragged lengths the programs of one sequence per row left
-# long ones to the end (BENCHMARKS.md, "Longest first"). Read per step and
-# when a graph is captured (A/B runs set it before).
+# `order`): with ragged lengths, programs started in row order left the long
+# sequences running alone at the end (BENCHMARKS.md, "Longest first"). Read
+# per step and when a graph is captured (A/B runs set it before).
 LONGEST_FIRST = True
 
 

@@ -77,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port = options.pop("host"), options.pop("port")
     if args.log_level:  # else serve()'s default
         options["log_level"] = args.log_level
-    serve(engine, host, port, ready=lambda url: print(f"rollout-engine: serving {config.model} on {url}", flush=True),
-          **options)
+    served = f" as {options['served_model_name']}" if options["served_model_name"] else ""
+    serve(engine, host, port, ready=lambda url: print(f"rollout-engine: serving {config.model}{served} on {url}",
+                                                      flush=True), **options)
     return 0
