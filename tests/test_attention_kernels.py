@@ -121,6 +121,12 @@ def _check_longest_first(hq, hk, d, lens, device, dtype):
 @interpreted
 def test_interpreted_decode_programs_in_longest_first_order():
     _check_longest_first(8, 2, 16, [3, 90, 1, 40, 90, 17], "cpu", torch.float32)  # numpy has no bf16
+    # bf16 queries over an e4m3 cache (the fp16 products): the order leaves the bits alone too
+    lens = [1, 77, 180, 5]
+    q, k, v, table = _e4m3_case(8, 2, 16, lens, "cpu")
+    rows, dev = torch.tensor([3, 2, 1, 0], dtype=torch.int32), lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    plain = decode_attention(q, k, v, table, rows, dev(lens), 0.25)
+    assert torch.equal(decode_attention(q, k, v, table, rows, dev(lens), 0.25, dev([2, 1, 3, 0])), plain)
 
 
 @pytest.mark.gpu
