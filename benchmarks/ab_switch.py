@@ -6,7 +6,7 @@ then runs `rollout-engine <args>` or a script of this folder (`<name>.py
     python3 benchmarks/ab_switch.py rollout_engine.layers.fp8_linear.FAST_ACCUM=1 \\
         rollout-engine bench --workload grpo --model qwen2.5-7b --quantization fp8 --out /tmp/fast.json
     python3 benchmarks/ab_switch.py rollout_engine.layers.fp8_linear.FAST_ACCUM=0 rollout-engine bench ...
-    python3 benchmarks/ab_switch.py "rollout_engine.kernels.attention.DECODE_TILE=(64, 4, 3)" \
+    python3 benchmarks/ab_switch.py "rollout_engine.kernels.attention.DECODE_TILE=(64, 4, 3)" \\
         decode_attention.py --backends triton ...
 
 Several settings may come before the program. The switch must already exist
@@ -50,7 +50,8 @@ def parse_setting(text: str) -> tuple[object, str, object]:
         value = bool(value)
     if old is not None and type(value) is not type(old) and not (isinstance(old, float) and type(value) is int):
         kind = type(old).__name__
-        raise UsageError(f"{name} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not {raw!r}")
+        hint = " (0 or 1)" if isinstance(old, bool) else ""
+        raise UsageError(f"{name} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not {raw!r}{hint}")
     return module, name, value
 
 

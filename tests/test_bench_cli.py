@@ -434,3 +434,9 @@ def test_host_phases_leaves_no_report_when_the_bench_refuses_its_arguments(tmp_p
     assert _benchmark("host_phases").main(["--out", str(out), "--", "--workload", "grpo", "--bogus", "3"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "--bogus" in captured.err and not out.exists()
+
+
+def test_ab_switch_says_a_bool_takes_0_or_1(capsys):
+    with pytest.raises(SystemExit):
+        _benchmark("ab_switch").main(["rollout_engine.layers.fp8_linear.FAST_ACCUM=true", "rollout-engine"])
+    assert "FAST_ACCUM is a bool, not 'true' (0 or 1)" in capsys.readouterr().err

@@ -354,3 +354,22 @@ def test_routed_experts_come_base64_encoded_as_sglang_clients_decode_them(tmp_pa
         assert bad.json()["error"]["param"] == "return_routed_experts"
     finally:
         srv.stop()
+
+
+def test_a_request_may_name_the_served_model_or_the_model_argument():
+    """The OpenAI routes take either name; another is a 404 that names both."""
+    from types import SimpleNamespace
+
+    from rollout_engine.server.errors import ApiError
+    from rollout_engine.server.openai_api import _check_model
+
+    st = SimpleNamespace(model_name="policy", engine=SimpleNamespace(config=SimpleNamespace(model="smollm2-135m")))
+    _check_model(st, "policy")
+    _check_model(st, "smollm2-135m")
+    with pytest.raises(ApiError) as err:
+        _check_model(st, "other")
+    assert err.value.status == 404 and "serves 'policy' (or 'smollm2-135m')" in str(err.value)
+    st.model_name = "smollm2-135m"
+    with pytest.raises(ApiError) as err:
+        _check_model(st, "other")
+    assert "(or" not in str(err.value)

@@ -7,8 +7,8 @@ A decode step of one sequence takes the engine's own one-launch kernel
 (`kernels.one_seq_attention`, no plan: it reads the length on the device).
 Decode steps of bf16 queries over an e4m3 cache go to the Triton backend's
 kernel (`TRITON_DECODE_E4M3`; fp16 products: `kernels.attention`), and
-over a bf16 cache those of 32 rows or more where 4+ query heads share a KV
-head (`triton_decode_rows`); prefill stays here."""
+over a bf16 cache those of 32 rows or more (`triton_decode_rows`); prefill
+stays here."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -17,7 +17,7 @@ SERVER_HELP = {
     "api_key": f"require 'Authorization: Bearer KEY' on every route but /health (or set ${API_KEY_ENV})",
     "max_body_bytes": "largest request body accepted; larger ones get 413",
     "max_queued_requests": "most samples admitted at once; past it, 503 with Retry-After",
-    "served_model_name": "the model id the OpenAI routes report and accept (default: --model)",
+    "served_model_name": "the model id the OpenAI routes report; requests may name it or --model (default: --model)",
 }
 
 
@@ -77,7 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port = options.pop("host"), options.pop("port")
     if args.log_level:  # else serve()'s default
         options["log_level"] = args.log_level
-    served = f" as {options['served_model_name']}" if options["served_model_name"] else ""
+    name = options["served_model_name"]
+    served = f" as {name}" if name and name != config.model else ""
     serve(engine, host, port, ready=lambda url: print(f"rollout-engine: serving {config.model}{served} on {url}",
                                                       flush=True), **options)
     return 0

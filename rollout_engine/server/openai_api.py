@@ -91,7 +91,8 @@ class ChatBody(_Common):
 
 def _check_model(st, name: str) -> None:
     if name not in (st.model_name, st.engine.config.model):
-        raise ApiError(404, f"the model {name!r} does not exist; this server serves {st.model_name!r}", "model")
+        also = f" (or {st.engine.config.model!r})" if st.engine.config.model != st.model_name else ""
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves {st.model_name!r}{also}", "model")
 
 
 def _usage(outs: list[RolloutOutput], prompts: list[int]) -> dict:
