@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-from rollout_engine.cli_args import ScriptParser, UsageError, run_script
+from rollout_engine.script_args import ScriptParser, UsageError, run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from gemm_shapes import graph_time_us, shapes, write_out  # benchmarks/, the script's own folder
 from rollout_engine.bench.roofline import measure_device
-from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int, run_script
+from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int, run_script
 from rollout_engine.kernels.batch_gemm import GemmConfig, batch_gemm, new_counters, pick, use_counters
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS, PresetConfig

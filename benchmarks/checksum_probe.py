@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rollout_engine.cli_args import ScriptParser, UsageError, check_out_path, needs_cuda, run_script
+from rollout_engine.script_args import ScriptParser, UsageError, check_out_path, needs_cuda, run_script
 
 
 def _shape(text: str) -> tuple[int, int, int]:

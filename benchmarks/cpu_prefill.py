@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from rollout_engine.cli_args import ScriptParser, positive_int, run_script
+from rollout_engine.script_args import ScriptParser, positive_int, run_script
 
 MODEL = "smollm2-135m"
 

@@ -21,7 +21,7 @@ import json
 import torch
 
 from rollout_engine.bench.common import cuda_time_ms
-from rollout_engine.cli_args import ScriptParser, needs_cuda, non_negative_int, positive_int, run_script
+from rollout_engine.script_args import ScriptParser, needs_cuda, non_negative_int, positive_int, run_script
 from rollout_engine.models.presets import PRESETS
 
 

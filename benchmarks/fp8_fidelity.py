@@ -25,7 +25,7 @@ import numpy as np
 
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.bench import workloads
-from rollout_engine.cli_args import ScriptParser, positive_int, run_script
+from rollout_engine.script_args import ScriptParser, positive_int, run_script
 from rollout_engine.config import KV_CACHE_DTYPES
 from rollout_engine.fidelity import score
 from rollout_engine.model_zoo import resolve_model_path

@@ -17,7 +17,7 @@ import json
 import torch
 
 from gemm_shapes import graph_time_us, shapes, write_out  # benchmarks/, the script's own folder
-from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int, run_script
+from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int, run_script
 from rollout_engine.kernels.batch_gemm import (MAX_FP8_ROWS, GemmConfig, fp8_batch_gemm, new_counters, pick,
                                                use_counters)
 from rollout_engine.kernels.fp8 import quantize_channels

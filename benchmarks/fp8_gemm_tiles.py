@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from gemm_shapes import graph_time_us  # benchmarks/, the script's own folder
-from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int, run_script
+from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int, run_script
 from rollout_engine.models.presets import PRESETS
 
 # (BLOCK_M, BLOCK_N, warps, stages, persistent); BLOCK_K 128

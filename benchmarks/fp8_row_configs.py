@@ -17,7 +17,7 @@ import json
 import torch
 
 from gemm_shapes import graph_time_us, write_out  # benchmarks/, the script's own folder
-from rollout_engine.cli_args import ScriptParser, needs_cuda, run_script
+from rollout_engine.script_args import ScriptParser, needs_cuda, run_script
 from rollout_engine.kernels.activation import silu_and_mul
 from rollout_engine.kernels.batch_gemm import GemmConfig, fp8_batch_gemm, new_counters, use_counters
 from rollout_engine.kernels.fp8 import quantize_channels

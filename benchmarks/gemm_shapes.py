@@ -22,7 +22,7 @@ import torch
 
 from rollout_engine.bench.roofline import measure_device
 from rollout_engine.kernels.gemv import linear, logits
-from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int, run_script
+from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int, run_script
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS, PresetConfig
 

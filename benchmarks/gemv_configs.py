@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from gemm_shapes import graph_time_us, shapes, write_out  # benchmarks/, the script's own folder
 from rollout_engine.bench.roofline import measure_device
-from rollout_engine.cli_args import ScriptParser, needs_cuda, run_script
+from rollout_engine.script_args import ScriptParser, needs_cuda, run_script
 from rollout_engine.kernels.gemv import _config, gemv
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS, PresetConfig

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from rollout_engine.cli_args import ScriptParser, needs_cuda, run_script
+from rollout_engine.script_args import ScriptParser, needs_cuda, run_script
 
 SLEEP_S = 5e-3
 

@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from rollout_engine.cli_args import ScriptParser, run_script
+from rollout_engine.script_args import ScriptParser, run_script
 
 WAIT_BOUND_S = 50e-6  # a collect that waited less found its step already done: the device waited for the host
 BANDS = ((0, 16), (16, 64), (64, 128), (128, 192), (192, 1 << 30))

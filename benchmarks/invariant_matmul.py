@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from gemm_shapes import graph_time_us, shapes  # benchmarks/, the script's own folder
-from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int, run_script
+from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int, run_script
 from rollout_engine.kernels.invariant_matmul import DECODE_TILES, Tiles, invariant_matmul
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS, PresetConfig

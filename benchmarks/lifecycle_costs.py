@@ -11,7 +11,7 @@ import time
 import torch
 
 from rollout_engine import RolloutEngine
-from rollout_engine.cli_args import run_script
+from rollout_engine.script_args import run_script
 from rollout_engine.config import QUANTIZATIONS
 from rollout_engine.fidelity import weights_checksum
 

@@ -32,7 +32,7 @@ import torch
 from gemm_shapes import write_out  # benchmarks/, the script's own folder
 
 from rollout_engine.bench.roofline import measure_device
-from rollout_engine.cli_args import ScriptParser, needs_cuda, run_script
+from rollout_engine.script_args import ScriptParser, needs_cuda, run_script
 from rollout_engine.kernels import moe, moe_align, moe_route, moe_row
 from rollout_engine.kernels.gemv import linear
 from rollout_engine.kernels.rmsnorm import rmsnorm

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from ab_switch import run_program  # benchmarks/, the script's own folder
-from rollout_engine.cli_args import ScriptParser, run_script
+from rollout_engine.script_args import ScriptParser, run_script
 from rollout_engine.suggest import unrecognized
 
 

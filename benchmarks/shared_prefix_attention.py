@@ -28,7 +28,7 @@ import torch
 
 from decode_attention import flashinfer_or_exit, head_layout, write_rows  # benchmarks/, the script's own folder
 from gemm_shapes import graph_time_us
-from rollout_engine.cli_args import ScriptParser, positive_int, run_script
+from rollout_engine.script_args import ScriptParser, positive_int, run_script
 from rollout_engine.models.presets import PRESETS
 
 WORKSPACE = 256 << 20

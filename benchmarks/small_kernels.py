@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from gemm_shapes import graph_time_us, write_out  # benchmarks/, the script's own folder
 
-from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int, run_script
+from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int, run_script
 from rollout_engine.kernels.activation import silu_and_mul
 from rollout_engine.kernels.rmsnorm import rmsnorm
 from rollout_engine.kernels.rope import _launch as rope_launch

@@ -34,8 +34,8 @@ import torch
 
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.bench import workloads
-from rollout_engine.cli_args import (ScriptParser, UsageError, add_engine_args, build_config, check_engine_args,
-                                     check_tp_args, engine_kwargs, needs_cuda, positive_int, run_script)
+from rollout_engine.cli_args import add_engine_args, build_config, check_engine_args, check_tp_args, engine_kwargs
+from rollout_engine.script_args import ScriptParser, UsageError, needs_cuda, positive_int, run_script
 
 KINDS = [  # first match wins, on the lower-cased kernel or operator name
     ("all_reduce", ("nccl", "all_reduce", "allreduce", "one_shot")),

@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int, run_script
+from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int, run_script
 
 
 def _time_graph(fn, x, ops: int, replays: int) -> float:

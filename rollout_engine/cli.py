@@ -18,9 +18,10 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from rollout_engine.cli_args import (INPUT_IDS_HELP, HelpFormatter, UsageError, add_engine_args, add_sampling_args,
-                                     build_config, build_sampling, check_engine_args, check_prompt_args,
-                                     check_tp_args, has_tokenizer, input_ids, said_as_flags)
+from rollout_engine.cli_args import (INPUT_IDS_HELP, add_engine_args, add_sampling_args, build_config, build_sampling,
+                                     check_engine_args, check_prompt_args, check_tp_args, has_tokenizer, input_ids,
+                                     said_as_flags)
+from rollout_engine.script_args import HelpFormatter, UsageError
 from rollout_engine.suggest import unrecognized, with_choice_hint
 from rollout_engine.config import EngineConfig
 from rollout_engine.interrupts import DeferredInterrupt, generate_keeping_partials

@@ -101,7 +101,7 @@ def _finish(args, name: str, proc: subprocess.Popen, deadline: float) -> tuple[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rollout_engine.cli_args import ScriptParser, needs_cuda, positive_int
+    from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int
 
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
@@ -128,6 +128,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from rollout_engine.cli_args import run_script
+    from rollout_engine.script_args import run_script
 
     raise SystemExit(run_script(main))

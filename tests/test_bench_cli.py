@@ -360,7 +360,7 @@ def test_scripts_end_on_ctrl_c_and_refused_input_with_one_line(capsys, monkeypat
     import glob
     import sys
 
-    from rollout_engine.cli_args import run_script
+    from rollout_engine.script_args import run_script
 
     root = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
     for path in glob.glob(os.path.join(root, "*.py")):

@@ -15,7 +15,8 @@ from cli_errors import one_line_error
 from models import make_hf_model, save_model
 from rollout_engine import cli
 from rollout_engine.cli import main
-from rollout_engine.cli_args import FIELD_HELP, add_engine_args, engine_kwargs, flag_of, input_ids
+from rollout_engine.cli_args import FIELD_HELP, add_engine_args, engine_kwargs, input_ids
+from rollout_engine.script_args import flag_of
 from rollout_engine.config import EngineConfig
 from rollout_engine.model_zoo import DEFAULT_MODEL
 
@@ -264,7 +265,7 @@ def test_a_misspelled_flag_names_the_closest_one(argv, words, capsys, no_model_l
 def test_a_scripts_misspelled_flag_names_the_closest_one(capsys):
     """The scripts under benchmarks/ too, one line with exit status 2; a
     flag like none of them is named alone."""
-    from rollout_engine.cli_args import ScriptParser
+    from rollout_engine.script_args import ScriptParser
 
     p = ScriptParser("probe.py", "A probe.")
     p.add_argument("--tokens", default="1")

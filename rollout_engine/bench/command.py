@@ -7,8 +7,8 @@ import argparse
 import sys
 from typing import Any
 
-from rollout_engine.cli_args import (UsageError, add_engine_args, build_config, check_engine_args, check_out_path,
-                                     check_tp_args, positive_int, unit_fraction)
+from rollout_engine.cli_args import add_engine_args, build_config, check_engine_args, check_tp_args
+from rollout_engine.script_args import UsageError, check_out_path, positive_int, unit_fraction
 
 PROG = "rollout-engine"
 BENCH_WORKLOADS = ["grpo", "offline", "decode", "prefill", "weights", "memory", "serve", "longtail", "soak"]

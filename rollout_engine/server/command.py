@@ -8,7 +8,8 @@ import dataclasses
 import importlib.util
 import typing
 
-from rollout_engine.cli_args import UsageError, add_engine_args, build_config, check_engine_args, engine_kwargs
+from rollout_engine.cli_args import add_engine_args, build_config, check_engine_args, engine_kwargs
+from rollout_engine.script_args import UsageError
 from rollout_engine.server.config import API_KEY_ENV, ServerConfig
 
 SERVER_HELP = {
