@@ -65,8 +65,8 @@ def triton_decode_rows(shape: AttentionShape) -> int | None:
         return None
     if shape.cache_dtype == torch.float8_e4m3fn:
         return 1 if TRITON_DECODE_E4M3 else None
-    group = shape.num_heads // shape.num_kv_heads
-    if shape.cache_dtype == torch.bfloat16 and TRITON_DECODE_BF16_MIN_ROWS > 0 and group >= TRITON_DECODE_BF16_MIN_GROUP:
+    group = shape.num_heads // shape.num_kv_heads  # the cache is bf16 here, as the queries
+    if TRITON_DECODE_BF16_MIN_ROWS > 0 and group >= TRITON_DECODE_BF16_MIN_GROUP:
         return TRITON_DECODE_BF16_MIN_ROWS
     return None
 

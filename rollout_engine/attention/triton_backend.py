@@ -62,7 +62,7 @@ class TritonAttentionBackend(AttentionBackend):
             return ONE_SEQ
         order = self.lens_order_buf[bs: 2 * bs] if LONGEST_FIRST and self.orders_decode else None
         if order is not None:
-            order.copy_(torch.arange(bs, dtype=torch.int32))  # a permutation until the first replay writes one
+            order.copy_(torch.arange(bs, dtype=torch.int32, device=order.device))  # until the first replay writes one
         return self.lens_order_buf[:bs], self.qo_indptr_buf[: bs + 1], 1, order
 
     def prepare_replay(self, bs: int, bucket: int, seq_lens: np.ndarray, fb: "ForwardBatch") -> None:
