@@ -143,6 +143,7 @@ def symm_name_rank(rank: int, port: int, out_queue) -> None:
     other = dist.new_group([0, 1], backend="gloo")
     fresh = fast_allreduce.first_use_everywhere(other, cpu)
     again = fast_allreduce.first_use_everywhere(other, cpu)
+    dist.barrier()  # both ranks done before either tears down (rank 0 serves the store: leaving first aborted rank 1)
     dist.destroy_process_group()
     out_queue.put((rank, world, fresh, again))
 
@@ -169,6 +170,7 @@ def allreduce_mode_rank(rank: int, port: int, out_queue) -> None:
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))
+    dist.barrier()  # both ranks done before either tears down (rank 0 serves the store: leaving first aborted rank 1)
     dist.destroy_process_group()
     out_queue.put((rank, *errors))
 
