@@ -71,16 +71,16 @@ class TritonAttentionBackend(AttentionBackend):
         dev = self.shape.device
         # A graph of `bs` rows reads its lengths at [0, bs) and, ordered, its request-table rows at [bs, 2 bs)
         # and the order at [2 bs, 3 bs): one copy fills them.
-        self.lens_order_buf = torch.ones(3 * max_bs, dtype=torch.int32, device=dev)
+        self.step_buf = torch.ones(3 * max_bs, dtype=torch.int32, device=dev)
         self.qo_indptr_buf = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
 
     def graph_metadata(self, bs: int, fb: "ForwardBatch"):
         if takes_one_seq(self.one_seq, fb):
             return ONE_SEQ
-        lens, qo_indptr = self.lens_order_buf[:bs], self.qo_indptr_buf[: bs + 1]
+        lens, qo_indptr = self.step_buf[:bs], self.qo_indptr_buf[: bs + 1]
         if not (LONGEST_FIRST and self.orders_decode):
             return TritonMetadata(lens, qo_indptr, 1, None, None)
-        rows, order = self.lens_order_buf[bs: 2 * bs], self.lens_order_buf[2 * bs: 3 * bs]
+        rows, order = self.step_buf[bs: 2 * bs], self.step_buf[2 * bs: 3 * bs]
         # until the first replay writes them: the captured batch's rows, in row order
         rows.copy_(fb.rows_device[:bs])
         order.copy_(torch.arange(bs, dtype=torch.int32, device=order.device))
@@ -100,7 +100,7 @@ class TritonAttentionBackend(AttentionBackend):
             all_rows[:bs] = rows
             order = longest_first(lens)
             host = np.concatenate([*in_order(order, lens, all_rows), order])
-        self.lens_order_buf[: host.size].copy_(torch.from_numpy(host).to(self.shape.device, non_blocking=True))
+        self.step_buf[: host.size].copy_(torch.from_numpy(host).to(self.shape.device, non_blocking=True))
 
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         if fb.attn_metadata is ONE_SEQ:
