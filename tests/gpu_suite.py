@@ -4,10 +4,13 @@ shard a pytest of its own on its GPU (CUDA_VISIBLE_DEVICES), then, with two
 GPUs or more, the multi-GPU tests (`-m multigpu`) over all of them. Files
 are dealt to shards by their expected seconds (SECONDS, measured on H200s;
 unlisted files count SECONDS_PER_TEST a test), longest first. Each pytest is
-bounded by --timeout; logs and JUnit reports go to --out.
+bounded by --timeout; logs and JUnit reports go to --out. `--part K/N`
+runs the K-th of N parts of the single-GPU files (dealt the same way), the
+multi-GPU tests with the last part only: for calls shorter than the suite.
 
     python tests/gpu_suite.py --out /tmp/gpu-suite            # every GPU
     python tests/gpu_suite.py --gpus 2 -- -x -k "not differential"   # extra pytest arguments after --
+    python tests/gpu_suite.py --part 1/3                      # a third of the files, then 2/3 and 3/3
 
 Exit status: 0 when every pytest passed, 1 otherwise (each one's last line
 is printed), 2 for bad arguments or no GPU."""
@@ -64,7 +67,7 @@ def run(args, shards: list[list[str]]) -> list[tuple[str, int, str]]:
     Every pytest runs in a process group of its own, killed on Ctrl-C."""
     phases = [[(f"gpu{i}", dict(os.environ, CUDA_VISIBLE_DEVICES=str(i)), ["-m", SINGLE, *files])
                for i, files in enumerate(shards) if files]]
-    if args.gpus >= 2:
+    if args.gpus >= 2 and args.multigpu:
         phases.append([("multigpu", dict(os.environ), ["-m", "multigpu"])])
     results = []
     for phase in phases:
@@ -100,6 +103,14 @@ def _finish(args, name: str, proc: subprocess.Popen, deadline: float) -> tuple[s
     return name, rc, (lines[-1] if lines else "") + (" (timed out)" if rc == 124 else "")
 
 
+def part_of(text: str) -> tuple[int, int]:
+    """--part's value: 'K/N' with 1 <= K <= N."""
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise ValueError(f"must be K/N with 1 <= K <= N, such as 1/3, got {text!r}")
+    return int(k), int(n)
+
+
 def main(argv: list[str] | None = None) -> int:
     from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int
 
@@ -109,7 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=positive_int, help="GPUs to use (default: every one torch sees)")
     p.add_argument("--out", default="gpu-suite", help="folder for the logs and JUnit reports")
     p.add_argument("--timeout", type=positive_int, default=1800, help="seconds each pytest may run")
+    p.add_argument("--part", default="1/1", metavar="K/N",
+                   help="the K-th of N parts of the single-GPU files; the multi-GPU tests with K = N")
     args = p.parse_args(argv[:split])
+    try:
+        k, n = part_of(args.part)
+    except ValueError as e:
+        p.error(f"argument --part: {e}")
     args.pytest_args = argv[split + 1:]
     import torch
 
@@ -118,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus > torch.cuda.device_count():
         p.error(f"argument --gpus: {args.gpus}, but torch sees {torch.cuda.device_count()} GPUs")
     os.makedirs(args.out, exist_ok=True)
-    shards = deal(collect(SINGLE, args.pytest_args), args.gpus)
+    files = collect(SINGLE, args.pytest_args)
+    mine = deal(files, n)[k - 1]
+    args.multigpu = k == n
+    shards = deal({f: files[f] for f in mine}, args.gpus)
     for i, files in enumerate(shards):
         print(f"gpu{i}: {' '.join(os.path.basename(f) for f in files)}", flush=True)
     results = run(args, shards)

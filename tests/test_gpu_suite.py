@@ -22,8 +22,16 @@ def test_files_are_dealt_longest_first_to_the_least_loaded_shard(monkeypatch):
     assert gpu_suite.deal(files, 8)[5:] == [[], [], []]
 
 
+def test_a_part_is_one_of_n_dealt_the_same_way():
+    assert gpu_suite.part_of("2/3") == (2, 3) and gpu_suite.part_of("1/1") == (1, 1)
+    for bad in ("0/3", "4/3", "3", "a/b", "/", "-1/2"):
+        with pytest.raises(ValueError, match="K/N"):
+            gpu_suite.part_of(bad)
+
+
 @pytest.mark.parametrize("argv,words", [([], "needs a CUDA GPU"), (["--gpus", "0"], "argument --gpus"),
-                                        (["--timeout", "x"], "argument --timeout")])
+                                        (["--timeout", "x"], "argument --timeout"),
+                                        (["--part", "4/3"], "argument --part")])
 def test_refusals_are_one_line(argv, words, capsys, monkeypatch):
     import torch
 
@@ -36,7 +44,7 @@ def test_refusals_are_one_line(argv, words, capsys, monkeypatch):
 
 def test_a_shard_runs_its_files_and_one_past_its_time_is_stopped(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_suite, "SINGLE", "not gpu")  # CPU tests stand in for a GPU shard
-    args = argparse.Namespace(out=str(tmp_path), timeout=300, gpus=1, pytest_args=["-k", "ticking"])
+    args = argparse.Namespace(out=str(tmp_path), timeout=300, gpus=1, multigpu=True, pytest_args=["-k", "ticking"])
     [(name, rc, last)] = gpu_suite.run(args, [["tests/test_progress.py"]])
     assert (name, rc) == ("gpu0", 0) and "passed" in last
     assert (tmp_path / "gpu0.xml").exists() and "passed" in (tmp_path / "gpu0.log").read_text()
