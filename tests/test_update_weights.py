@@ -73,6 +73,46 @@ def test_bad_name_or_shape_changes_nothing(llama, second_llama):
     assert _tokens(engine) == before
 
 
+WRONG_SIZES = [  # (name, how the tensor is made wrong): every loader that slices its part of the full tensor
+    ("model.layers.0.self_attn.q_proj.weight", "rows"), ("model.layers.0.self_attn.k_proj.weight", "columns"),
+    ("model.layers.1.self_attn.v_proj.weight", "fewer rows"), ("model.layers.0.self_attn.o_proj.weight", "columns"),
+    ("model.layers.0.mlp.gate_proj.weight", "rows"), ("model.layers.1.mlp.up_proj.weight", "fewer rows"),
+    ("model.layers.0.mlp.down_proj.weight", "columns"), ("model.layers.1.mlp.down_proj.weight", "transposed"),
+    ("model.layers.0.self_attn.q_proj.bias", "rows"), ("model.layers.1.self_attn.k_proj.bias", "fewer rows"),
+]
+
+
+def _wrong(t: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "rows":
+        return torch.cat([t, t[:1]])
+    if how == "fewer rows":
+        return t[1:]
+    if how == "columns":
+        return torch.cat([t, t], dim=1)
+    return t.t()
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_a_tensor_of_another_size_is_refused_not_cut_to_fit(tiny_models, quantization):
+    """A tensor larger than the weight used to be cut to its size (the
+    loaders slice this rank's rows or columns of the full tensor), and a
+    smaller one failed with torch's slicing message. Both are refused with
+    the expected and given shapes, nothing copied, the engine unchanged."""
+    hf, folder = tiny_models[("qwen2", True)]  # qwen2: biases on q, k and v
+    engine = RolloutEngine(folder, max_total_tokens=2048, quantization=quantization)
+    before = _tokens(engine)
+    state = hf.state_dict()
+    for name, how in WRONG_SIZES:
+        bad = _wrong(state[name], how)
+        expected = tuple(state[name].shape)
+        with pytest.raises(ValueError, match=rf"{name}: shape mismatch: expected \({expected[0]},") as e:
+            engine.update_weights([(name, bad)])
+        assert str(tuple(bad.shape)) in str(e.value), e.value
+    assert engine.weight_version == 0 and _tokens(engine) == before
+    engine.update_weights(state)  # the right sizes still go in
+    assert engine.weight_version == 1 and _tokens(engine) == before
+
+
 def test_a_broken_stream_blocks_generation_until_complete(llama, second_llama):
     (_, folder_a), (hf_b, folder_b) = llama, second_llama
     engine = RolloutEngine(folder_a, max_total_tokens=4096)

@@ -19,7 +19,7 @@ from rollout_engine.kernels import fp8_row
 from rollout_engine.kernels.gemv import RopeStore, linear, norm_gemv, one_row, pairs_fit, row_product
 from rollout_engine.layers.fp8_linear import fp8_linear
 from rollout_engine.layers.invariant import invariant_linear
-from rollout_engine.layers.weight_copy import copy_into, quantize_into
+from rollout_engine.layers.weight_copy import copy_into, expect_shape, quantize_into
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -123,6 +123,7 @@ class ColumnParallelLinear(_Linear):
 
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
         rows = self.out_per_rank
+        expect_shape(full, (rows * self.comm.tp_size, *param.shape[1:]))
         self._store(param, 0, rows, full.narrow(0, self.comm.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,6 +142,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if shard_id is None:
             raise ValueError("a fused projection needs the shard it is loading")
         size = self.out_sizes[shard_id]
+        expect_shape(full, (size * self.comm.tp_size, *param.shape[1:]))
         self._store(param, sum(self.out_sizes[:shard_id]), size, full.narrow(0, self.comm.tp_rank * size, size))
 
 
@@ -166,12 +168,14 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
         rank = self.comm.tp_rank
         if shard_id == "q":
-            offset, size, src_index = 0, self.q_size, rank
+            offset, size, src_index, slices = 0, self.q_size, rank, self.comm.tp_size
         elif shard_id in ("k", "v"):
             offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
             size, src_index = self.kv_size, rank // self.kv_replicas
+            slices = self.comm.tp_size // self.kv_replicas
         else:
             raise ValueError(f"qkv shard must be 'q', 'k' or 'v', got {shard_id!r}")
+        expect_shape(full, (size * slices, *param.shape[1:]))
         self._store(param, offset, size, full.narrow(0, src_index * size, size))
 
 
@@ -188,6 +192,7 @@ class RowParallelLinear(_Linear):
 
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
         cols = self.in_per_rank
+        expect_shape(full, (param.shape[0], cols * self.comm.tp_size))
         # fp8: each row's scale over the whole row, so every rank's slice quantizes as at tp_size 1
         self._store(param, 0, param.shape[0], full.narrow(1, self.comm.tp_rank * cols, cols), whole_rows=full)
 

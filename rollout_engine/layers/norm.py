@@ -50,8 +50,9 @@ class ShardedRMSNorm(nn.Module):
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]
 
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
-        from rollout_engine.layers.weight_copy import copy_into
+        from rollout_engine.layers.weight_copy import copy_into, expect_shape
 
+        expect_shape(full, (self.local * (self.comm.tp_size // self.replicas),))
         copy_into(param.data, full.narrow(0, self.index * self.local, self.local))
 
     batch_invariant = False  # layers/invariant.py

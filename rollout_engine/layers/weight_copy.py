@@ -76,9 +76,17 @@ FINITE_CHECK: contextvars.ContextVar[FiniteCheck | None] = contextvars.ContextVa
 VALIDATE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("validate_only", default=False)
 
 
+def expect_shape(src: torch.Tensor, shape: tuple[int, ...], name: str = "") -> None:
+    """ValueError unless `src` has `shape`. The loaders check the full
+    (unsharded) tensor before they slice their part of it: a slice of a
+    larger tensor would fit and be taken silently."""
+    if tuple(src.shape) != tuple(shape):
+        where = f" for {name}" if name else ""
+        raise ValueError(f"shape mismatch{where}: expected {tuple(shape)}, got {tuple(src.shape)}")
+
+
 def _check_shape(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"shape mismatch for {name or 'parameter'}: expected {tuple(dst.shape)}, got {tuple(src.shape)}")
+    expect_shape(src, tuple(dst.shape), name)
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor, name: str = "") -> None:
