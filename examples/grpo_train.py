@@ -55,6 +55,7 @@ from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.config import QUANTIZATIONS
 from rollout_engine.integrations.fsdp import sync_to_engine
 from rollout_engine.integrations.wandb import RolloutLogger
+from rollout_engine.script_args import HelpFormatter
 
 
 def make_problems(rng: random.Random, count: int) -> list[tuple[str, int]]:
@@ -236,24 +237,26 @@ def check_sync(trainer, engine) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="zoo name, Hugging Face folder, or a preset")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: a preset's shape with random weights (use --task token)")
-    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "token"])
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "token"],
+                   help="arithmetic: reward an exact sum (needs a tokenizer); token: reward output tokens of a target set "
+                        "(learnable from random weights)")
+    p.add_argument("--steps", type=int, default=20, help="training steps")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("-n", type=int, default=4, help="samples per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per sample at most")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate (default: 1e-5 for arithmetic, a pretrained model; 3e-4 for token, "
                         "which starts from random weights)")
-    p.add_argument("--clip", type=float, default=0.2)
+    p.add_argument("--clip", type=float, default=0.2, help="the PPO ratio clip")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="the engine's dtype (default: float32; bfloat16 for fp8 rollouts on a GPU, which need it); "
                         "the trainer keeps float32 weights (its optimizer's master copy)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="the engine's device: auto (a GPU where there is one), cuda or cpu")
+    p.add_argument("--seed", type=int, default=0, help="the problems' and the sampling's seed")
     p.add_argument("--wandb", action="store_true", help="log to wandb (WANDB_MODE=offline works without network)")
     p.add_argument("--log-json", help="write every step's row here (a JSON list)")
     p.add_argument("--checksum-every", type=int, default=10, metavar="N",

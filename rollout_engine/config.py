@@ -72,12 +72,13 @@ class EngineConfig:
             if not isinstance(getattr(self, flag), bool):
                 bad(flag, "must be True or False")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            bad("quantization", f"must be None or one of {QUANTIZATIONS}")
+            hint = f" (did you mean {str(self.quantization).lower()!r}?)" if str(self.quantization).lower() in QUANTIZATIONS else ""
+            bad("quantization", f"must be None or one of {QUANTIZATIONS}{hint}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             hint = "; did you mean 'fp8_e4m3'?" if "fp8" in str(self.kv_cache_dtype).lower() else ""
             bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES} (auto: the KV cache in `dtype`{hint})")
         if self.deterministic and self.quantization is not None:
-            bad("quantization", "must be None with deterministic=True (fp8 products are not batch-invariant)")
+            bad("quantization", "cannot be used in deterministic mode (fp8 products are not batch-invariant)")
         if self.deterministic and self.attention_backend != "auto":
             bad("attention_backend", "must stay 'auto' with deterministic=True (which uses its own "
                                      "batch-invariant attention)")

@@ -31,7 +31,9 @@ def with_choice_hint(message: str) -> str:
     (ofline: did you mean 'offline'?); other messages as they are."""
     found = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
     if found:
-        close = difflib.get_close_matches(found.group(1), re.findall(r"'([^']*)'", found.group(2)), n=1, cutoff=0.6)
+        choices = re.findall(r"'([^']*)'", found.group(2))
+        same = [c for c in choices if c.lower() == found.group(1).lower()]  # FP8 for fp8
+        close = same or difflib.get_close_matches(found.group(1), choices, n=1, cutoff=0.6)
         if close:
             return f"{message}; did you mean '{close[0]}'?"
     return message

@@ -199,6 +199,11 @@ def test_bad_quantization_options_name_the_field(llama, kw, field):
         RolloutEngine(llama[1], device="cpu", max_total_tokens=256, **kw)
 
 
+def test_a_quantization_in_capitals_is_told_the_name(llama):
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \('fp8',\) \(did you mean 'fp8'\?\)"):
+        RolloutEngine(llama[1], device="cpu", max_total_tokens=256, quantization="FP8")
+
+
 def _fp8_checkpoint(hf, folder, drop: str | None = None) -> str:
     """`hf` saved as FP8 checkpoints are: the quantized weights (experts
     too) in e4m3 with 128x128 block scales beside them."""

@@ -97,7 +97,8 @@ def test_a_tensor_of_another_size_is_refused_not_cut_to_fit(tiny_models, quantiz
     """A tensor larger than the weight used to be cut to its size (the
     loaders slice this rank's rows or columns of the full tensor), and a
     smaller one failed with torch's slicing message. Both are refused with
-    the expected and given shapes, nothing copied, the engine unchanged."""
+    the expected and given shapes, as is an integer tensor (it was cast);
+    nothing copied, the engine unchanged."""
     hf, folder = tiny_models[("qwen2", True)]  # qwen2: biases on q, k and v
     engine = RolloutEngine(folder, max_total_tokens=2048, quantization=quantization)
     before = _tokens(engine)
@@ -108,6 +109,9 @@ def test_a_tensor_of_another_size_is_refused_not_cut_to_fit(tiny_models, quantiz
         with pytest.raises(ValueError, match=rf"{name}: shape mismatch: expected \({expected[0]},") as e:
             engine.update_weights([(name, bad)])
         assert str(tuple(bad.shape)) in str(e.value), e.value
+    name = "model.layers.0.mlp.up_proj.weight"
+    with pytest.raises(ValueError, match=f"{name}: expected a floating-point tensor, got torch.int64"):
+        engine.update_weights([(name, state[name].long())])
     assert engine.weight_version == 0 and _tokens(engine) == before
     engine.update_weights(state)  # the right sizes still go in
     assert engine.weight_version == 1 and _tokens(engine) == before

@@ -141,6 +141,8 @@ class WeightLoader:
         target = self.resolve(hf_name)
         if target is None:
             return None
+        if not tensor.is_floating_point():  # an index or mask tensor sent by mistake would be cast in silently
+            raise ValueError(f"{hf_name}: expected a floating-point tensor, got {tensor.dtype}")
         param = self.params[target.param_name]
         if tensor.device.type != "meta":
             tensor = tensor.to(param.device, non_blocking=True)
