@@ -6,7 +6,8 @@ are dealt to shards by their expected seconds (SECONDS, measured on H200s;
 unlisted files count SECONDS_PER_TEST a test), longest first. Each pytest is
 bounded by --timeout; logs and JUnit reports go to --out. `--part K/N`
 runs the K-th of N parts of the single-GPU files (dealt the same way), the
-multi-GPU tests with the last part only: for calls shorter than the suite.
+multi-GPU tests with the last part only, its logs named partK-...: for
+calls shorter than the suite.
 
     python tests/gpu_suite.py --out /tmp/gpu-suite            # every GPU
     python tests/gpu_suite.py --gpus 2 -- -x -k "not differential"   # extra pytest arguments after --
@@ -65,10 +66,10 @@ def run(args, shards: list[list[str]]) -> list[tuple[str, int, str]]:
     """Phase 1 (one pytest per shard, on its GPU, at once), then phase 2
     (the multi-GPU tests on all): (name, exit status, last line) each.
     Every pytest runs in a process group of its own, killed on Ctrl-C."""
-    phases = [[(f"gpu{i}", dict(os.environ, CUDA_VISIBLE_DEVICES=str(i)), ["-m", SINGLE, *files])
+    phases = [[(f"{args.tag}gpu{i}", dict(os.environ, CUDA_VISIBLE_DEVICES=str(i)), ["-m", SINGLE, *files])
                for i, files in enumerate(shards) if files]]
     if args.gpus >= 2 and args.multigpu:
-        phases.append([("multigpu", dict(os.environ), ["-m", "multigpu"])])
+        phases.append([(f"{args.tag}multigpu", dict(os.environ), ["-m", "multigpu"])])
     results = []
     for phase in phases:
         running = [(name, _start(args, env, name, select)) for name, env, select in phase]
@@ -137,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     files = collect(SINGLE, args.pytest_args)
     mine = deal(files, n)[k - 1]
-    args.multigpu = k == n
+    args.multigpu, args.tag = k == n, (f"part{k}-" if n > 1 else "")  # each part's logs apart
+    if not mine:
+        print(f"part {k}/{n}: no single-GPU files (there are {len(files)})", flush=True)
     shards = deal({f: files[f] for f in mine}, args.gpus)
     for i, files in enumerate(shards):
         print(f"gpu{i}: {' '.join(os.path.basename(f) for f in files)}", flush=True)
