@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: a preset's shape with random weights (use --task token)")
     p.add_argument("--task", default="arithmetic", choices=["arithmetic", "token"],
-                   help="arithmetic: reward an exact sum (needs a tokenizer); token: reward output tokens of a target set "
-                        "(learnable from random weights)")
+                   help="arithmetic: reward an exact sum (needs a tokenizer); token: reward output tokens of a "
+                        "target set (learnable from random weights)")
     p.add_argument("--steps", type=int, default=20, help="training steps")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("-n", type=int, default=4, help="samples per prompt")

@@ -72,7 +72,8 @@ class EngineConfig:
             if not isinstance(getattr(self, flag), bool):
                 bad(flag, "must be True or False")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            hint = f" (did you mean {str(self.quantization).lower()!r}?)" if str(self.quantization).lower() in QUANTIZATIONS else ""
+            lower = str(self.quantization).lower()
+            hint = f" (did you mean {lower!r}?)" if lower in QUANTIZATIONS else ""
             bad("quantization", f"must be None or one of {QUANTIZATIONS}{hint}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             hint = "; did you mean 'fp8_e4m3'?" if "fp8" in str(self.kv_cache_dtype).lower() else ""

@@ -51,7 +51,8 @@ def test_a_shard_runs_its_files_and_one_past_its_time_is_stopped(tmp_path, monke
     assert (tmp_path / "gpu0.xml").exists() and "passed" in (tmp_path / "gpu0.log").read_text()
     args.tag = "part2-"  # --part 2/N: its own logs beside the other parts'
     [(name, rc, last)] = gpu_suite.run(args, [["tests/test_progress.py"]])
-    assert (name, rc) == ("part2-gpu0", 0) and (tmp_path / "part2-gpu0.log").exists() and (tmp_path / "gpu0.log").exists()
+    assert (name, rc) == ("part2-gpu0", 0)
+    assert (tmp_path / "part2-gpu0.log").exists() and (tmp_path / "gpu0.log").exists()
     args.tag = ""
     args.timeout, args.pytest_args = 1, []
     [(name, rc, last)] = gpu_suite.run(args, [["tests/test_logs.py"]])  # builds an engine: more than a second
