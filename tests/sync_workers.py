@@ -127,6 +127,24 @@ def embedded_rank(rank: int, world: int, port: int, folder: str, second_folder: 
         dist.destroy_process_group()
 
 
+def _leave_together(rank: int) -> None:
+    """Both ranks of a gloo world tear down, rank 1 first: rank 0 serves the
+    store, and a rank 0 that left early aborted rank 1 at its exit
+    ("terminate called without an active exception")."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    dist.barrier()
+    if rank:
+        dist.destroy_process_group()
+        store.set("left", "1")
+    else:
+        store.wait(["left"], timedelta(seconds=60))
+        dist.destroy_process_group()
+
+
 def symm_name_rank(rank: int, port: int, out_queue) -> None:
     """Rank 0 has already used the world's name (as a process that ran an
     engine before does); a second group is new to both ranks."""
@@ -143,8 +161,7 @@ def symm_name_rank(rank: int, port: int, out_queue) -> None:
     other = dist.new_group([0, 1], backend="gloo")
     fresh = fast_allreduce.first_use_everywhere(other, cpu)
     again = fast_allreduce.first_use_everywhere(other, cpu)
-    dist.barrier()  # both ranks done before either tears down (rank 0 serves the store: leaving first aborted rank 1)
-    dist.destroy_process_group()
+    _leave_together(rank)
     out_queue.put((rank, world, fresh, again))
 
 
@@ -170,8 +187,7 @@ def allreduce_mode_rank(rank: int, port: int, out_queue) -> None:
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))
-    dist.barrier()  # both ranks done before either tears down (rank 0 serves the store: leaving first aborted rank 1)
-    dist.destroy_process_group()
+    _leave_together(rank)
     out_queue.put((rank, *errors))
 
 
