@@ -133,6 +133,26 @@ def test_a_broken_stream_blocks_generation_until_complete(llama, second_llama):
     assert _tokens(engine) == _tokens(RolloutEngine(folder_b, max_total_tokens=4096))
 
 
+def test_a_tied_models_lm_head_is_checked_not_dropped_unseen(tiny_models):
+    """A tied model's lm_head.weight is written nowhere (the embedding is the
+    head), but a wrong one is refused as the embedding's would be: shape,
+    dtype, values; whole updates and streamed ones alike."""
+    hf, folder = tiny_models[("qwen2", True)]
+    engine = RolloutEngine(folder, max_total_tokens=2048)
+    before = _tokens(engine)
+    head = hf.state_dict()["lm_head.weight"]
+    for bad, words in ((torch.zeros(3, 3), r"lm_head.weight: shape mismatch: expected \(512, 64\), got \(3, 3\)"),
+                       (head.long(), "lm_head.weight: expected a floating-point tensor"),
+                       (torch.full_like(head, float("nan")), "lm_head.weight: holds NaN or infinite values")):
+        with pytest.raises(ValueError, match=words):
+            engine.update_weights({"lm_head.weight": bad})
+    with pytest.raises(ValueError, match="lm_head.weight: holds NaN or infinite values"):
+        engine.update_weights(iter([("lm_head.weight", torch.full_like(head, float("inf")))]))
+    assert engine.weight_version == 0 and _tokens(engine) == before
+    engine.update_weights(hf.state_dict())  # with its lm_head.weight, as a tied model's state_dict has it
+    assert engine.weight_version == 1 and _tokens(engine) == before
+
+
 def test_tied_model_takes_the_embedding(tiny_models):
     hf, folder = tiny_models[("qwen2", True)]
     engine = RolloutEngine(folder, max_total_tokens=2048)

@@ -20,7 +20,7 @@ from rollout_engine.kernels.fp8 import FP8, dequantize_channels
 from rollout_engine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)
 from rollout_engine.layers.moe import DOWN, GATE, UP, MoeExperts
-from rollout_engine.layers.weight_copy import FINITE_CHECK, VALIDATE_ONLY, FiniteCheck, copy_into
+from rollout_engine.layers.weight_copy import FINITE_CHECK, VALIDATE_ONLY, FiniteCheck, copy_into, expect_shape
 from rollout_engine.weights.fp8_checkpoint import dequantized
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -135,14 +135,34 @@ class WeightLoader:
                     out.setdefault(unit, name)
         return out
 
+    def _tied_head(self, hf_name: str, tensor: torch.Tensor) -> bool:
+        """Whether `hf_name` is a tied model's lm_head.weight: the embedding
+        is the head, so nothing is written, but the tensor is checked as the
+        embedding's would be (shape, dtype; its values by the finiteness
+        passes), not dropped unseen."""
+        if not (self.tied and hf_name == "lm_head.weight"):
+            return False
+        embed = self.model.get_submodule(self.resolve("model.embed_tokens.weight").param_name.rsplit(".", 1)[0])
+        try:
+            expect_shape(tensor, (embed.vocab_size, embed.weight.shape[1]))
+        except ValueError as e:
+            raise ValueError(f"{hf_name}: {e} (the model ties it to the embedding)") from None
+        return True
+
     def _load_one(self, hf_name: str, tensor: torch.Tensor) -> Target | None:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{hf_name}: expected a torch.Tensor, got {type(tensor).__name__}")
-        target = self.resolve(hf_name)
-        if target is None:
+        tied_head = self._tied_head(hf_name, tensor)
+        target = None if tied_head else self.resolve(hf_name)
+        if target is None and not tied_head:
             return None
         if not tensor.is_floating_point():  # an index or mask tensor sent by mistake would be cast in silently
             raise ValueError(f"{hf_name}: expected a floating-point tensor, got {tensor.dtype}")
+        if tied_head:  # nothing copied; its values checked while an update streams (check_finite before a whole one)
+            check = FINITE_CHECK.get()
+            if check is not None and tensor.device.type != "meta":
+                check.flag_if_not_finite(tensor.to(self.dtype))
+            return None
         param = self.params[target.param_name]
         if tensor.device.type != "meta":
             tensor = tensor.to(param.device, non_blocking=True)
@@ -170,8 +190,13 @@ class WeightLoader:
         check = FiniteCheck()
         with torch.no_grad():
             for hf_name, tensor in dequantized(pairs(named_tensors)):
+                if tensor.device.type == "meta":
+                    continue
+                if self.tied and hf_name == "lm_head.weight":  # written nowhere, checked as the embedding
+                    check.check(hf_name, tensor, self.dtype)
+                    continue
                 target = self.resolve(hf_name)
-                if target is not None and tensor.device.type != "meta":
+                if target is not None:
                     dtype = self.params[target.param_name].dtype
                     check.check(hf_name, tensor, torch.float32 if dtype == FP8 else dtype)  # fp8: the scales' input
         check.raise_if_bad()
