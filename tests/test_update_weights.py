@@ -112,6 +112,10 @@ def test_a_tensor_of_another_size_is_refused_not_cut_to_fit(tiny_models, quantiz
     name = "model.layers.0.mlp.up_proj.weight"
     with pytest.raises(ValueError, match=f"{name}: expected a floating-point tensor, got torch.int64"):
         engine.update_weights([(name, state[name].long())])
+    meta = dict(state, **{name: torch.empty(state[name].shape, device="meta")})  # refused before any copy
+    with pytest.raises(ValueError, match=f"{name}: a tensor on the meta device holds no values"):
+        engine.update_weights(meta)
+    assert engine.weight_version == 0 and _tokens(engine) == before  # nothing marked invalid either
     assert engine.weight_version == 0 and _tokens(engine) == before
     engine.update_weights(state)  # the right sizes still go in
     assert engine.weight_version == 1 and _tokens(engine) == before

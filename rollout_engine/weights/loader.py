@@ -186,19 +186,19 @@ class WeightLoader:
     def check_finite(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Raise NonFiniteWeights naming the first tensor holding NaN or inf
         (in the parameter's dtype), reading the sources where they are and
-        copying nothing: one read-only pass, one host read per device."""
+        copying nothing: one read-only pass, one host read per device. A
+        tensor on the meta device (no values) is a ValueError here."""
         check = FiniteCheck()
         with torch.no_grad():
             for hf_name, tensor in dequantized(pairs(named_tensors)):
-                if tensor.device.type == "meta":
+                head = self.tied and hf_name == "lm_head.weight"  # written nowhere, checked as the embedding
+                target = None if head else self.resolve(hf_name)
+                if target is None and not head:
                     continue
-                if self.tied and hf_name == "lm_head.weight":  # written nowhere, checked as the embedding
-                    check.check(hf_name, tensor, self.dtype)
-                    continue
-                target = self.resolve(hf_name)
-                if target is not None:
-                    dtype = self.params[target.param_name].dtype
-                    check.check(hf_name, tensor, torch.float32 if dtype == FP8 else dtype)  # fp8: the scales' input
+                if tensor.device.type == "meta":  # before any copy, not part-way through them
+                    raise ValueError(f"{hf_name}: a tensor on the meta device holds no values to copy")
+                dtype = self.dtype if head else self.params[target.param_name].dtype
+                check.check(hf_name, tensor, torch.float32 if dtype == FP8 else dtype)  # fp8: the scales' input
         check.raise_if_bad()
 
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], written: set[Target] | None = None
