@@ -36,9 +36,10 @@ class FiniteCheck:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         copy_and_check(dst, src, self._flag(dst.device, len(self.names) - 1))
 
-    def flag_if_not_finite(self, x: torch.Tensor) -> None:
-        """Flag the current tensor if `x` (derived from it) is not all finite."""
-        check_finite(x, x.dtype, self._flag(x.device, len(self.names) - 1))
+    def flag_if_not_finite(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Flag the current tensor if `x` (derived from it), cast to `dtype`
+        (default its own), is not all finite (reads only)."""
+        check_finite(x, x.dtype if dtype is None else dtype, self._flag(x.device, len(self.names) - 1))
 
     def check(self, name: str, src: torch.Tensor, dtype: torch.dtype) -> None:
         """Flag tensor `name` if `src` cast to `dtype` is not finite (reads only)."""

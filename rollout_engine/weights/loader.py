@@ -73,7 +73,7 @@ class WeightLoader:
         Raises ValueError for a name the model does not have."""
         if hf_name.endswith(IGNORED_SUFFIXES):
             return None
-        if self.tied and hf_name == "lm_head.weight":
+        if self.tied_head(hf_name):
             return None  # the embedding is the head
         for old, new in RENAMED:
             hf_name = hf_name.replace(old, new)
@@ -135,33 +135,30 @@ class WeightLoader:
                     out.setdefault(unit, name)
         return out
 
-    def _tied_head(self, hf_name: str, tensor: torch.Tensor) -> bool:
+    def tied_head(self, hf_name: str) -> bool:
         """Whether `hf_name` is a tied model's lm_head.weight: the embedding
-        is the head, so nothing is written, but the tensor is checked as the
-        embedding's would be (shape, dtype; its values by the finiteness
-        passes), not dropped unseen."""
-        if not (self.tied and hf_name == "lm_head.weight"):
-            return False
-        embed = self.model.get_submodule(self.resolve("model.embed_tokens.weight").param_name.rsplit(".", 1)[0])
-        try:
-            expect_shape(tensor, (embed.vocab_size, embed.weight.shape[1]))
-        except ValueError as e:
-            raise ValueError(f"{hf_name}: {e} (the model ties it to the embedding)") from None
-        return True
+        is the head, so an update writes it nowhere, but checks it as the
+        embedding's (shape, dtype, values), not dropping it unseen."""
+        return self.tied and hf_name == "lm_head.weight"
 
     def _load_one(self, hf_name: str, tensor: torch.Tensor) -> Target | None:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{hf_name}: expected a torch.Tensor, got {type(tensor).__name__}")
-        tied_head = self._tied_head(hf_name, tensor)
-        target = None if tied_head else self.resolve(hf_name)
-        if target is None and not tied_head:
+        head = self.tied_head(hf_name)
+        target = None if head else self.resolve(hf_name)
+        if target is None and not head:
             return None
         if not tensor.is_floating_point():  # an index or mask tensor sent by mistake would be cast in silently
             raise ValueError(f"{hf_name}: expected a floating-point tensor, got {tensor.dtype}")
-        if tied_head:  # nothing copied; its values checked while an update streams (check_finite before a whole one)
+        if head:  # nothing copied; its values checked while an update streams (check_finite before a whole one)
+            embed = self.model.get_submodule(self.resolve("model.embed_tokens.weight").param_name.rsplit(".", 1)[0])
+            try:
+                expect_shape(tensor, (embed.vocab_size, embed.weight.shape[1]))
+            except ValueError as e:
+                raise ValueError(f"{hf_name}: {e} (the model ties it to the embedding)") from None
             check = FINITE_CHECK.get()
             if check is not None and tensor.device.type != "meta":
-                check.flag_if_not_finite(tensor.to(self.dtype))
+                check.flag_if_not_finite(tensor, self.dtype)
             return None
         param = self.params[target.param_name]
         if tensor.device.type != "meta":
@@ -191,7 +188,7 @@ class WeightLoader:
         check = FiniteCheck()
         with torch.no_grad():
             for hf_name, tensor in dequantized(pairs(named_tensors)):
-                head = self.tied and hf_name == "lm_head.weight"  # written nowhere, checked as the embedding
+                head = self.tied_head(hf_name)  # written nowhere, checked as the embedding
                 target = None if head else self.resolve(hf_name)
                 if target is None and not head:
                     continue
@@ -225,7 +222,7 @@ class WeightLoader:
 
     def shard_layout(self, hf_name: str) -> ShardLayout:
         """How tensor-parallel ranks hold `hf_name` (ShardLayout)."""
-        if self.tied and hf_name == "lm_head.weight":
+        if self.tied_head(hf_name):
             hf_name = "model.embed_tokens.weight"
         target = self.resolve(hf_name)
         if target is None:
@@ -257,7 +254,7 @@ class WeightLoader:
     def is_fp8(self, hf_name: str) -> bool:
         """Whether `hf_name` is held in e4m3 (quantization="fp8"): its
         `view` is then its values read back through the scales, a new tensor."""
-        if self.tied and hf_name == "lm_head.weight":
+        if self.tied_head(hf_name):
             return False
         target = self.resolve(hf_name)
         return target is not None and self.params[target.param_name].dtype == FP8
@@ -265,7 +262,7 @@ class WeightLoader:
     def view(self, hf_name: str) -> torch.Tensor:
         """`read` without the copy: a view into the parameter (for an fp8
         weight, its values in the engine dtype: `is_fp8`)."""
-        if self.tied and hf_name == "lm_head.weight":
+        if self.tied_head(hf_name):
             hf_name = "model.embed_tokens.weight"
         target = self.resolve(hf_name)
         if target is None:
