@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import numpy as np
 import torch
 
 from rollout_engine.bench.common import cuda_time_ms
@@ -94,7 +95,7 @@ def _triton_ms(q, k, v, indices, indptr, lens, page: int, dim: int, widen: bool 
     widened to bf16 for the products (`E4M3_IN_F16` off) rather than to fp16."""
     from rollout_engine.attention import triton_backend
     from rollout_engine.kernels import attention
-    from rollout_engine.kernels.attention import decode_attention, longest_first
+    from rollout_engine.kernels.attention import decode_attention, in_order, longest_first
 
     attention.E4M3_IN_F16 = not widen
     dev = q.device
@@ -107,10 +108,16 @@ def _triton_ms(q, k, v, indices, indptr, lens, page: int, dim: int, widen: bool 
         table[b] = (pages_b[(t // page).clamp(max=len(pages_b) - 1)] * page + t % page).int()
     table = table.to(dev)
     kc, vc = k.view(-1, k.shape[2], dim), v.view(-1, v.shape[2], dim)  # NHD pages as slots
-    rows = torch.arange(batch, dtype=torch.int32, device=dev)
-    seq = lens.to(dev, torch.int32)
-    order = (torch.from_numpy(longest_first(lens.numpy())).to(dev) if triton_backend.LONGEST_FIRST else None)
-    decode_attention(q, kc, vc, table, rows, seq, dim ** -0.5, order)
+    rows, seq, order = np.arange(batch), lens.numpy(), None
+    if triton_backend.LONGEST_FIRST:  # the rows and lengths go in the order too, as the backend sends them
+        order = longest_first(seq)
+        rows, seq = in_order(order, rows, seq)
+        order = torch.from_numpy(order).to(dev)
+    rows, seq = (torch.from_numpy(np.asarray(x, dtype=np.int32)).to(dev) for x in (rows, seq))
+    out = decode_attention(q, kc, vc, table, rows, seq, dim ** -0.5, order)
+    if order is not None:  # the same bits as in row order, or the timing is of something else
+        plain = torch.arange(batch, dtype=torch.int32, device=dev)
+        assert torch.equal(out, decode_attention(q, kc, vc, table, plain, lens.to(dev, torch.int32), dim ** -0.5))
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         decode_attention(q, kc, vc, table, rows, seq, dim ** -0.5, order)

@@ -95,8 +95,10 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         """One sequence's query heads of one KV head. ORDERED: program
         (h, i) takes KV head h of sequence order[i], so the programs start
         the longest sequences first, all heads of a sequence together (the
-        GPU starts programs about in order: the short ones fill the tail).
-        Otherwise program (b, h): sequence b, KV head h. F16 (bf16 queries over
+        GPU starts programs about in order: the short ones fill the tail);
+        its request-table row and length are rows[i] and lens[i], sent in
+        that order, so no load waits on the order's. Otherwise program
+        (b, h): sequence b, KV head h. F16 (bf16 queries over
         an e4m3 cache): the products in fp16, which e4m3 widens to in one
         instruction per pair of values where bf16 takes several. The
         queries are scaled by 1/16 first (the scale by 16) and clamped to
@@ -104,13 +106,15 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         rounding to fp16's subnormal steps (without the clamp a query of 3e5
         came out non-finite on the GPU)."""
         if ORDERED:
-            b = tl.load(order_ptr + tl.program_id(1))
+            i = tl.program_id(1)
+            b = tl.load(order_ptr + i)
             kvh = tl.program_id(0)
         else:
             b = tl.program_id(0)
+            i = b
             kvh = tl.program_id(1)
-        row = tl.load(rows_ptr + b).to(tl.int64)
-        kv_len = tl.load(lens_ptr + b)
+        row = tl.load(rows_ptr + i).to(tl.int64)
+        kv_len = tl.load(lens_ptr + i)
         g = tl.arange(0, GROUP_P)
         d = tl.arange(0, D)
         heads = kvh * GROUP + g
@@ -217,13 +221,21 @@ def longest_first(seq_lens: np.ndarray) -> np.ndarray:
     return np.argsort(-seq_lens.astype(np.int64), kind="stable").astype(np.int32)
 
 
+def in_order(order: np.ndarray, *rows: np.ndarray) -> list[np.ndarray]:
+    """Each array's rows in `order`, as int32: what `decode_attention`
+    takes with that order."""
+    return [np.ascontiguousarray(r[order], dtype=np.int32) for r in rows]
+
+
 def decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale: float,
                      order: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; rows, seq_lens: [B] device tensors. bf16 queries over
     an e4m3 cache take fp16 products (`decode_kernel`'s F16). `order`: a
     permutation of the B rows as an int32 device tensor (`longest_first`):
     the programs start in that order, longest sequences first, so ragged
-    lengths do not leave a tail of long ones; the outputs are the same."""
+    lengths do not leave a tail of long ones; the outputs are the same.
+    With an order, `rows` and `seq_lens` come in it too (`rows[i]`,
+    `seq_lens[i]` are query `order[i]`'s: `in_order`)."""
     bsz, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk

@@ -105,15 +105,18 @@ def _check_longest_first(hq, hk, d, lens, device, dtype):
 
     from rollout_engine.kernels.attention import longest_first
 
+    from rollout_engine.kernels.attention import in_order
+
     q, k, v, table = _ragged_case(hq, hk, d, lens, device, dtype)
     rows = list(range(len(lens)))[::-1]
-    dev = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    dev = lambda x: torch.tensor(np.asarray(x), dtype=torch.int32, device=device)  # noqa: E731
     plain = decode_attention(q, k, v, table, dev(rows), dev(lens), d ** -0.5)
     order = longest_first(np.array(lens))
     assert sorted(order.tolist()) == list(range(len(lens))) and lens[order[0]] == max(lens)
-    shuffled = torch.randperm(len(lens), generator=torch.Generator().manual_seed(2)).int().to(device)
-    for o in (torch.from_numpy(order).to(device), shuffled):
-        assert torch.equal(decode_attention(q, k, v, table, dev(rows), dev(lens), d ** -0.5, o), plain)
+    shuffled = torch.randperm(len(lens), generator=torch.Generator().manual_seed(2)).int().numpy()
+    for o in (order, shuffled):
+        o_rows, o_lens = in_order(o, np.array(rows), np.array(lens))  # the rows and lengths come in the order too
+        assert torch.equal(decode_attention(q, k, v, table, dev(o_rows), dev(o_lens), d ** -0.5, dev(o)), plain)
     ref = paged_attention_ref(q.float(), k.float(), v.float(), table, rows, lens, [1] * len(lens), d ** -0.5)
     torch.testing.assert_close(plain.float(), ref, atol=2e-2, rtol=1e-2)
 
@@ -124,9 +127,12 @@ def test_interpreted_decode_programs_in_longest_first_order():
     # bf16 queries over an e4m3 cache (the fp16 products): the order leaves the bits alone too
     lens = [1, 77, 180, 5]
     q, k, v, table = _e4m3_case(8, 2, 16, lens, "cpu")
-    rows, dev = torch.tensor([3, 2, 1, 0], dtype=torch.int32), lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    plain = decode_attention(q, k, v, table, rows, dev(lens), 0.25)
-    assert torch.equal(decode_attention(q, k, v, table, rows, dev(lens), 0.25, dev([2, 1, 3, 0])), plain)
+    rows, dev = [3, 2, 1, 0], lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    plain = decode_attention(q, k, v, table, dev(rows), dev(lens), 0.25)
+    order = [2, 1, 3, 0]
+    got = decode_attention(q, k, v, table, dev([rows[i] for i in order]), dev([lens[i] for i in order]), 0.25,
+                           dev(order))
+    assert torch.equal(got, plain)
 
 
 @pytest.mark.gpu
@@ -147,11 +153,13 @@ def test_longest_first_is_a_stable_int32_permutation():
 
 
 def test_triton_backend_sends_each_decode_step_its_longest_first_order(monkeypatch):
-    """The Triton backend's decode metadata carries the order (eager: in the
-    step's one copy; graphs: a graph of `bs` rows reads lengths at [0, bs) and
-    the order at [bs, 2 bs) of one buffer, both written by one copy before a
-    replay, padding rows last). Prefill steps, LONGEST_FIRST off and the
-    batch-invariant backend carry none."""
+    """The Triton backend's decode metadata carries the order, with the
+    lengths and request-table rows in it (eager: in the step's one copy;
+    graphs: a graph of `bs` rows reads lengths at [0, bs), rows at [bs, 2 bs)
+    and the order at [2 bs, 3 bs) of one buffer, all written by one copy
+    before a replay, padding rows last: one token of row 0). Prefill steps,
+    LONGEST_FIRST off and the batch-invariant backend carry none, their
+    lengths in row order."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -164,28 +172,41 @@ def test_triton_backend_sends_each_decode_step_its_longest_first_order(monkeypat
     shape = AttentionShape(8, 2, 16, 1, torch.float32, torch.device("cpu"))
     step = lambda lens, decode=True: SimpleNamespace(  # noqa: E731
         is_decode=decode, batch_size=len(lens), seq_lens=np.array(lens, dtype=np.int64),
+        rows=np.arange(10, 10 + len(lens), dtype=np.int64), rows_device=torch.arange(10, 10 + len(lens)),
         extend_lens=np.ones(len(lens), dtype=np.int64) if decode else np.array(lens, dtype=np.int64), attn_metadata=None)
     be = TritonAttentionBackend(shape)
     fb = step([4, 30, 7])
     be.init_forward_metadata(fb)
-    lens, qo, max_q, order = fb.attn_metadata
-    assert lens.tolist() == [4, 30, 7] and qo.tolist() == [0, 1, 2, 3] and max_q == 1 and order.tolist() == [1, 2, 0]
+    meta = fb.attn_metadata
+    assert meta.order.tolist() == [1, 2, 0] and meta.seq_lens.tolist() == [30, 7, 4] and meta.rows.tolist() == [11, 12, 10]
+    assert meta.qo_indptr.tolist() == [0, 1, 2, 3] and meta.max_q_len == 1
     fb = step([4, 30, 7], decode=False)
     be.init_forward_metadata(fb)
-    assert fb.attn_metadata[3] is None and fb.attn_metadata[1].tolist() == [0, 4, 34, 41]
+    meta = fb.attn_metadata
+    assert meta.order is None and meta.rows is None and meta.seq_lens.tolist() == [4, 30, 7]
+    assert meta.qo_indptr.tolist() == [0, 4, 34, 41] and meta.max_q_len == 30
 
     be.init_graph_buffers(8, 64)
     fb = step([1, 1, 1, 1])
     fb.attn_metadata = be.graph_metadata(4, fb)
-    assert fb.attn_metadata[3].tolist() == [0, 1, 2, 3]  # a permutation before the first replay
-    be.prepare_replay(3, 4, np.array([5, 9, 2]), fb)
-    assert fb.attn_metadata[0].tolist() == [5, 9, 2, 1] and fb.attn_metadata[3].tolist() == [1, 0, 2, 3]
+    assert fb.attn_metadata.order.tolist() == [0, 1, 2, 3]  # a permutation before the first replay
+    assert fb.attn_metadata.rows.tolist() == [10, 11, 12, 13]
+    be.prepare_replay(3, 4, np.array([5, 9, 2]), np.array([7, 3, 8]), fb)
+    meta = fb.attn_metadata
+    assert meta.order.tolist() == [1, 0, 2, 3] and meta.seq_lens.tolist() == [9, 5, 2, 1]
+    assert meta.rows.tolist() == [3, 7, 8, 0]
 
     monkeypatch.setattr(triton_backend, "LONGEST_FIRST", False)
     fb = step([4, 30, 7])
     be.init_forward_metadata(fb)
-    assert fb.attn_metadata[3] is None and be.graph_metadata(4, fb)[3] is None
+    assert fb.attn_metadata.order is None and be.graph_metadata(4, fb).order is None
+    assert fb.attn_metadata.seq_lens.tolist() == [4, 30, 7]
+    graph = be.graph_metadata(4, fb)
+    fb.attn_metadata = graph
+    be.prepare_replay(3, 4, np.array([5, 9, 2]), np.array([7, 3, 8]), fb)
+    assert graph.seq_lens.tolist() == [5, 9, 2, 1]
     monkeypatch.setattr(triton_backend, "LONGEST_FIRST", True)
     inv = BatchInvariantTritonBackend(shape)
+    fb = step([4, 30, 7])
     inv.init_forward_metadata(fb)
-    assert fb.attn_metadata[3] is None
+    assert fb.attn_metadata.order is None and fb.attn_metadata.seq_lens.tolist() == [4, 30, 7]

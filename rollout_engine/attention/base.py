@@ -68,11 +68,13 @@ class AttentionBackend(ABC):
         one token of context); becomes `fb.attn_metadata` in the graph."""
         raise NotImplementedError
 
-    def prepare_replay(self, bs: int, bucket: int, seq_lens: np.ndarray, fb: "ForwardBatch") -> None:
+    def prepare_replay(self, bs: int, bucket: int, seq_lens: np.ndarray, rows: np.ndarray,
+                       fb: "ForwardBatch") -> None:
         """Before replaying the graph of `bucket` for a batch of `bs` real
         sequences: write their lengths (padding rows: one token in the
-        reserved page 0) into the static buffers. `fb` is the captured batch,
-        its static rows already filled."""
+        reserved page 0) into the static buffers. `rows`: their request-table
+        rows on the host. `fb` is the captured batch, its static rows already
+        filled."""
         raise NotImplementedError
 
     @abstractmethod

@@ -66,6 +66,6 @@ class BatchInvariantTritonBackend(TritonAttentionBackend):
 
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         pool = fb.kv_pool
-        seq_lens, qo_indptr, max_q_len, _ = fb.attn_metadata
+        meta = fb.attn_metadata  # never in an order here (orders_decode)
         return invariant_attention(q, pool.k[layer.layer_id], pool.v[layer.layer_id], fb.table.tensor,
-                                   fb.rows_device, seq_lens, qo_indptr, max_q_len, layer.scaling)
+                                   fb.rows_device, meta.seq_lens, meta.qo_indptr, meta.max_q_len, layer.scaling)
