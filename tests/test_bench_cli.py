@@ -7,6 +7,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from rollout_engine.cli import main
 
@@ -218,6 +219,21 @@ def test_step_breakdown_sorts_idle_gaps_by_length_and_names_what_waited():
     assert gaps[">=1000us"] == {"count": 1, "ms": 2.0}  # 110 -> 2110
     assert sb.idle_gaps(events)["long_gaps_before"] == {"BatchPrefillKernel": {"count": 1, "ms": 2.0}}
     assert sb.idle_gaps(events)["gaps_10_100us_before"] == {"rope_kernel": {"count": 1, "ms": 0.0}}
+
+
+def test_step_breakdown_reads_the_device_events_from_the_raw_results():
+    import types
+
+    sb = _benchmark("step_breakdown")
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, device, start_ns, dur_ns):
+        return types.SimpleNamespace(name=lambda: name, device_type=lambda: device, start_ns=lambda: start_ns,
+                                     duration_ns=lambda: dur_ns)
+
+    raw = [event("aten::mm", cpu, 0, 9000), event("gemm", cuda, 1500, 2500), event("Memcpy HtoD", cuda, 5000, 500)]
+    prof = types.SimpleNamespace(profiler=types.SimpleNamespace(kineto_results=types.SimpleNamespace(events=lambda: raw)))
+    assert sb.device_events(prof) == [("gemm", 1.5, 2.5), ("Memcpy HtoD", 5.0, 0.5)]  # the host's operators left out
 
 
 @pytest.mark.parametrize("argv,flag", [
