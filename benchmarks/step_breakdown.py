@@ -78,11 +78,16 @@ def idle_gaps(events) -> dict:
     """The device's idle gaps between kernels, by length: how many and how
     long in all, and which kernels start after the gaps of 10-100 us (a step
     launched late) and of 100 us or more (the step kind that waited on the
-    host)."""
+    host), and in which tenth of the run the long ones fall (the prompts'
+    steps at its start, the shrinking batches at its end)."""
     buckets = [[0, 0.0] for _ in range(len(GAP_BUCKETS_US) + 1)]
     after: dict[str, dict[str, list]] = {"10-100us": {}, ">=100us": {}}
+    tenths = [[0, 0.0] for _ in range(10)]  # gaps of 100 us or more by where in the run they start
+    ordered = sorted(events, key=lambda e: e[1])
+    first = ordered[0][1] if ordered else 0.0
+    span = max((s + d for _, s, d in ordered), default=first) - first or 1.0
     end = None
-    for name, s, d in sorted(events, key=lambda e: e[1]):
+    for name, s, d in ordered:
         if end is not None and s > end:
             gap = s - end
             i = sum(gap >= b for b in GAP_BUCKETS_US)
@@ -92,6 +97,10 @@ def idle_gaps(events) -> dict:
                 entry = after["10-100us" if gap < 100 else ">=100us"].setdefault(name[:80], [0, 0.0])
                 entry[0] += 1
                 entry[1] += gap
+            if gap >= 100:
+                tenth = tenths[min(9, int(10 * (end - first) / span))]
+                tenth[0] += 1
+                tenth[1] += gap
         end = s + d if end is None else max(end, s + d)
     labels = [f"<{GAP_BUCKETS_US[0]}us"] + [f"{a}-{b}us" for a, b in zip(GAP_BUCKETS_US, GAP_BUCKETS_US[1:])] + [
         f">={GAP_BUCKETS_US[-1]}us"]
@@ -100,7 +109,8 @@ def idle_gaps(events) -> dict:
         return {n: {"count": c, "ms": round(t / 1e3, 1)} for n, (c, t) in sorted(table.items(), key=lambda kv: -kv[1][1])[:8]}
 
     return {"by_length": {lab: {"count": c, "ms": round(t / 1e3, 1)} for lab, (c, t) in zip(labels, buckets)},
-            "gaps_10_100us_before": top(after["10-100us"]), "long_gaps_before": top(after[">=100us"])}
+            "gaps_10_100us_before": top(after["10-100us"]), "long_gaps_before": top(after[">=100us"]),
+            "long_gaps_by_tenth_of_run": [{"count": c, "ms": round(t / 1e3, 1)} for c, t in tenths]}
 
 
 def breakdown(events, wall_us: float, steps: int) -> dict:

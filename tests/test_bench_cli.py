@@ -219,6 +219,10 @@ def test_step_breakdown_sorts_idle_gaps_by_length_and_names_what_waited():
     assert gaps[">=1000us"] == {"count": 1, "ms": 2.0}  # 110 -> 2110
     assert sb.idle_gaps(events)["long_gaps_before"] == {"BatchPrefillKernel": {"count": 1, "ms": 2.0}}
     assert sb.idle_gaps(events)["gaps_10_100us_before"] == {"rope_kernel": {"count": 1, "ms": 0.0}}
+    tenths = sb.idle_gaps(events)["long_gaps_by_tenth_of_run"]  # the run spans 0 -> 2300 us; the gap starts at 110
+    assert len(tenths) == 10 and tenths[0] == {"count": 1, "ms": 2.0} and sum(t["count"] for t in tenths) == 1
+    late = sb.idle_gaps([("a", 0, 900), ("b", 1000, 10)])["long_gaps_by_tenth_of_run"]  # idle from 900 of 1010
+    assert late[8] == {"count": 1, "ms": 0.1} and sum(t["count"] for t in late) == 1
 
 
 def test_step_breakdown_reads_the_device_events_from_the_raw_results():
