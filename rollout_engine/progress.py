@@ -16,18 +16,29 @@ NEVER_S = 1e9
 
 
 class _Lines:
-    """A file for tqdm that writes each redraw as a line of its own."""
+    """A file for tqdm that writes each redraw as a line of its own. A
+    stream that can no longer be written (its reader gone: `... 2>&1 | head`)
+    is dropped: tqdm writes while holding its lock and, when the write
+    raises, keeps the lock, so every later bar in the process (the main
+    thread's, at exit) would wait for it forever."""
 
     def __init__(self, stream: TextIO):
-        self.stream = stream
+        self.stream: TextIO | None = stream
 
     def write(self, text: str) -> None:
         text = text.replace("\r", "").rstrip()
-        if text:  # tqdm's clears and its closing newline write nothing here
-            self.stream.write(text + "\n")
+        if text and self.stream is not None:  # tqdm's clears and its closing newline write nothing here
+            self._guarded(self.stream.write, text + "\n")
 
     def flush(self) -> None:
-        self.stream.flush()
+        if self.stream is not None:
+            self._guarded(self.stream.flush)
+
+    def _guarded(self, call, *args) -> None:
+        try:
+            call(*args)
+        except (OSError, ValueError):  # a closed pipe, a closed file
+            self.stream = None
 
 
 def _on_terminal(stream: Any) -> bool:

@@ -3,6 +3,8 @@ all-reduce kernels' first build: tests/test_fused_norm_setup.py)."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 
@@ -32,3 +34,36 @@ def test_ticking_says_when_the_step_failed_and_lets_the_error_through(caplog):
 
 def test_durations_read_in_minutes_and_seconds():
     assert [progress._duration(s) for s in (0.2, 59.4, 60, 257.4)] == ["0s", "59s", "1m00s", "4m17s"]
+
+
+
+BARS_AFTER_THE_READER_LEFT = """
+import sys, threading
+from rollout_engine import progress
+progress.LOG_EVERY_S = 0.0  # a line at every update
+def bars():
+    with progress.Progress(total=3, desc="requests", unit="req") as bar:
+        for _ in range(3):
+            bar.update(1, tokens=5)
+worker = threading.Thread(target=bars)  # the engine's bars run off the main thread
+worker.start()
+worker.join()
+with progress.Progress(total=1, desc="again", unit="req") as bar:  # needs the lock the first one held
+    bar.update(1)
+print("done", flush=True)
+"""
+
+
+def test_a_bar_whose_stderr_reader_is_gone_leaves_no_lock_behind():
+    # `rollout-engine generate ... 2>&1 | head -2`: tqdm writes under its lock and kept the lock when
+    # the write raised, so the next bar of the process (or tqdm's own cleanup at exit) waited forever.
+    proc = subprocess.Popen([sys.executable, "-c", BARS_AFTER_THE_READER_LEFT], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stderr.close()  # the reader leaves before the first line
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the process hung on a lock a failed progress line left taken")
+    assert proc.returncode == 0 and out.strip() == "done"
