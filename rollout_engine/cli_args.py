@@ -127,7 +127,7 @@ def _named(exc: ValueError, fields: Iterable[str]) -> UsageError:
     """Config and sampling errors start with the field name ("page_size must be
     ..."), a request's after its index ("request 0: sampling_params.max_new_tokens
     ..."); say it as the flag, the way argparse does."""
-    match = re.match(r"(?:request \d+: )?(?:sampling_params\.)?(\w+) (.*)", str(exc), re.S)
+    match = re.match(r"(?:request \d+: )?(?:sampling_params\.)?(\w+)(?:=\w+)? (.*)", str(exc), re.S)
     if match and match.group(1) in fields:
         rest = re.sub(r"^[(](\S+)[)] ", r"\1 ", match.group(2))  # "(8190) plus the prompt ...": the value itself
         rest = re.sub(r"[(]raise (\w+)[)]", lambda m: f"(raise {flag_of(m[1])})", rest)  # an engine field's remedy
@@ -138,9 +138,10 @@ def _named(exc: ValueError, fields: Iterable[str]) -> UsageError:
 
 
 def said_as_flags(exc: ValueError) -> UsageError:
-    """The engine's refusal of a request (`validation.check_request`) as the
-    command line says it: the sampling field as the flag that sets it."""
-    return _named(exc, SAMPLING_FIELDS)
+    """The engine's refusal of a request (`validation.check_request`) or of
+    its own settings at build (`enable_return_routed_experts=True needs ...`)
+    as the command line says it: the field as the flag that sets it."""
+    return _named(exc, [*SAMPLING_FIELDS, *(f.name for f in dataclasses.fields(EngineConfig))])
 
 
 def check_tp_args(config: EngineConfig) -> None:
@@ -224,6 +225,10 @@ def check_engine_args(config: EngineConfig) -> None:
         raise UsageError(f"argument --device: {config.device!r} was asked for, but torch sees no CUDA GPU")
     if config.enable_memory_saver and (config.device == "cpu" or not cuda):
         raise UsageError("argument --enable-memory-saver: the memory saver needs a CUDA device")
+    if config.attention_backend not in ("auto", "torch") and (config.device == "cpu" or not cuda):
+        raise UsageError(f"argument --attention-backend: {config.attention_backend!r} needs a CUDA device "
+                         f"({'--device cpu was asked for' if cuda else 'torch sees no CUDA GPU'}); "
+                         f"'torch' runs anywhere")
 
 
 def has_tokenizer(config: EngineConfig) -> bool:

@@ -131,6 +131,8 @@ def test_generate_chat_with_tokenizer_flag(smollm2_dir, tmp_path, capsys, monkey
     (["--input-ids", "1", "--chat"], "--chat"),
     (["--tokenizer", "/"], "--tokenizer"),
     (["--enable-memory-saver", "--device", "cpu"], "--enable-memory-saver"),
+    (["--attention-backend", "triton", "--device", "cpu"], "--attention-backend"),
+    (["--attention-backend", "flashinfer", "--device", "cpu"], "--attention-backend"),
     (["--input-ids", "1,2", "--input-ids", "3,100000"], "--input-ids"),  # outside the vocabulary
     (["--tp", "3", "--input-ids", "1"], "--tp-size"),  # 4 heads do not split in 3
     (["--max-total-tokens", "4", "--input-ids", "1"], "--max-total-tokens"),  # 1 + 16 new tokens > 4
@@ -141,6 +143,14 @@ def test_bad_generate_flags(llama, flags, named, capsys, no_model_load):
     _, folder = llama
     assert main(["generate", "--model", folder, *flags]) == 2
     assert f"argument {named}:" in one_line_error(capsys)
+
+
+def test_the_engines_refusal_at_build_names_the_flag(llama, capsys):
+    """Checked by the engine as it builds (it reads the model's config), before the weights load."""
+    _, folder = llama
+    assert main(["generate", "--model", folder, "--enable-return-routed-experts", "--input-ids", "1"]) == 2
+    line = one_line_error(capsys)
+    assert line.startswith("rollout-engine: error: argument --enable-return-routed-experts: needs a mixture-of-experts")
 
 
 def test_a_field_that_may_be_none_is_said_as_a_flag_to_leave_out(llama, capsys, no_model_load):

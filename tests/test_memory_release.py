@@ -166,6 +166,16 @@ def test_pause_keep_then_continue_finishes_the_requests(make_engine):
     assert all(p >= 1 for p in produced)
 
 
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_a_gpu_attention_backend_on_the_cpu_is_refused_before_the_weights_load(llama, backend, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the backend was checked")
+
+    monkeypatch.setattr(engine_module, "load_model", no_load)
+    with pytest.raises(ValueError, match=f"attention_backend '{backend}' needs a CUDA device"):
+        RolloutEngine(llama[1], device="cpu", attention_backend=backend, max_total_tokens=1024)
+
+
 def test_controls_need_the_memory_saver(llama):
     engine = RolloutEngine(llama[1], max_total_tokens=1024)
     with pytest.raises(RuntimeError, match="enable_memory_saver=True"):

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rollout_engine.attention.base import AttentionShape, create_backend
+from rollout_engine.attention.base import AttentionShape, create_backend, resolve_backend_name
 from rollout_engine.cache.allocator import PageAllocator
 from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.cache.prefix_cache import NoPrefixCache, PrefixCache
@@ -128,6 +128,9 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
         comm = comm.with_fused_norm(shape.hidden_size, dtype, device)
     free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     memory = MemoryManager(create_saver(cfg.enable_memory_saver, device))
+    if not cfg.deterministic:  # a backend this device or dtype cannot run: refused before the weights load
+        resolve_backend_name(cfg.attention_backend, AttentionShape(shape.num_heads, shape.num_kv_heads,
+                                                                   shape.head_dim, cfg.page_size, dtype, device))
     if cfg.enable_return_routed_experts:  # refused before the weights load
         if shape.moe is None:
             raise ValueError(f"enable_return_routed_experts=True needs a mixture-of-experts model; "
