@@ -12,6 +12,19 @@ import pytest
 from rollout_engine.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_delivered():
+    """Each test starts with Python's own Ctrl-C handler. Started with Ctrl-C
+    ignored (a script's background job: `python -m pytest &`), the suite would
+    keep ignoring it, as the command does by design, and so would every
+    command it starts; a handler set from Python is not passed on to them."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_ctrl_c_while_the_command_imports_is_one_line(monkeypatch, capsys):
     """The console entry point catches Ctrl-C while torch and the command's
     modules import; `import rollout_engine` alone does not import torch."""
