@@ -86,12 +86,8 @@ def expect_shape(src: torch.Tensor, shape: tuple[int, ...], name: str = "") -> N
         raise ValueError(f"shape mismatch{where}: expected {tuple(shape)}, got {tuple(src.shape)}")
 
 
-def _check_shape(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    expect_shape(src, tuple(dst.shape), name)
-
-
 def copy_into(dst: torch.Tensor, src: torch.Tensor, name: str = "") -> None:
-    _check_shape(dst, src, name)
+    expect_shape(src, tuple(dst.shape), name)
     if VALIDATE_ONLY.get():
         return
     check = FINITE_CHECK.get()
@@ -109,7 +105,7 @@ def quantize_into(dst: torch.Tensor, scale_inv: torch.Tensor, src: torch.Tensor,
     (kernels/fp8.py: quantize_channels), on the device. Finiteness is
     checked on the rows the scales come from: e4m3 holds no infinity, and
     a NaN or inf in a row makes its largest magnitude non-finite."""
-    _check_shape(dst, src, name)
+    expect_shape(src, tuple(dst.shape), name)
     if VALIDATE_ONLY.get():
         return
     check = FINITE_CHECK.get()
