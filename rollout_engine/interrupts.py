@@ -14,16 +14,22 @@ from typing import Any
 
 
 LAST_OUTPUT_S = 2.0  # after a second Ctrl-C, how long the aborted run may take to write its last lines
+# A SIGINT this soon after the first is the same Ctrl-C delivered again: `timeout`, like some job runners,
+# signals the process and then its whole group.
+SAME_PRESS_S = 0.1
 
 
 class DeferredInterrupt:
-    """A SIGINT handler that only notes the signal."""
+    """A SIGINT handler that only notes the signal; one that comes within
+    `ignore_s` of the handler's creation is not counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, ignore_s: float = 0.0) -> None:
         self.hit = False
+        self._counts_from = time.monotonic() + ignore_s
 
     def __call__(self, signum, frame) -> None:
-        self.hit = True
+        if time.monotonic() >= self._counts_from:
+            self.hit = True
 
 
 @contextlib.contextmanager
@@ -46,7 +52,8 @@ def generate_keeping_partials(engine: Any, main_thread: bool, **kwargs: Any) -> 
     """(engine.generate's outputs, whether Ctrl-C cut it short). generate
     runs in a worker thread; a Ctrl-C aborts its requests, which then
     finish with what they produced (finish_reason "abort"), so the samples
-    so far can be shown. A second Ctrl-C while they finish gives up on them;
+    so far can be shown. A second Ctrl-C while they finish (not the first
+    one delivered again within SAME_PRESS_S) gives up on them;
     after the first (from the main thread: `main_thread`), Ctrl-C only
     sets a flag until the caller puts its handler back."""
     if not main_thread:
@@ -71,7 +78,7 @@ def generate_keeping_partials(engine: Any, main_thread: bool, **kwargs: Any) -> 
         interrupted = True
         # From here a Ctrl-C is only noted (the caller restores the handler): raised at any point, it
         # could land in a library's cleanup and print a traceback there.
-        again = DeferredInterrupt()
+        again = DeferredInterrupt(ignore_s=SAME_PRESS_S)
         signal.signal(signal.SIGINT, again)
         engine.abort()
         deadline = time.monotonic() + 30

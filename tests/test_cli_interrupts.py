@@ -228,7 +228,7 @@ def test_two_quick_ctrl_cs_during_generate_end_in_one_line(llama):
     time.sleep(1.0)  # generating (500 tokens a sample take tens of seconds here)
     assert proc.poll() is None
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)
+    time.sleep(0.3)  # past SAME_PRESS_S: a second press, not the first delivered again
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)  # stderr is the reader's alone (communicate() would take some of its last chunks)
     reader.join(10)
@@ -326,3 +326,26 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+
+def test_the_same_ctrl_c_delivered_again_at_once_is_not_a_second_press(monkeypatch):
+    """`timeout -s INT` signals the command and then its whole group, so one
+    Ctrl-C can arrive twice: the handler that counts the second press (which
+    gives up on the samples so far) lets a signal within SAME_PRESS_S pass."""
+    import time
+
+    from rollout_engine import interrupts
+
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    again = interrupts.DeferredInterrupt(ignore_s=interrupts.SAME_PRESS_S)
+    clock[0] += interrupts.SAME_PRESS_S / 2
+    again(signal.SIGINT, None)
+    assert not again.hit  # the first Ctrl-C, delivered again
+    clock[0] += interrupts.SAME_PRESS_S
+    again(signal.SIGINT, None)
+    assert again.hit  # a second press
+    plain = interrupts.DeferredInterrupt()
+    plain(signal.SIGINT, None)
+    assert plain.hit
