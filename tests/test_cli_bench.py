@@ -75,6 +75,7 @@ def test_bench_on_the_cpu_says_when_a_workload_will_take_hours(flags, long, caps
     (["--workload", "decode", "--output-len", "8", "--graphs-only", "--batch-sizes", "1"], ["--output-len"]),
     (["--workload", "grpo", "--scale", "0.5", "--steps", "3", "--num-prompts", "2"], ["--scale", "--steps"]),
     (["--workload", "offline", "--num-prompts", "2", "--baseline", "none"], []),  # a default given: not noted
+    (["--workload", "prefill", "--num-prompts", "2", "--max-prefill-tokens", "64"], ["--max-prefill-tokens"]),
 ])
 def test_bench_says_which_flags_its_workload_does_not_use(flags, unused, capsys, monkeypatch, bench_args_seen):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the GPU checks: the run is faked
@@ -92,9 +93,11 @@ def test_bench_engine_flags_reach_the_engine():
     from rollout_engine.bench.common import engine_kwargs
 
     args = cli.build_parser().parse_args(["bench", "--page-size", "16", "--max-running-requests", "64",
-                                      "--cuda-graph-max-batch-size", "128", "--tp", "2", "--deterministic"])
+                                      "--cuda-graph-max-batch-size", "128", "--tp", "2", "--deterministic",
+                                      "--max-prefill-tokens", "16384"])
     kw = engine_kwargs(args)
     assert (kw["page_size"], kw["max_running_requests"], kw["cuda_graph_max_batch_size"]) == (16, 64, 128)
+    assert kw["max_prefill_tokens"] == 16384
     assert kw["tp_size"] == 2 and kw["deterministic"] is True
     offered = {a.dest for a in cli.build_parser()._subparsers._group_actions[0].choices["bench"]._actions}
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}

@@ -16,8 +16,8 @@ CPU_WORKLOADS = ("grpo", "weights", "serve", "longtail")  # the others measure t
 # Engine fields that bench/run.py's engine factory passes on; other engine
 # flags would be accepted and silently ignored, so bench does not offer them.
 BENCH_ENGINE_FIELDS = ("model", "load_format", "attention_backend", "max_total_tokens", "seed", "cuda_graph",
-                       "tp_size", "deterministic", "page_size", "max_running_requests", "cuda_graph_max_batch_size",
-                       "enable_return_routed_experts", "quantization", "kv_cache_dtype")
+                       "tp_size", "deterministic", "page_size", "max_running_requests", "max_prefill_tokens",
+                       "cuda_graph_max_batch_size", "enable_return_routed_experts", "quantization", "kv_cache_dtype")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -100,6 +100,8 @@ WORKLOAD_FLAGS = {
     "batch_sizes": ("decode",), "context": ("decode",), "steps": ("decode",), "graphs_only": ("decode",),
     "nccl": ("weights",), "bucket_mb": ("weights",), "cycles": ("memory", "soak"), "concurrency": ("serve",),
     "scale": ("longtail",), "replicas": ("grpo",),
+    # prefill's engine takes all its prompts in one step
+    "max_prefill_tokens": ("grpo", "offline", "decode", "memory", "serve", "longtail", "soak"),
 }
 
 

@@ -28,8 +28,8 @@ def cuda_time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
 
 
 # Engine fields a benchmark passes on when its flags set them.
-OPTIONAL_FIELDS = ("tp_size", "deterministic", "page_size", "max_running_requests", "cuda_graph_max_batch_size",
-                   "enable_return_routed_experts", "quantization", "kv_cache_dtype")
+OPTIONAL_FIELDS = ("tp_size", "deterministic", "page_size", "max_running_requests", "max_prefill_tokens",
+                   "cuda_graph_max_batch_size", "enable_return_routed_experts", "quantization", "kv_cache_dtype")
 
 
 def engine_kwargs(args) -> dict:
