@@ -131,6 +131,7 @@ def _named(exc: ValueError, fields: Iterable[str]) -> UsageError:
     if match and match.group(1) in fields:
         rest = re.sub(r"^[(](\S+)[)] ", r"\1 ", match.group(2))  # "(8190) plus the prompt ...": the value itself
         rest = re.sub(r"[(]raise (\w+)[)]", lambda m: f"(raise {flag_of(m[1])})", rest)  # an engine field's remedy
+        rest = re.sub(r"\b(\w+)=True\b", lambda m: flag_of(m[1]) if m[1] in fields else m[0], rest)  # another flag
         if rest.startswith("must be None or "):  # None is the flag left out
             rest = "must be " + rest[len("must be None or "):] + " (or leave the flag out)"
         return UsageError(f"argument {flag_of(match.group(1))}: {rest}")

@@ -79,7 +79,7 @@ class EngineConfig:
             hint = "; did you mean 'fp8_e4m3'?" if "fp8" in str(self.kv_cache_dtype).lower() else ""
             bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES} (auto: the KV cache in `dtype`{hint})")
         if self.deterministic and self.quantization is not None:
-            bad("quantization", "cannot be used in deterministic mode (fp8 products are not batch-invariant)")
+            bad("quantization", "cannot be used with deterministic=True (fp8 products are not batch-invariant)")
         if self.deterministic and self.attention_backend != "auto":
             bad("attention_backend", "must stay 'auto' with deterministic=True (which uses its own "
                                      "batch-invariant attention)")

@@ -268,7 +268,9 @@ def test_a_shortened_flag_is_refused_not_taken_for_the_full_one(argv, flag, caps
     (["bench", "--workload", "ofline"], "; did you mean 'offline'?"),
     (["generate", "--quantization", "FP8", "hi"], "invalid choice: 'FP8' (choose from 'fp8'); did you mean 'fp8'?"),
     (["generate", "--quantization", "fp8", "--deterministic", "hi"],
-     "argument --quantization: cannot be used in deterministic mode (fp8 products are not batch-invariant)")])
+     "argument --quantization: cannot be used with --deterministic (fp8 products are not batch-invariant)"),
+    (["generate", "--attention-backend", "torch", "--deterministic", "hi"],
+     "argument --attention-backend: must stay 'auto' with --deterministic (which uses its own")])
 def test_a_misspelled_flag_names_the_closest_one(argv, words, capsys, no_model_load):
     assert main(argv) == 2
     line = one_line_error(capsys)
