@@ -11,7 +11,9 @@ wait is under 50 us found the device idle, so the host bounded it. The
 report gives each phase's mean time per step (phases nest: the scheduler's
 launch holds the runner's, which holds the graph replay and sampling, so
 they do not add up; `host_ms_per_step` is the whole) and counts host-bound
-steps by batch size. Measures the grpo (one replica) and offline workloads,
+steps by batch size; `by_kind` splits the same by the kind of step each
+loop iteration launched (mixed: one with prompt rows, run outside the CUDA
+graphs; decode; none). Measures the grpo (one replica) and offline workloads,
 whose runs go through the bench's timed run; the others are refused.
 
     python3 benchmarks/host_phases.py --out /tmp/phases.json -- \\
@@ -56,6 +58,11 @@ class Phases:
         self.calls: dict[str, int] = collections.defaultdict(int)
         self.steps: list[tuple[float, float, int]] = []  # (host s, wait s, batch size collected)
         self.waits: list[float] = []
+        # per kind of step launched ("mixed", "decode", "none"): [(host s, wait s)] and phase seconds
+        self.kind_steps: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+        self.kind_total: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+        self.step_total: dict[str, float] = collections.defaultdict(float)  # the step in progress, by phase
+        self.step_kind = "none"  # what the step in progress launched
         self.profile = cProfile.Profile() if profile else None
         self.on = False
         self._patched: list[tuple[object, str, object]] = []  # (owner, name, original): undone by uninstall
@@ -98,7 +105,17 @@ class Phases:
         except ImportError:  # flashinfer's module imports lazily; the backend module itself always imports
             pass
         self._wrap_collect(ModelRunner)
+        self._wrap_launch_kind(S)
         self._wrap_step(S)
+
+    def _wrap_launch_kind(self, cls) -> None:
+        launch, phases = cls._launch, self
+
+        @functools.wraps(launch)
+        def kinded(scheduler, batch, *args, **kwargs):
+            phases.step_kind = "decode" if batch.is_decode else "mixed"
+            return launch(scheduler, batch, *args, **kwargs)
+        self._patch(cls, "_launch", kinded)
 
     def _wrap_collect(self, cls) -> None:
         collect, phases = cls.collect, self
@@ -124,6 +141,8 @@ class Phases:
             pending = scheduler._pending
             batch = len(pending[0].seqs) if pending is not None else 0
             waits = len(phases.waits)
+            phases.step_total.clear()
+            phases.step_kind = "none"
             if phases.profile is not None:
                 phases.profile.enable()
             start = time.perf_counter()
@@ -135,6 +154,9 @@ class Phases:
                     phases.profile.disable()
                 wait = phases.waits[-1] if len(phases.waits) > waits else 0.0
                 phases.steps.append((elapsed - wait, wait, batch))
+                phases.kind_steps[phases.step_kind].append((elapsed - wait, wait))
+                for label, seconds in phases.step_total.items():
+                    phases.kind_total[phases.step_kind][label] += seconds
         self._patch(cls, "_step", timed)
 
     def report(self) -> dict:
@@ -154,6 +176,14 @@ class Phases:
                     "steps": len(band), "host_bound": int((band[:, 1] < WAIT_BOUND_S).sum()),
                     "host_us_median": round(float(np.median(band[:, 0])) * 1e6, 1),
                     "wait_us_median": round(float(np.median(band[:, 1])) * 1e6, 1)}
+        out["by_kind"] = {}
+        for kind, times in sorted(self.kind_steps.items()):
+            t = np.array(times, dtype=np.float64)
+            per = self.kind_total[kind]
+            out["by_kind"][kind] = {
+                "steps": len(t), "host_bound": int((t[:, 1] < WAIT_BOUND_S).sum()),
+                "host_us_mean": round(float(t[:, 0].mean()) * 1e6, 1), "wait_us_mean": round(float(t[:, 1].mean()) * 1e6, 1),
+                "us_per_step": {k: round(v * 1e6 / len(t), 1) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}}
         return out
 
 
@@ -166,7 +196,9 @@ def _timed_function(phases: Phases, fn, label: str):
         try:
             return fn(*args, **kwargs)
         finally:
-            phases.total[label] += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            phases.total[label] += seconds
+            phases.step_total[label] += seconds
             phases.calls[label] += 1
     return timed
 

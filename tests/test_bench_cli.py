@@ -418,6 +418,9 @@ def test_host_phases_times_the_step_loop_of_a_bench_run_and_leaves_nothing_patch
     assert {"scheduler.schedule_ahead", "scheduler.build_plan", "runner.launch", "runner.sample"} <= set(
         report["us_per_step"])
     assert report["host_ms_per_step"] > 0 and sum(b["steps"] for b in report["by_batch"].values()) == report["steps"]
+    kinds = report["by_kind"]  # each step by what it launched: the prompts' steps are mixed, the rest decode
+    assert {"mixed", "decode"} <= set(kinds) and sum(k["steps"] for k in kinds.values()) == report["steps"]
+    assert kinds["mixed"]["us_per_step"]["runner.launch"] > 0 and kinds["decode"]["host_us_mean"] > 0
     assert (tmp_path / "phases.json.tottime.txt").read_text().count("function calls") == 1
     assert (sched.Scheduler._step, sched.Scheduler._launch, sched.build_plan, ModelRunner.collect) == before
 
