@@ -93,7 +93,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = _make_engine(config)
     handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     try:
-        if args.chat:
+        template = getattr(engine.tokenizer, "chat_template", None)
+        if args.chat or (prompts is DEMO_PROMPTS and template):  # the demo's questions are chat turns
             ids = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
         kwargs = {"input_ids": ids} if ids is not None else {"prompts": prompts}
         start = time.perf_counter()
@@ -102,9 +103,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _print_outputs(outs, prompts or ids, params, time.perf_counter() - start)
         if interrupted:  # the samples so far are printed (finish=abort); then the one line and status 130
             raise KeyboardInterrupt
-        template = getattr(engine.tokenizer, "chat_template", None)
-        if not args.chat and template and any(o.finish_reason == "stop" and len(o.output_token_ids) <= 1
-                                              for o in outs):
+        stopped_at_once = any(o.finish_reason == "stop" and len(o.output_token_ids) <= 1 for o in outs)
+        if not args.chat and ids is None and template and stopped_at_once:
             print("hint: the model stopped at once; chat models usually want --chat", file=sys.stderr)
     finally:
         note = DeferredInterrupt()  # a Ctrl-C raised inside the shutdown would cut it short, or land in a
@@ -233,7 +233,8 @@ def _add_download(sub: Any) -> None:
 
 def _add_generate(sub: Any) -> None:
     p = _subparser(sub, "generate", "one-shot generation from text prompts or token ids")
-    p.add_argument("prompts", nargs="*", help="text prompts (default: a few demo prompts); they need a tokenizer")
+    p.add_argument("prompts", nargs="*", help="text prompts (default: a few demo questions, in the model's chat template when it has one); "
+                                                "they need a tokenizer")
     p.add_argument("--input-ids", type=input_ids, action="extend", metavar="IDS", help=INPUT_IDS_HELP)
     p.add_argument("--chat", action="store_true", help="wrap each text prompt in the model's chat template")
     add_engine_args(p)

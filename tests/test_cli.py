@@ -113,6 +113,30 @@ def test_generate_chat_with_tokenizer_flag(smollm2_dir, tmp_path, capsys, monkey
     assert "'What is 2+2?'" in out and "1 sample, 3 output tokens" in out
 
 
+def test_generate_without_prompts_asks_the_demo_questions_in_the_chat_template(smollm2_dir, tmp_path, capsys,
+                                                                               monkeypatch):
+    """The built-in questions are chat turns: without --chat they still go
+    through the model's template when it has one (raw, a chat model often
+    answers them with its end token at once)."""
+    from rollout_engine import RolloutEngine
+    from rollout_engine.cli import DEMO_PROMPTS
+
+    folder = save_model(make_hf_model("llama", vocab_size=49152), tmp_path / "tiny")
+    calls = []
+    template = RolloutEngine.apply_chat_template
+    monkeypatch.setattr(RolloutEngine, "apply_chat_template",
+                        lambda self, messages, *a: calls.append(messages) or template(self, messages, *a))
+    rc = main(["generate", "--model", folder, "--tokenizer", smollm2_dir, "--max-new-tokens", "2", "--ignore-eos",
+               "--max-total-tokens", "512"])
+    assert rc == 0
+    assert calls == [[{"role": "user", "content": q}] for q in DEMO_PROMPTS]
+    assert f"{len(DEMO_PROMPTS)} samples, {2 * len(DEMO_PROMPTS)} output tokens" in capsys.readouterr().out
+    calls.clear()  # a prompt of the user's own stays as written
+    assert main(["generate", "--model", folder, "--tokenizer", smollm2_dir, "--max-new-tokens", "2",
+                 "--max-total-tokens", "512", "The sea is"]) == 0
+    assert calls == []
+
+
 # ---- bad input: one line, exit 2, before the model loads ---------------------------------
 
 @pytest.mark.parametrize("flags, named", [

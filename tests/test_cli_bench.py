@@ -76,6 +76,8 @@ def test_bench_on_the_cpu_says_when_a_workload_will_take_hours(flags, long, caps
     (["--workload", "grpo", "--scale", "0.5", "--steps", "3", "--num-prompts", "2"], ["--scale", "--steps"]),
     (["--workload", "offline", "--num-prompts", "2", "--baseline", "none"], []),  # a default given: not noted
     (["--workload", "prefill", "--num-prompts", "2", "--max-prefill-tokens", "64"], ["--max-prefill-tokens"]),
+    (["--workload", "weights", "--page-size", "16", "--max-running-requests", "8", "--max-prefill-tokens", "64",
+      "--bucket-mb", "64"], ["--page-size", "--max-running-requests", "--max-prefill-tokens", "--bucket-mb"]),
 ])
 def test_bench_says_which_flags_its_workload_does_not_use(flags, unused, capsys, monkeypatch, bench_args_seen):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the GPU checks: the run is faked
@@ -86,6 +88,16 @@ def test_bench_says_which_flags_its_workload_does_not_use(flags, unused, capsys,
     from rollout_engine.bench.run import _config
 
     assert "bench_defaults" not in _config(bench_args_seen[0])  # the report's config says what ran
+
+
+def test_bucket_size_is_noted_only_without_the_broadcast(capsys):
+    from rollout_engine.bench.command import _note_unused_bench_flags
+
+    parser = cli.build_parser()
+    for flags, noted in ((["--nccl"], False), ([], True)):
+        args = parser.parse_args(["bench", "--workload", "weights", "--bucket-mb", "64", *flags])
+        _note_unused_bench_flags(args, args.bench_defaults)
+        assert ("--bucket-mb does nothing" in capsys.readouterr().err) == noted
 
 
 def test_bench_engine_flags_reach_the_engine():

@@ -100,9 +100,12 @@ WORKLOAD_FLAGS = {
     "batch_sizes": ("decode",), "context": ("decode",), "steps": ("decode",), "graphs_only": ("decode",),
     "nccl": ("weights",), "bucket_mb": ("weights",), "cycles": ("memory", "soak"), "concurrency": ("serve",),
     "scale": ("longtail",), "replicas": ("grpo",),
-    # prefill's engine takes all its prompts in one step
-    "max_prefill_tokens": ("grpo", "offline", "decode", "memory", "serve", "longtail", "soak"),
 }
+# Engine flags that shape generation: the weights workload only copies weights (and prefill's engine takes
+# all its prompts in one step).
+GENERATING = ("grpo", "offline", "decode", "prefill", "memory", "serve", "longtail", "soak")
+WORKLOAD_FLAGS.update({f: GENERATING for f in ("page_size", "max_running_requests", "cuda_graph_max_batch_size")})
+WORKLOAD_FLAGS["max_prefill_tokens"] = tuple(w for w in GENERATING if w != "prefill")
 
 
 def _note_unused_bench_flags(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
@@ -112,6 +115,9 @@ def _note_unused_bench_flags(args: argparse.Namespace, defaults: dict[str, Any])
             flag = "-n" if dest == "n" else "--" + dest.replace("_", "-")
             print(f"{PROG} bench: note: {flag} does nothing for --workload {args.workload} "
                   f"(it sizes {', '.join(used_by)})", file=sys.stderr)
+    if args.workload == "weights" and not args.nccl and args.bucket_mb != defaults["bucket_mb"]:
+        print(f"{PROG} bench: note: --bucket-mb does nothing for --workload weights without --nccl "
+              "(it sizes the broadcast's buckets)", file=sys.stderr)
 
 
 def _check_bench_args(args: argparse.Namespace) -> None:
