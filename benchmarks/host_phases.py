@@ -182,7 +182,8 @@ class Phases:
             per = self.kind_total[kind]
             out["by_kind"][kind] = {
                 "steps": len(t), "host_bound": int((t[:, 1] < WAIT_BOUND_S).sum()),
-                "host_us_mean": round(float(t[:, 0].mean()) * 1e6, 1), "wait_us_mean": round(float(t[:, 1].mean()) * 1e6, 1),
+                "host_us_mean": round(float(t[:, 0].mean()) * 1e6, 1),
+                "wait_us_mean": round(float(t[:, 1].mean()) * 1e6, 1),
                 "us_per_step": {k: round(v * 1e6 / len(t), 1) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}}
         return out
 

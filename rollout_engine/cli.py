@@ -233,8 +233,8 @@ def _add_download(sub: Any) -> None:
 
 def _add_generate(sub: Any) -> None:
     p = _subparser(sub, "generate", "one-shot generation from text prompts or token ids")
-    p.add_argument("prompts", nargs="*", help="text prompts (default: a few demo questions, in the model's chat template when it has one); "
-                                                "they need a tokenizer")
+    p.add_argument("prompts", nargs="*", help="text prompts (default: a few demo questions, in the model's chat "
+                                              "template when it has one); they need a tokenizer")
     p.add_argument("--input-ids", type=input_ids, action="extend", metavar="IDS", help=INPUT_IDS_HELP)
     p.add_argument("--chat", action="store_true", help="wrap each text prompt in the model's chat template")
     add_engine_args(p)
