@@ -27,13 +27,13 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 SINGLE = "gpu and not multigpu"
-# Seconds per file on an H200 (JUnit times of a whole-suite run on four H200s, 2026-11-27, the JIT caches
-# warm for the files with real weights), for dealing files to shards.
-SECONDS = {"test_gpu_moe.py": 220, "test_gpu_fp8_kv_cache.py": 190, "test_gpu_deterministic.py": 160,
-           "test_gpu_moe_kernels.py": 140, "test_gpu_differential.py": 120, "test_one_seq_attention.py": 105,
-           "test_gpu_fast_path.py": 100, "test_gpu_fp8.py": 100, "test_gpu_memory.py": 75,
-           "test_gpu_weight_lifecycle.py": 65, "test_gpu_parity.py": 60, "test_docs.py": 55, "test_gpu_kernels.py": 50,
-           "test_gpu_fp8_row.py": 45}
+# Seconds per file on an H200 (JUnit times of a whole-suite run on four H200s, 2026-11-28, the real weights
+# converted on the machine), for dealing files to shards.
+SECONDS = {"test_gpu_moe.py": 205, "test_gpu_fp8_kv_cache.py": 200, "test_gpu_deterministic.py": 135,
+           "test_gpu_fp8.py": 130, "test_gpu_differential.py": 120, "test_gpu_moe_kernels.py": 110,
+           "test_one_seq_attention.py": 90, "test_gpu_memory.py": 75, "test_gpu_parity.py": 50,
+           "test_gpu_fp8_row.py": 35, "test_gpu_kernels.py": 30, "test_gpu_weight_lifecycle.py": 30,
+           "test_gpu_fast_path.py": 25, "test_inflight_update.py": 15, "test_gpu_batch_gemm.py": 10}
 SECONDS_PER_TEST = 5
 
 
