@@ -96,44 +96,41 @@ def test_text_prompt_without_tokenizer_is_one_line_exit_2():
     assert "--input-ids" in proc.stderr and "--tokenizer" in proc.stderr
 
 
-def test_generate_chat_with_tokenizer_flag(smollm2_dir, tmp_path, capsys, monkeypatch):
-    # A tiny model with SmolLM2's vocabulary size, its tokenizer passed by flag.
-    folder = save_model(make_hf_model("llama", vocab_size=49152), tmp_path / "tiny")
+@pytest.fixture
+def chat_turns(smollm2_dir, tmp_path, monkeypatch):
+    """(flags for a tiny model with SmolLM2's vocabulary size, its tokenizer
+    passed by flag; the messages each apply_chat_template call received)."""
     from rollout_engine import RolloutEngine
 
+    folder = save_model(make_hf_model("llama", vocab_size=49152), tmp_path / "tiny")
     calls = []
     template = RolloutEngine.apply_chat_template
     monkeypatch.setattr(RolloutEngine, "apply_chat_template",
                         lambda self, messages, *a: calls.append(messages) or template(self, messages, *a))
-    rc = main(["generate", "--model", folder, "--tokenizer", smollm2_dir, "--chat", "--max-new-tokens", "3",
-               "--ignore-eos", "--max-total-tokens", "512", "What is 2+2?"])
+    return ["--model", folder, "--tokenizer", smollm2_dir, "--max-total-tokens", "512"], calls
+
+
+def test_generate_chat_with_tokenizer_flag(chat_turns, capsys):
+    flags, calls = chat_turns
+    rc = main(["generate", *flags, "--chat", "--max-new-tokens", "3", "--ignore-eos", "What is 2+2?"])
     assert rc == 0
     assert calls == [[{"role": "user", "content": "What is 2+2?"}]]
     out = capsys.readouterr().out
     assert "'What is 2+2?'" in out and "1 sample, 3 output tokens" in out
 
 
-def test_generate_without_prompts_asks_the_demo_questions_in_the_chat_template(smollm2_dir, tmp_path, capsys,
-                                                                               monkeypatch):
+def test_generate_without_prompts_asks_the_demo_questions_in_the_chat_template(chat_turns, capsys):
     """The built-in questions are chat turns: without --chat they still go
     through the model's template when it has one (raw, a chat model often
     answers them with its end token at once)."""
-    from rollout_engine import RolloutEngine
     from rollout_engine.cli import DEMO_PROMPTS
 
-    folder = save_model(make_hf_model("llama", vocab_size=49152), tmp_path / "tiny")
-    calls = []
-    template = RolloutEngine.apply_chat_template
-    monkeypatch.setattr(RolloutEngine, "apply_chat_template",
-                        lambda self, messages, *a: calls.append(messages) or template(self, messages, *a))
-    rc = main(["generate", "--model", folder, "--tokenizer", smollm2_dir, "--max-new-tokens", "2", "--ignore-eos",
-               "--max-total-tokens", "512"])
-    assert rc == 0
+    flags, calls = chat_turns
+    assert main(["generate", *flags, "--max-new-tokens", "2", "--ignore-eos"]) == 0
     assert calls == [[{"role": "user", "content": q}] for q in DEMO_PROMPTS]
     assert f"{len(DEMO_PROMPTS)} samples, {2 * len(DEMO_PROMPTS)} output tokens" in capsys.readouterr().out
     calls.clear()  # a prompt of the user's own stays as written
-    assert main(["generate", "--model", folder, "--tokenizer", smollm2_dir, "--max-new-tokens", "2",
-                 "--max-total-tokens", "512", "The sea is"]) == 0
+    assert main(["generate", *flags, "--max-new-tokens", "2", "The sea is"]) == 0
     assert calls == []
 
 
