@@ -62,6 +62,10 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
     (dict(dtype="int8"), "dtype"), (dict(page_size=3), "page_size"), (dict(mem_fraction=0), "mem_fraction"),
     (dict(attention_backend="magic"), "attention_backend"), (dict(load_format="pt"), "load_format"),
     (dict(device="tpu"), "device"), (dict(max_running_requests=0), "max_running_requests"),
+    # a bool is no count (Python counts it an int), a string no fraction
+    (dict(max_prefill_tokens=True), "max_prefill_tokens"), (dict(page_size=True), "page_size"),
+    (dict(seed=False), "seed"), (dict(max_total_tokens=True), "max_total_tokens"),
+    (dict(mem_fraction="0.5"), "mem_fraction"), (dict(mem_fraction=True), "mem_fraction"),
 ])
 def test_bad_engine_arguments_name_the_field(llama, kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field} "):
