@@ -94,7 +94,7 @@ class Phases:
         for name in ("_schedule", "_schedule_ahead", "_launch", "_collect_pending", "_apply"):
             self.wrap(S, name, f"scheduler.{name.lstrip('_')}")
         self._patch(sched, "build_plan", _timed_function(self, sched.build_plan, "scheduler.build_plan"))
-        for name in ("launch", "_sample"):
+        for name in ("launch", "_forward_eager", "_logits", "_sample"):
             self.wrap(ModelRunner, name, f"runner.{name.lstrip('_')}")
         self.wrap(CudaGraphRunner, "replay", "runner.graph_replay")
         self.wrap(CudaGraphRunner, "replay_sampled", "runner.graph_replay_sampled")

@@ -46,6 +46,18 @@ class TableMirror:
 # input ids, positions, KV slots (per token), request-table rows (per sequence), as they go to the device
 INDEX_DTYPES = (np.int64, np.int64, np.int64, np.int32)
 
+# A step run outside the CUDA graphs (prompt chunks, mixed steps) rounds its token count up to a multiple
+# of PAD_TOKENS from PAD_TOKENS tokens on: cuBLAS chooses a kernel for each new row count, 0.1-3 ms of
+# host time per product the first time a count is seen (about 20 us after), and the token count of such a
+# step is new nearly every step. Padding rows read token 0 at position 0, write their K/V to the reserved
+# page 0, are left out of attention, and are dropped before the logits (BENCHMARKS.md, "Padded eager steps").
+PAD_TOKENS = 64
+
+
+def padded_tokens(n: int) -> int:
+    """The row count an eager step of `n` tokens runs with."""
+    return n if n < PAD_TOKENS else -(-n // PAD_TOKENS) * PAD_TOKENS
+
 
 @dataclass
 class ForwardBatch:
@@ -62,6 +74,8 @@ class ForwardBatch:
     attn_backend: "AttentionBackend"
     is_decode: bool
     attn_metadata: Any = field(default=None)
+    pad: int = 0  # padding rows after the step's tokens (`padded_tokens`): not attended, not read
+
 
     @property
     def batch_size(self) -> int:
@@ -69,9 +83,11 @@ class ForwardBatch:
 
     @staticmethod
     def from_plan(plan: StepPlan, table: TableMirror, kv_pool: KVPool, backend: "AttentionBackend",
-                  device: torch.device) -> "ForwardBatch":
+                  device: torch.device, pad: int = 0) -> "ForwardBatch":
+        """`pad`: padding rows after the plan's tokens (input id 0, position 0,
+        KV slot 0: the block's zero fill)."""
         # One host->device copy for all per-token index data (`host_block`).
-        t = plan.num_tokens
+        t = plan.num_tokens + pad
         layout = BlockLayout(INDEX_DTYPES, (t, t, t, len(plan.rows)))
         input_ids, positions, out_cache_loc, rows_device = layout.upload(
             (plan.input_ids, plan.positions, plan.out_cache_loc, plan.rows), device)
@@ -79,7 +95,7 @@ class ForwardBatch:
             input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, extend_lens=plan.extend_lens,
             seq_lens=plan.seq_lens, rows=plan.rows, rows_device=rows_device, table=table, kv_pool=kv_pool,
             attn_backend=backend,
-            is_decode=plan.is_decode,
+            is_decode=plan.is_decode, pad=pad,
         )
         backend.init_forward_metadata(fb)
         return fb

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -22,6 +23,11 @@ class PagedAttention(nn.Module):
         self.scaling = head_dim ** -0.5
 
     def forward(self, q: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
-        """q: [T, heads, d] for the step's new tokens. Returns [T, heads * d]."""
-        out = fb.attn_backend.forward(q, self, fb)
-        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+        """q: [T, heads, d] for the step's new tokens. Returns [T, heads * d].
+        Padding rows (`fb.pad`, at the end) are left out of the backend's call
+        and get zeros."""
+        if not fb.pad:
+            return fb.attn_backend.forward(q, self, fb).reshape(q.shape[0], self.num_heads * self.head_dim)
+        n = q.shape[0] - fb.pad
+        out = fb.attn_backend.forward(q[:n], self, fb).reshape(n, self.num_heads * self.head_dim)
+        return F.pad(out, (0, 0, 0, fb.pad))

@@ -15,7 +15,7 @@ import torch
 
 from rollout_engine.attention.base import AttentionBackend
 from rollout_engine.cache.kv_pool import KVPool
-from rollout_engine.forward_batch import ForwardBatch, TableMirror
+from rollout_engine.forward_batch import ForwardBatch, TableMirror, padded_tokens
 from rollout_engine.models.decoder import DecoderForCausalLM
 from rollout_engine.plan import SamplingPlan, StepOutput, StepPlan
 from rollout_engine.kernels._triton import triton_available, use_kernel
@@ -47,6 +47,9 @@ class ModelRunner:
                  table_shape: tuple[int, int], device: torch.device, batch_invariant: bool = False):
         self.model = model
         self.batch_invariant = batch_invariant  # deterministic mode: sample each row alone
+        # Steps off the graphs run on padded row counts (`forward_batch.padded_tokens`): on the GPU, for
+        # cuBLAS's per-shape cost; not in deterministic mode, whose products are its own kernels.
+        self.pads_eager = device.type == "cuda" and not batch_invariant
         self.kv_pool = kv_pool
         self.backend = backend
         self.device = device
@@ -83,23 +86,17 @@ class ModelRunner:
         nobody reads): no copy to the host, only the sampled tokens kept on
         the device for the next plan."""
         self.table.apply(plan.table_writes)
-        input_ids = self._inputs_from_prev(plan, prev)
         graphs = self.graphs
         if graphs is not None and plan.logits_for_all_rows and graphs.can_run(plan):
+            input_ids = self._inputs_from_prev(plan, prev)
             if graphs.samples and self._samples_in_tail(plan):
                 return self._launch_tail(plan, input_ids, to_host)
             hidden = graphs.replay(plan, input_ids)
         else:
-            fb = ForwardBatch.from_plan(plan, self.table, self.kv_pool, self.backend, self.device)
-            if input_ids is not None:
-                fb.input_ids = input_ids
-            with use_counters(self.gemm_counters):
-                hidden = self.model(fb.input_ids, fb.positions, fb)
+            hidden = self._forward_eager(plan, prev)
         if not len(plan.logit_rows):
             return StepHandle(plan, None, None, None)
-        if not plan.logits_for_all_rows:
-            hidden = hidden[self._on_device(plan.logit_rows)]
-        logits = self.model.compute_logits(hidden)
+        logits = self._logits(plan, hidden)
         sampled, device_out = self._sample(plan, logits)
         if not to_host:
             return StepHandle(plan, sampled, None, None)
@@ -160,20 +157,57 @@ class ModelRunner:
         handle = self.launch(plan, prev)
         return self.collect(handle), handle
 
-    def _inputs_from_prev(self, plan: StepPlan, prev: StepHandle | None) -> torch.Tensor | None:
+    def _forward_eager(self, plan: StepPlan, prev: StepHandle | None) -> torch.Tensor:
+        """The hidden states of a step run outside the CUDA graphs, with its
+        padding rows (`forward_batch.padded_tokens`) at the end."""
+        pad = self._padding(plan.num_tokens)
+        fb = ForwardBatch.from_plan(plan, self.table, self.kv_pool, self.backend, self.device, pad)
+        if plan.prev_rows is not None:
+            fb.input_ids = self._inputs_from_prev(plan, prev, fb.input_ids)
+        with use_counters(self.gemm_counters):
+            return self.model(fb.input_ids, fb.positions, fb)
+
+    def _padding(self, n: int) -> int:
+        """Padding rows for an eager step of `n` tokens (`pads_eager`)."""
+        return padded_tokens(n) - n if self.pads_eager else 0
+
+    def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [len(plan.logit_rows), vocab] of the plan's logit rows. Off
+        the graphs the LM head runs on a padded row count (row 0 repeated),
+        as the eager step's products do."""
+        n = len(plan.logit_rows)
+        if plan.logits_for_all_rows:
+            return self.model.compute_logits(hidden if hidden.shape[0] == n else hidden[:n])
+        rows = np.asarray(plan.logit_rows, dtype=np.int64)
+        pad = self._padding(n) if n > 1 else 0
+        if pad:
+            rows = np.concatenate([rows, np.zeros(pad, dtype=np.int64)])
+        logits = self.model.compute_logits(hidden[self._on_device(rows)])
+        return logits[:n] if pad else logits
+
+    def _inputs_from_prev(self, plan: StepPlan, prev: StepHandle | None,
+                          ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The plan's input ids on the device with the previous step's sampled
-        tokens in place (`plan.prev_rows`), or None when it reads none."""
+        tokens in place (`plan.prev_rows`), or None when it reads none. `ids`:
+        the step's input ids on the device already (with any padding rows),
+        written in place and returned."""
         rows = plan.prev_rows
         if rows is None:
-            return None
+            return ids
         if plan.is_decode and len(rows) and (rows >= 0).all():  # a decode step: every input from the step before
             first = int(rows[0])
             if rows[-1] - first == len(rows) - 1 and (np.diff(rows) == 1).all():  # rows in order: a view
-                return prev.sampled.tokens[first: first + len(rows)]
-            return prev.sampled.tokens[self._on_device(rows)]
+                tokens = prev.sampled.tokens[first: first + len(rows)]
+            else:
+                tokens = prev.sampled.tokens[self._on_device(rows)]
+            if ids is None or ids.shape[0] == len(rows):
+                return tokens
+            ids[: len(rows)] = tokens
+            return ids
         reads = rows >= 0
         last_token = np.cumsum(plan.extend_lens) - 1
-        ids = self._on_device(plan.input_ids)
+        if ids is None:
+            ids = self._on_device(plan.input_ids)
         ids[self._on_device(last_token[reads])] = prev.sampled.tokens[self._on_device(rows[reads])]
         return ids
 

@@ -1,0 +1,115 @@
+"""Steps run outside the CUDA graphs (prompt chunks, mixed steps) run on a
+padded row count (forward_batch.padded_tokens): the padding rows must not
+change any request's tokens or logprobs, must never be attended to, and
+must not reach the logits. On the GPU the runner pads by default; here it is
+switched on with a small multiple so that nearly every step is padded."""
+from __future__ import annotations
+
+import pytest
+
+from differential import Reference, WorkloadGenerator, stress
+from models import make_hf_model, save_model
+from rollout_engine import RolloutEngine, SamplingParams, forward_batch
+from rollout_engine.runner.model_runner import ModelRunner
+
+
+def test_padded_row_counts():
+    m = forward_batch.PAD_TOKENS
+    assert [forward_batch.padded_tokens(n) for n in (1, 2, m - 1)] == [1, 2, m - 1]  # small steps: as they are
+    assert [forward_batch.padded_tokens(n) for n in (m, m + 1, 2 * m, 8233)] == [m, 2 * m, 2 * m, -(-8233 // m) * m]
+
+
+def _padding_engine(folder, monkeypatch, **kw) -> tuple[RolloutEngine, list[tuple[int, int]]]:
+    """An engine whose runner pads its steps to multiples of 8 rows; the list
+    collects (plan tokens, rows the model ran on) per step."""
+    monkeypatch.setattr(forward_batch, "PAD_TOKENS", 8)
+    engine = RolloutEngine(folder, device="cpu", **kw)
+    runner = engine.core.parts.runner
+    runner.pads_eager = True
+    seen: list[tuple[int, int]] = []
+    model_forward = runner.model.forward
+
+    def forward(input_ids, positions, fb):
+        seen.append((input_ids.shape[0] - fb.pad, input_ids.shape[0]))
+        assert positions.shape[0] == fb.out_cache_loc.shape[0] == input_ids.shape[0]
+        return model_forward(input_ids, positions, fb)
+
+    monkeypatch.setattr(runner.model, "forward", forward)
+    return engine, seen
+
+
+@pytest.mark.parametrize("kind,page_size", [("llama", 1), ("qwen3", 16)])
+def test_padded_steps_match_the_reference_over_random_call_sequences(tmp_path, monkeypatch, kind, page_size):
+    """Chunked prompts, prefix-cache hits, retractions, aborts and n > 1 on one
+    engine, every step padded: every output checked against Hugging Face."""
+    hf = make_hf_model(kind, seed=5)
+    folder = save_model(hf, tmp_path / kind)
+    engine, seen = _padding_engine(folder, monkeypatch, max_total_tokens=400, max_prefill_tokens=48,
+                                   page_size=page_size, max_running_requests=24)
+    gen = WorkloadGenerator(seed=11 + page_size, token_range=(0, 512), max_prompt_len=60, max_new_tokens=30,
+                            max_batch=16)
+    report = stress(engine, Reference(hf, "cpu"), gen, num_calls=40, margin=1e-3, logprob_tol=1e-3)
+    print(report.summary())
+    assert not report.violations, report.violations[:5]
+    padded = [(n, rows) for n, rows in seen if rows > n]
+    assert len(padded) > len(seen) // 10, f"{len(padded)} of {len(seen)} steps padded"
+    assert all(rows % 8 == 0 and rows - n < 8 for n, rows in padded)
+    assert engine.cache_stats()["hit_rate"] > 0.1
+
+
+def test_padded_and_unpadded_engines_agree_with_prompt_logprobs(tmp_path, monkeypatch):
+    """Prompt logprobs read the logits of every prompt row: the padding rows
+    are dropped before them (a step whose every row has logits included)."""
+    hf = make_hf_model("llama", seed=6)
+    folder = save_model(hf, tmp_path / "m")
+    prompts = [[(7 * i + j) % 500 for j in range(13 + 5 * i)] for i in range(6)]
+    params = SamplingParams(max_new_tokens=9, temperature=0.0, logprobs=True, prompt_logprobs=True)
+    plain = RolloutEngine(folder, device="cpu", max_prefill_tokens=40).generate(input_ids=prompts,
+                                                                                sampling_params=params)
+    engine, seen = _padding_engine(folder, monkeypatch, max_prefill_tokens=40)
+    padded = engine.generate(input_ids=prompts, sampling_params=params)
+    assert any(rows > n for n, rows in seen)
+    for a, b in zip(plain, padded):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        assert [x for x in a.prompt_logprobs if x is not None] == pytest.approx(
+            [x for x in b.prompt_logprobs if x is not None], abs=1e-5)
+
+
+def test_a_cpu_engine_does_not_pad(tmp_path):
+    """Off the GPU there is no per-shape cost to save: padding rows would only cost."""
+    folder = save_model(make_hf_model("llama", seed=7), tmp_path / "m")
+    assert RolloutEngine(folder, device="cpu").core.parts.runner.pads_eager is False
+
+
+@pytest.mark.gpu
+def test_gpu_engines_pad_their_eager_steps_and_agree_with_unpadded_ones(tmp_path, monkeypatch):
+    """On the GPU the runner pads by default (not in deterministic mode); a
+    padded run's first tokens (sampled in padded prompt steps) have the
+    logprobs of an unpadded run's."""
+    import torch
+
+    folder = save_model(make_hf_model("qwen3", seed=8), tmp_path / "m")
+    prompts = [[(11 * i + j) % 500 for j in range(70 + 9 * i)] for i in range(5)]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=True)
+    det = RolloutEngine(folder, device="cuda", dtype="float32", deterministic=True)
+    assert det.core.parts.runner.pads_eager is False
+    det.shutdown()
+    outs = {}
+    for pads in (False, True):
+        engine = RolloutEngine(folder, device="cuda", dtype="float32", max_prefill_tokens=128)
+        runner = engine.core.parts.runner
+        assert runner.pads_eager is True  # the default on the GPU
+        runner.pads_eager = pads
+        seen = []
+        model_forward = runner.model.forward
+        monkeypatch.setattr(runner.model, "forward",
+                            lambda ids, pos, fb: seen.append(fb.pad) or model_forward(ids, pos, fb))
+        outs[pads] = engine.generate(input_ids=prompts, sampling_params=params)
+        assert any(seen) == pads
+        engine.shutdown()
+        torch.cuda.empty_cache()
+    for a, b in zip(outs[False], outs[True]):
+        assert a.output_token_ids[0] == b.output_token_ids[0]
+        assert abs(a.output_logprobs[0] - b.output_logprobs[0]) < 1e-3
