@@ -84,21 +84,24 @@ def test_a_cpu_engine_does_not_pad(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_engines_pad_their_eager_steps_and_agree_with_unpadded_ones(tmp_path, monkeypatch):
-    """On the GPU the runner pads by default (not in deterministic mode); a
-    padded run's first tokens (sampled in padded prompt steps) have the
-    logprobs of an unpadded run's."""
+def test_gpu_engines_pad_their_eager_steps_and_stay_at_the_reference(tmp_path, monkeypatch):
+    """On the GPU the runner pads by default (not in deterministic mode): its
+    chunked prompt steps run padded and its greedy outputs stay as close to
+    Hugging Face, teacher-forced, as an unpadded engine's."""
     import torch
 
-    folder = save_model(make_hf_model("qwen3", seed=8), tmp_path / "m")
-    prompts = [[(11 * i + j) % 500 for j in range(70 + 9 * i)] for i in range(5)]
-    params = SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=True)
-    det = RolloutEngine(folder, device="cuda", dtype="float32", deterministic=True)
+    from gpu_parity import GPU_SHAPES, INIT_RANGE, gap_vs_hf
+
+    hf = make_hf_model("qwen3", initializer_range=INIT_RANGE, **GPU_SHAPES["qwen3"])
+    folder = save_model(hf, tmp_path / "m")
+    hf = hf.to("cuda", torch.bfloat16)
+    prompts = [[(11 * i + j) % 500 for j in range(70 + 13 * i)] for i in range(5)]
+    det = RolloutEngine(folder, device="cuda", deterministic=True, max_total_tokens=8192)
     assert det.core.parts.runner.pads_eager is False
     det.shutdown()
-    outs = {}
+    gaps = {}
     for pads in (False, True):
-        engine = RolloutEngine(folder, device="cuda", dtype="float32", max_prefill_tokens=128)
+        engine = RolloutEngine(folder, device="cuda", max_prefill_tokens=100, max_total_tokens=8192)
         runner = engine.core.parts.runner
         assert runner.pads_eager is True  # the default on the GPU
         runner.pads_eager = pads
@@ -106,10 +109,8 @@ def test_gpu_engines_pad_their_eager_steps_and_agree_with_unpadded_ones(tmp_path
         model_forward = runner.model.forward
         monkeypatch.setattr(runner.model, "forward",
                             lambda ids, pos, fb: seen.append(fb.pad) or model_forward(ids, pos, fb))
-        outs[pads] = engine.generate(input_ids=prompts, sampling_params=params)
+        gaps[pads], _ = gap_vs_hf(engine, hf, prompts)
         assert any(seen) == pads
         engine.shutdown()
-        torch.cuda.empty_cache()
-    for a, b in zip(outs[False], outs[True]):
-        assert a.output_token_ids[0] == b.output_token_ids[0]
-        assert abs(a.output_logprobs[0] - b.output_logprobs[0]) < 1e-3
+    print(f"gap vs HF: unpadded {gaps[False]:.4f}, padded {gaps[True]:.4f}")
+    assert gaps[True] < 2e-2 and gaps[False] < 2e-2
