@@ -76,7 +76,6 @@ class ForwardBatch:
     attn_metadata: Any = field(default=None)
     pad: int = 0  # padding rows after the step's tokens (`padded_tokens`): not attended, not read
 
-
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens)

@@ -173,11 +173,13 @@ class ModelRunner:
 
     def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [len(plan.logit_rows), vocab] of the plan's logit rows. Off
-        the graphs the LM head runs on a padded row count (row 0 repeated),
-        as the eager step's products do."""
+        the graphs the LM head runs on a padded row count, as the eager
+        step's products do: every row of `hidden` (padding rows included)
+        when every row has logits, else the logit rows with row 0 repeated."""
         n = len(plan.logit_rows)
         if plan.logits_for_all_rows:
-            return self.model.compute_logits(hidden if hidden.shape[0] == n else hidden[:n])
+            logits = self.model.compute_logits(hidden)
+            return logits if logits.shape[0] == n else logits[:n]
         rows = np.asarray(plan.logit_rows, dtype=np.int64)
         pad = self._padding(n) if n > 1 else 0
         if pad:
