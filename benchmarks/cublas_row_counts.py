@@ -3,8 +3,11 @@ after: why steps off the CUDA graphs run on padded row counts
 (`rollout_engine.forward_batch.padded_tokens`). Qwen3-0.6B's shapes: the LM
 head over 1 to 400 rows, and each layer product over 8,100 to 8,500 rows
 (a mixed step's token count), first seen, seen again, and padded to a
-multiple of 128. Each call is timed on the host with the device idle before
-it. Prints a text report; on a CUDA GPU:
+multiple of --multiple (the engine pads to `forward_batch.PAD_TOKENS`, 64;
+the kept log is of 128). Each call is timed on the host with the device
+idle before it. The activations are row slices of one wide buffer (row
+stride 3,072), not the engine's contiguous tensors. Prints a text report;
+on a CUDA GPU:
 
     python3 benchmarks/cublas_row_counts.py
     CUDA_MODULE_LOADING=EAGER python3 benchmarks/cublas_row_counts.py   # kernels loaded at start
@@ -17,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rollout_engine.script_args import ScriptParser, needs_cuda, run_script
+from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int, run_script
 
 
 def host_us(fn) -> float:
@@ -38,7 +41,8 @@ def summary(times: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = ScriptParser("cublas_row_counts.py", __doc__)
-    p.parse_checked(argv, outs=())
+    p.add_argument("--multiple", type=positive_int, default=128, help="pad the row counts to a multiple of this")
+    args = p.parse_checked(argv, outs=())
     needs_cuda(p, "it times cuBLAS products")
     dev, bf = "cuda", torch.bfloat16
     print("CUDA_MODULE_LOADING", os.environ.get("CUDA_MODULE_LOADING"))
@@ -56,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = range(8100, 8500, 3)
         first = [host_us(lambda: F.linear(h[:m, :k], w)) for m in counts]
         again = [host_us(lambda: F.linear(h[:m, :k], w)) for m in counts]
-        padded = [host_us(lambda: F.linear(h[:(m + 127) // 128 * 128, :k], w)) for m in counts]
-        print(f"{name:5s} first {summary(first)} | again {summary(again)} | padded128 {summary(padded)}")
+        padded = [host_us(lambda: F.linear(h[:-(-m // args.multiple) * args.multiple, :k], w)) for m in counts]
+        print(f"{name:5s} first {summary(first)} | again {summary(again)} | padded{args.multiple} {summary(padded)}")
     x, w = h[:8233, :1024], mats["qkv"]
     torch.cuda.synchronize()
     start = time.perf_counter()

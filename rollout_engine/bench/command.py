@@ -114,7 +114,7 @@ def _note_unused_bench_flags(args: argparse.Namespace, defaults: dict[str, Any])
         if args.workload not in used_by and getattr(args, dest) != defaults[dest]:
             flag = "-n" if dest == "n" else "--" + dest.replace("_", "-")
             print(f"{PROG} bench: note: {flag} does nothing for --workload {args.workload} "
-                  f"(it sizes {', '.join(used_by)})", file=sys.stderr)
+                  f"(it applies to --workload {', '.join(used_by)})", file=sys.stderr)
     if args.workload == "weights" and not args.nccl and args.bucket_mb != defaults["bucket_mb"]:
         print(f"{PROG} bench: note: --bucket-mb does nothing for --workload weights without --nccl "
               "(it sizes the broadcast's buckets)", file=sys.stderr)

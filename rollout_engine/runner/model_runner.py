@@ -181,7 +181,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
             return logits if logits.shape[0] == n else logits[:n]
         rows = np.asarray(plan.logit_rows, dtype=np.int64)
-        pad = self._padding(n) if n > 1 else 0
+        pad = self._padding(n)
         if pad:
             rows = np.concatenate([rows, np.zeros(pad, dtype=np.int64)])
         logits = self.model.compute_logits(hidden[self._on_device(rows)])
@@ -190,9 +190,10 @@ class ModelRunner:
     def _inputs_from_prev(self, plan: StepPlan, prev: StepHandle | None,
                           ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The plan's input ids on the device with the previous step's sampled
-        tokens in place (`plan.prev_rows`), or None when it reads none. `ids`:
-        the step's input ids on the device already (with any padding rows),
-        written in place and returned."""
+        tokens in place (`plan.prev_rows`). `ids`: the step's input ids on the
+        device already (with any padding rows), written in place and
+        returned; a plan that reads no tokens returns `ids` as given (None
+        when none was)."""
         rows = plan.prev_rows
         if rows is None:
             return ids
