@@ -19,22 +19,30 @@ def test_padded_row_counts():
     assert [forward_batch.padded_tokens(n) for n in (m, m + 1, 2 * m, 8233)] == [m, 2 * m, 2 * m, -(-8233 // m) * m]
 
 
-def _padding_engine(folder, monkeypatch, **kw) -> tuple[RolloutEngine, list[tuple[int, int]]]:
+def _padding_engine(folder, monkeypatch, **kw) -> tuple[RolloutEngine, list[tuple[int, int, bool]]]:
     """An engine whose runner pads its steps to multiples of 8 rows; the list
-    collects (plan tokens, rows the model ran on) per step."""
+    collects (plan tokens, rows the model ran on, decode step) per step."""
     monkeypatch.setattr(forward_batch, "PAD_TOKENS", 8)
     engine = RolloutEngine(folder, device="cpu", **kw)
     runner = engine.core.parts.runner
     runner.pads_eager = True
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, bool]] = []
     model_forward = runner.model.forward
 
     def forward(input_ids, positions, fb):
-        seen.append((input_ids.shape[0] - fb.pad, input_ids.shape[0]))
+        seen.append((input_ids.shape[0] - fb.pad, input_ids.shape[0], fb.is_decode))
         assert positions.shape[0] == fb.out_cache_loc.shape[0] == input_ids.shape[0]
         return model_forward(input_ids, positions, fb)
 
     monkeypatch.setattr(runner.model, "forward", forward)
+    inputs_from_prev = runner._inputs_from_prev
+
+    def from_prev(plan, prev, ids=None):  # a padded step taking tokens sampled in the step before
+        if ids is not None and plan.prev_rows is not None and ids.shape[0] > plan.num_tokens:
+            runner.padded_reads = getattr(runner, "padded_reads", set()) | {bool(plan.is_decode)}
+        return inputs_from_prev(plan, prev, ids)
+
+    monkeypatch.setattr(runner, "_inputs_from_prev", from_prev)
     return engine, seen
 
 
@@ -51,9 +59,13 @@ def test_padded_steps_match_the_reference_over_random_call_sequences(tmp_path, m
     report = stress(engine, Reference(hf, "cpu"), gen, num_calls=40, margin=1e-3, logprob_tol=1e-3)
     print(report.summary())
     assert not report.violations, report.violations[:5]
-    padded = [(n, rows) for n, rows in seen if rows > n]
+    padded = [(n, rows, decode) for n, rows, decode in seen if rows > n]
     assert len(padded) > len(seen) // 10, f"{len(padded)} of {len(seen)} steps padded"
-    assert all(rows % 8 == 0 and rows - n < 8 for n, rows in padded)
+    assert all(rows % 8 == 0 and rows - n < 8 for n, rows, _ in padded)
+    # both kinds of padded step took inputs sampled in the step before (overlap): decode steps, whose every
+    # input is such a token, and steps with prompt rows, where some are
+    assert {decode for _, _, decode in padded} == {True, False}
+    assert engine.core.parts.runner.padded_reads == {True, False}
     assert engine.cache_stats()["hit_rate"] > 0.1
 
 
@@ -68,7 +80,7 @@ def test_padded_and_unpadded_engines_agree_with_prompt_logprobs(tmp_path, monkey
                                                                                 sampling_params=params)
     engine, seen = _padding_engine(folder, monkeypatch, max_prefill_tokens=40)
     padded = engine.generate(input_ids=prompts, sampling_params=params)
-    assert any(rows > n for n, rows in seen)
+    assert any(rows > n for n, rows, _ in seen)
     for a, b in zip(plain, padded):
         assert a.output_token_ids == b.output_token_ids
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
