@@ -17,7 +17,7 @@ from rollout_engine.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, 
 from rollout_engine.model_zoo import DEFAULT_MODEL, NOT_A_MODEL_FOLDER, ZOO, is_model_folder
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS
-from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.sampling_params import SamplingParams, is_int
 from rollout_engine.script_args import UsageError, flag_of
 from rollout_engine.tokenizer import has_tokenizer_files
 from rollout_engine.validation import Limits, check_request
@@ -288,6 +288,6 @@ def input_ids(text: str) -> list[list[int]]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
     for p in prompts:
-        if not p or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+        if not p or not all(is_int(t) and t >= 0 for t in p):
             raise argparse.ArgumentTypeError(f"{text!r}: each prompt must be a non-empty list of token ids >= 0")
     return prompts

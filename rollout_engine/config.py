@@ -6,6 +6,8 @@ import difflib
 from dataclasses import dataclass, fields
 from typing import Mapping
 
+from rollout_engine.sampling_params import is_int, is_number
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
@@ -52,22 +54,21 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.max_total_tokens is not None and (
-            not _is_int(self.max_total_tokens) or self.max_total_tokens < 1
+            not is_int(self.max_total_tokens) or self.max_total_tokens < 1
         ):
             bad("max_total_tokens", "must be None or an integer >= 1")
-        if not (isinstance(self.mem_fraction, (int, float)) and not isinstance(self.mem_fraction, bool)
-                and 0.0 < self.mem_fraction <= 1.0):
+        if not (is_number(self.mem_fraction) and 0.0 < self.mem_fraction <= 1.0):
             bad("mem_fraction", "must be a number in (0, 1]")
         for field in ("max_running_requests", "max_prefill_tokens", "page_size",
                       "cuda_graph_max_batch_size", "tp_size"):
             value = getattr(self, field)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 bad(field, "must be an integer >= 1")
         if self.page_size & (self.page_size - 1):
             bad("page_size", "must be a power of two")
         if self.attention_backend not in ATTENTION_BACKENDS:
             bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
-        if not _is_int(self.seed) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             bad("seed", "must be a non-negative integer")
         for flag in ("deterministic", "enable_return_routed_experts"):
             if not isinstance(getattr(self, flag), bool):
@@ -84,11 +85,6 @@ class EngineConfig:
         if self.deterministic and self.attention_backend != "auto":
             bad("attention_backend", "must stay 'auto' with deterministic=True (which uses its own "
                                      "batch-invariant attention)")
-
-
-def _is_int(value: object) -> bool:
-    """An integer, not a bool (which Python counts as one)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_options(options: Mapping) -> None:

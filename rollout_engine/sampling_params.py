@@ -51,27 +51,27 @@ class SamplingParams:
         def bad(field: str, why: str) -> None:
             raise ValueError(f"sampling_params.{field} {why}, got {getattr(self, field)!r}")
 
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             bad("max_new_tokens", "must be an integer >= 1")
-        if not _is_num(self.temperature) or not 0.0 <= self.temperature < math.inf:
+        if not is_number(self.temperature) or not 0.0 <= self.temperature < math.inf:
             bad("temperature", "must be a finite number >= 0")
-        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             bad("top_k", "must be an integer >= -1 (-1 or 0 disable it)")
-        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             bad("seed", "must be None or an integer >= 0")
-        if _is_int(self.n) and self.seed is not None and self.seed + self.n - 1 >= MAX_SEED:
+        if is_int(self.n) and self.seed is not None and self.seed + self.n - 1 >= MAX_SEED:
             # The sampler hashes seeds as signed 64-bit integers; sample i uses seed + i.
             raise ValueError(f"sampling_params.seed plus n - 1 must be below 2**63 (sample i of n uses seed + i), "
                              f"got seed={self.seed} and n={self.n}")
         if self.stop_token_ids is not None and (
             not isinstance(self.stop_token_ids, (list, tuple))
-            or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
+            or not all(is_int(t) and t >= 0 for t in self.stop_token_ids)
         ):
             bad("stop_token_ids", "must be a list of non-negative token ids")
         if self.stop is not None and (
@@ -79,7 +79,7 @@ class SamplingParams:
             or not all(isinstance(s, str) and s for s in self.stop)
         ):
             bad("stop", "must be a list of non-empty strings")
-        if not _is_int(self.top_logprobs) or self.top_logprobs < 0:
+        if not is_int(self.top_logprobs) or self.top_logprobs < 0:
             bad("top_logprobs", "must be an integer >= 0")
         for mode in ("logprob_mode", "prompt_logprob_mode"):
             if getattr(self, mode) not in LOGPROB_MODES:
@@ -106,9 +106,11 @@ class SamplingParams:
                 self.top_logprobs)
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
+    """An integer, not a bool (which Python counts as one)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_num(x: object) -> bool:
+def is_number(x: object) -> bool:
+    """An int or float, not a bool."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from rollout_engine.sampling_params import SamplingParams
+from rollout_engine.sampling_params import SamplingParams, is_int
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def _is_flat(x: Any) -> bool:
     non-empty list of ints (arrays are not converted to find out)."""
     if hasattr(x, "ndim"):
         return x.ndim == 1 and len(x) > 0
-    return bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    return bool(x) and all(is_int(t) for t in x)
 
 
 def _token_ids(i: int, ids: Any, vocab_size: int) -> list[int]:

@@ -26,8 +26,6 @@ class PagedAttention(nn.Module):
         """q: [T, heads, d] for the step's new tokens. Returns [T, heads * d].
         Padding rows (`fb.pad`, at the end) are left out of the backend's call
         and get zeros."""
-        if not fb.pad:
-            return fb.attn_backend.forward(q, self, fb).reshape(q.shape[0], self.num_heads * self.head_dim)
         n = q.shape[0] - fb.pad
-        out = fb.attn_backend.forward(q[:n], self, fb).reshape(n, self.num_heads * self.head_dim)
-        return F.pad(out, (0, 0, 0, fb.pad))
+        out = fb.attn_backend.forward(q[:n] if fb.pad else q, self, fb).reshape(n, self.num_heads * self.head_dim)
+        return F.pad(out, (0, 0, 0, fb.pad)) if fb.pad else out
