@@ -9,6 +9,7 @@ for --tp 2):
         --num-prompts 16 -n 8 --output-len 256 --out /tmp/breakdown.json [--deterministic] [--trace /tmp/trace.json]
     python3 benchmarks/step_breakdown.py --workload decode --batch-size 1 --tp 2 ...
     python3 benchmarks/step_breakdown.py --model qwen3-30b-a3b --enable-return-routed-experts ...  # MoE capture
+    python3 benchmarks/step_breakdown.py --workload grpo --no-enable-prefix-cache ...  # every sample prefills its prompt
 
 With --tp k the trace is rank 0's (its GPU's kernels); the other ranks run
 the same steps.
@@ -152,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", choices=["grpo", "offline", "decode"], default="grpo",
                    help="grpo: prompts x samples; offline: independent requests; decode: one batch of short prompts")
     add_engine_args(p, ("model", "load_format", "tp_size", "deterministic", "page_size", "max_running_requests",
-                        "enable_return_routed_experts", "quantization", "kv_cache_dtype"),
+                        "enable_return_routed_experts", "quantization", "kv_cache_dtype", "enable_prefix_cache"),
                     defaults={"model": "qwen3-0.6b", "load_format": "dummy"})
     p.add_argument("--num-prompts", type=positive_int, default=16, help="grpo, offline: prompts")
     p.add_argument("-n", type=positive_int, default=8, help="grpo: samples per prompt")

@@ -104,6 +104,10 @@ def test_gpu_engines_pad_their_eager_steps_and_stay_at_the_reference(tmp_path, m
 
     from gpu_parity import GPU_SHAPES, INIT_RANGE, gap_vs_hf
 
+    from rollout_engine.runner import prompt_graphs
+
+    # the eager path itself: with prompt graphs (the default) these steps would run through them
+    monkeypatch.setattr(prompt_graphs, "ENABLED", False)
     hf = make_hf_model("qwen3", initializer_range=INIT_RANGE, **GPU_SHAPES["qwen3"])
     folder = save_model(hf, tmp_path / "m")
     hf = hf.to("cuda", torch.bfloat16)

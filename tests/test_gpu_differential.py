@@ -127,7 +127,12 @@ def test_differential_stress(model, reference, backend, page_size, monkeypatch):
                            cuda_graph_max_batch_size=32, max_running_requests=96)
     gen = WorkloadGenerator(seed=page_size, token_range=token_range, base_prompts=prompts, max_prompt_len=96,
                             max_new_tokens=48, max_batch=40)
+    prompt = engine.core.parts.runner.graphs.prompt  # the steps off the decode graphs: graphs cut at attention
+    runs: list[int] = []
+    run = prompt.run
+    monkeypatch.setattr(prompt, "run", lambda fb, t: runs.append(t) or run(fb, t))
     report = stress(engine, reference, gen, calls, MARGIN, LOGPROB_TOL, MEAN_TOL)
+    assert len(runs) > calls and len(set(runs)) > 2
     stats = engine.cache_stats()
     if backend == "flashinfer":
         assert (engine.core.parts.runner.backend.triton_decode is not None) == split

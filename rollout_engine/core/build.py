@@ -180,10 +180,13 @@ def _say_built(parts: EngineParts, path: str, seconds: tuple[float, float]) -> N
              cfg.page_size, memory.nbytes("kv_cache") / 2**30, each, str(parts.kv_pool.dtype).removeprefix("torch."),
              "on" if cfg.enable_prefix_cache else "off")
     graphs = runner.graphs
-    log.info("attention: %s; %s", type(runner.backend).__name__,
+    prompt = graphs.prompt if graphs is not None else None
+    log.info("attention: %s; %s%s", type(runner.backend).__name__,
              f"CUDA graphs for {len(graphs.buckets)} batch sizes up to {graphs.buckets[-1]} "
              f"({memory.nbytes('cuda_graph') / 2**20:.0f} MiB), ready in {seconds[1]:.1f} s"
-             if graphs is not None else "no CUDA graphs")
+             if graphs is not None else "no CUDA graphs",
+             f"; prompt steps in graphs cut at attention, {len(prompt.buckets)} token counts up to "
+             f"{prompt.max_tokens}" if prompt is not None else "")
 
 
 def _kv_memory(cfg: EngineConfig, model: DecoderForCausalLM, memory: MemoryManager, device: torch.device,
@@ -229,8 +232,9 @@ def _runner(cfg: EngineConfig, model: DecoderForCausalLM, kv_pool: KVPool, table
         with DEVICE_WIDE:  # another engine's thread (on this GPU) waits: see runner/device_lock.py
             torch.cuda.empty_cache()  # so that the difference below is the graph pool alone
             before = torch.cuda.memory_reserved(device)
+            # A step's tokens: at most max_prefill_tokens of prompts beside one per running request.
             runner.capture_cuda_graphs(min(cfg.cuda_graph_max_batch_size, cfg.max_running_requests),
-                                       memory.saver.graph_capture)
+                                       memory.saver.graph_capture, cfg.max_prefill_tokens + cfg.max_running_requests)
             torch.cuda.empty_cache()
             graph_bytes = torch.cuda.memory_reserved(device) - before
         memory.register("cuda_graph", extra_bytes=graph_bytes)

@@ -56,10 +56,6 @@ class DecoderAttention(nn.Module):
         # which need whole heads.
         self.rope_in_product = not cfg.qk_norm and not cfg.qk_norm_whole and p.rows_pair(cfg.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: "ForwardBatch",
-                reduce: bool = True) -> torch.Tensor:
-        return self.attend(self._rotate_and_store(positions, self.qkv_proj(x), fb), fb, reduce)
-
     def attend(self, q: torch.Tensor, fb: "ForwardBatch", reduce: bool = True) -> torch.Tensor:
         """Attention of rotated q over the cache (this step's K/V stored), then
         o_proj (`reduce=False`: its partial sum, `RowParallelLinear`)."""
@@ -152,8 +148,27 @@ class DecoderLayer(nn.Module):
         but for the first layer's (residual None)."""
         if self.norms_in_products(x, residual):
             return self._forward_one_row(positions, x, residual, fb, fused)
+        q, residual = self.pre_attention(positions, x, residual, fb, fused)
+        return self.post_attention(self.self_attn.attn(q, fb), residual, fb, fused)
+
+    # A layer in two parts around its attention (`runner/prompt_graphs.py` captures each part in a graph).
+
+    def pre_attention(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                      fb: "ForwardBatch", fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm (with its residual add), the qkv product, the q/k norms,
+        the rotation and the K/V store. Returns (rotated q [T, heads, d], the
+        residual stream)."""
+        attn = self.self_attn
         h, residual = self._norm(self.input_layernorm, x, residual, fused)
-        h = self.self_attn(positions, h, fb, reduce=not fused)
+        q = attn._rotate_and_store(positions, attn.qkv_proj(h), fb)
+        return q.view(-1, attn.qkv_proj.num_heads, attn.qkv_proj.head_dim), residual
+
+    def post_attention(self, o: torch.Tensor, residual: torch.Tensor, fb: "ForwardBatch",
+                       fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The o product of the attention's output [T, heads * d], the norm
+        (with its residual add) and the MLP. Returns (the MLP's output, the
+        residual stream before it)."""
+        h = self.self_attn.o_proj(o, not fused)
         h, residual = self._norm(self.post_attention_layernorm, h, residual, fused)
         return self.mlp(h, fb, reduce=not fused), residual
 

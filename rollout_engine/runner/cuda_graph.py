@@ -35,6 +35,7 @@ from rollout_engine.host_block import BlockLayout
 from rollout_engine.memory.saver import plain_graph_capture
 from rollout_engine.plan import StepPlan
 from rollout_engine.runner.device_lock import DEVICE_WIDE
+from rollout_engine.runner.prompt_graphs import PromptGraphs
 from rollout_engine.runner.sampler import pack, plan_uniforms
 
 GraphContext = Callable[[torch.cuda.CUDAGraph, object], ContextManager]
@@ -91,8 +92,12 @@ class TailOutputs:
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv_pool: KVPool,
                  table: TableMirror, max_bs: int, device: torch.device,
-                 capture_context: GraphContext = plain_graph_capture, sample: bool = False):
+                 capture_context: GraphContext = plain_graph_capture, sample: bool = False,
+                 prompt: PromptGraphs | None = None):
         self.model, self.backend, self.kv_pool = model, backend, kv_pool
+        # The steps off these graphs (prompt tokens), through graphs cut at attention, captured and
+        # destroyed with these.
+        self.prompt = prompt
         self.samples = sample  # each bucket also has a tail graph: LM head and plain sampling
         self.table, self.device = table, device
         self.max_bs = max_bs
@@ -157,6 +162,8 @@ class CudaGraphRunner:
             if self.samples:
                 self._capture_tail(bs)
         torch.cuda.synchronize(self.device)
+        if self.prompt is not None:
+            self.prompt.capture(self.capture_context, self.kv_pool, self.backend, self.table)
 
     def _tail(self, bs: int) -> TailOutputs:
         from rollout_engine.kernels.draw import sample_rows
@@ -217,5 +224,7 @@ class CudaGraphRunner:
         self.tail_outputs.clear()
         self.batches.clear()
         self.mempool = None
+        if self.prompt is not None:
+            self.prompt.destroy()
 
 

@@ -66,14 +66,21 @@ class ModelRunner:
         # runner's own, allocated here, outside the memory-saver regions.
         self.gemm_counters = new_counters(device) if device.type == "cuda" and triton_available() else None
 
-    def capture_cuda_graphs(self, max_bs: int, capture_context) -> None:
+    def capture_cuda_graphs(self, max_bs: int, capture_context, prompt_tokens: int = 0) -> None:
+        """Decode graphs up to `max_bs` rows; with `prompt_tokens`, graphs cut
+        at attention for the other steps up to that many tokens, where the
+        model allows them (`prompt_graphs.supports`)."""
+        from rollout_engine.runner import prompt_graphs
         from rollout_engine.runner.cuda_graph import CudaGraphRunner
 
         # The tail graphs sample as the eager sampler's fused path does; deterministic mode samples by
         # its own formula, on every path.
         sample = self.device.type == "cuda" and triton_available() and not self.batch_invariant
+        prompt = None
+        if prompt_tokens and prompt_graphs.ENABLED and prompt_graphs.supports(self.model, self.batch_invariant):
+            prompt = prompt_graphs.PromptGraphs(self.model, prompt_tokens, self.device)
         self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_pool, self.table, max_bs, self.device,
-                                      capture_context, sample=sample)
+                                      capture_context, sample=sample, prompt=prompt)
         with use_counters(self.gemm_counters):  # the graphs' split products count on this runner's counters
             self.graphs.capture()
 
@@ -158,13 +165,20 @@ class ModelRunner:
         return self.collect(handle), handle
 
     def _forward_eager(self, plan: StepPlan, prev: StepHandle | None) -> torch.Tensor:
-        """The hidden states of a step run outside the CUDA graphs, with its
-        padding rows (`forward_batch.padded_tokens`) at the end."""
-        pad = self._padding(plan.num_tokens)
+        """The hidden states of a step run outside the decode graphs, with its
+        padding rows (`forward_batch.padded_tokens`) at the end: through the
+        prompt graphs (`runner/prompt_graphs.py`) where they were captured
+        and hold the step, else eagerly."""
+        n = plan.num_tokens
+        prompt = self.graphs.prompt if self.graphs is not None and n > 1 else None
+        bucket = prompt.bucket(n) if prompt is not None and prompt.captured else None
+        pad = bucket - n if bucket is not None else self._padding(n)
         fb = ForwardBatch.from_plan(plan, self.table, self.kv_pool, self.backend, self.device, pad)
         if plan.prev_rows is not None:
             fb.input_ids = self._inputs_from_prev(plan, prev, fb.input_ids)
         with use_counters(self.gemm_counters):
+            if bucket is not None:  # through the graphs cut at attention; the LM head on padded_tokens(n) rows
+                return prompt.run(fb, bucket)[: padded_tokens(n)]
             return self.model(fb.input_ids, fb.positions, fb)
 
     def _padding(self, n: int) -> int:
