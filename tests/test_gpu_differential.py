@@ -1,4 +1,5 @@
-"""The GPU fast path (FlashInfer / Triton attention, CUDA graphs, the overlap
+"""The GPU fast path (FlashInfer / Triton attention, CUDA graphs for decode
+steps and, cut at attention, for steps with prompt tokens, the overlap
 schedule, the prefix cache) against a reference that shares none of it: Hugging
 Face in fp32, teacher-forced over each output (tests/differential.py).
 
