@@ -2,11 +2,11 @@
 arguments, validated once, passed explicitly to every part."""
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, fields
 from typing import Mapping
 
-from rollout_engine.sampling_params import is_int, is_number
+from rollout_engine.sampling_params import SamplingParams, is_int, is_number
+from rollout_engine.suggest import unknown_keyword
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
@@ -91,8 +91,10 @@ def check_options(options: Mapping) -> None:
     """Keyword arguments of `RolloutEngine(model, **options)`: an unknown one
     is named as the engine's, with the closest option."""
     known = [f.name for f in fields(EngineConfig) if f.name != "model"]
+    sampling = {f.name for f in fields(SamplingParams)}
     for name in options:
+        if name in sampling and name not in known:
+            raise TypeError(f"RolloutEngine() got an unexpected keyword argument {name!r} (a sampling parameter: "
+                            "pass it in SamplingParams, to generate())")
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else " (the options: rollout_engine.config.EngineConfig)"
-            raise TypeError(f"RolloutEngine() got an unexpected keyword argument {name!r}{hint}")
+            raise unknown_keyword("RolloutEngine()", name, known, "rollout_engine.config.EngineConfig")

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import functools
-
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from rollout_engine.suggest import unknown_keyword
 
 LOGPROB_MODES = ("processed", "raw")
 MAX_SEED = 1 << 63
@@ -104,6 +105,24 @@ class SamplingParams:
         once (the params are frozen)."""
         return (self.temperature, self.top_p, self.min_p, self.effective_top_k, self.logprob_mode == "raw",
                 self.top_logprobs)
+
+
+def _named_keywords(init):
+    """`SamplingParams(...)` with a keyword it does not take names the closest
+    field (the dataclass's own error does not)."""
+    known = [f.name for f in fields(SamplingParams)]
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        for name in kwargs:
+            if name not in known:
+                raise unknown_keyword("SamplingParams()", name, known, "rollout_engine.SamplingParams")
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+SamplingParams.__init__ = _named_keywords(SamplingParams.__init__)  # type: ignore[method-assign]
 
 
 def is_int(x: object) -> bool:

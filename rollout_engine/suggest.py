@@ -1,10 +1,12 @@
-"""The closest flag, command or choice for a misspelled one, in the usage
-errors of `rollout-engine` and the benchmark scripts."""
+"""The closest flag, command, choice or keyword for a misspelled one, in the
+usage errors of `rollout-engine` and the benchmark scripts and in those of
+`RolloutEngine(...)` and `SamplingParams(...)`."""
 from __future__ import annotations
 
 import argparse
 import difflib
 import re
+from typing import Sequence
 
 
 def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
@@ -37,3 +39,12 @@ def with_choice_hint(message: str) -> str:
         if close:
             return f"{message}; did you mean '{close[0]}'?"
     return message
+
+
+def unknown_keyword(call: str, name: str, known: Sequence[str], where: str) -> TypeError:
+    """The error of a keyword argument `call` does not take, with the closest
+    known one (temprature: did you mean 'temperature'?), else where the
+    options are listed."""
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (the options: {where})"
+    return TypeError(f"{call} got an unexpected keyword argument {name!r}{hint}")

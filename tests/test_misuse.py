@@ -189,12 +189,22 @@ EMPTY_CALLS = {
 
 
 @pytest.mark.parametrize("kwargs,words", [({"max_total_token": 4096}, "did you mean 'max_total_tokens'"),
-                                          ({"bogus": 1}, "'bogus'")])
+                                          ({"bogus": 1}, "'bogus'"),
+                                          ({"temperature": 0.5}, "a sampling parameter: pass it in SamplingParams")])
 def test_an_unknown_engine_option_is_named_as_the_engines(kwargs, words):
     """Refused before anything loads, naming RolloutEngine (not an internal
     class) and the closest option."""
     with pytest.raises(TypeError, match=f"RolloutEngine\\(\\) got an unexpected keyword argument .*{words}"):
         RolloutEngine("smollm2-135m", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,words", [({"temprature": 0.5}, "did you mean 'temperature'"),
+                                          ({"max_tokens": 8}, "did you mean 'max_new_tokens'"),
+                                          ({"bogus": 1}, "'bogus' \\(the options: rollout_engine.SamplingParams")])
+def test_an_unknown_sampling_parameter_names_the_closest_field(kwargs, words):
+    with pytest.raises(TypeError, match=f"SamplingParams\\(\\) got an unexpected keyword argument .*{words}"):
+        SamplingParams(**kwargs)
+    assert SamplingParams(temperature=0.5, max_new_tokens=8).max_new_tokens == 8  # known ones as before
 
 
 @pytest.mark.parametrize("call", EMPTY_CALLS.values(), ids=EMPTY_CALLS.keys())
