@@ -16,14 +16,15 @@ from rollout_engine.runner.prompt_graphs import PromptGraphs, prompt_buckets
 
 
 def test_buckets_cover_every_step_size_in_padded_steps():
-    for top in (1, 64, 100, 8448, 16640):
+    for top in (1, 64, 100, 8448, 16640):  # up to MAX_TOKENS
         b = prompt_buckets(top)
         assert b[-1] >= top and (len(b) == 1 or b[-2] < top)
         assert all(t % forward_batch.PAD_TOKENS == 0 for t in b) and b == sorted(set(b))
         # a bucket pads a step by less than 64 tokens below 512, 128 below 2,048, 256 beyond
         assert all(hi - lo <= (64 if lo < 512 else 128 if lo < 2048 else 256) for lo, hi in zip(b, b[1:]))
     assert prompt_buckets(8448)[:9] == [64, 128, 192, 256, 320, 384, 448, 512, 640]
-    assert len(prompt_buckets(8448)) == 45
+    assert len(prompt_buckets(8448)) == 45 and len(prompt_buckets(16384 + 256)) == 77
+    assert prompt_buckets(1 << 20) == prompt_buckets(prompt_graphs.MAX_TOKENS)  # larger steps run eagerly
 
 
 class _Graphs:
@@ -79,6 +80,25 @@ def test_prompt_pieces_match_the_reference_over_random_call_sequences(tmp_path, 
     assert len(seen) > 20 and all(t in prompt_buckets(72) and t >= n for n, t in seen)
     assert any(t > n for n, t in seen)  # padded steps
     assert engine.cache_stats()["hit_rate"] > 0.1
+
+
+def test_steps_above_the_largest_bucket_run_eagerly(tmp_path, monkeypatch):
+    """With the buckets capped below the engine's largest step, the steps
+    above them take the eager path, the others the pieces, in one engine."""
+    monkeypatch.setattr(prompt_graphs, "MAX_TOKENS", 64)
+    hf = make_hf_model("llama", seed=9)
+    engine, seen = _prompt_engine(save_model(hf, tmp_path / "m"), monkeypatch, max_total_tokens=400,
+                                  max_prefill_tokens=96, max_running_requests=24)
+    runner = engine.core.parts.runner
+    eager: list[int] = []
+    model_forward = runner.model.forward
+    monkeypatch.setattr(runner.model, "forward", lambda ids, pos, fb: eager.append(ids.shape[0] - fb.pad)
+                        or model_forward(ids, pos, fb))
+    gen = WorkloadGenerator(seed=3, token_range=(0, 512), max_prompt_len=90, max_new_tokens=12, max_batch=8)
+    report = stress(engine, Reference(hf, "cpu"), gen, num_calls=12, margin=1e-3, logprob_tol=1e-3)
+    assert not report.violations, report.violations[:5]
+    assert seen and all(t == 64 for _, t in seen)
+    assert any(n > 64 for n in eager)  # the larger steps, eagerly
 
 
 def test_prompt_pieces_agree_with_eager_steps_on_prompt_logprobs(tmp_path, monkeypatch):

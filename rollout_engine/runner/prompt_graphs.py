@@ -41,8 +41,16 @@ ENABLED = True  # off: those steps run eagerly (for A/B runs)
 STEPS = ((512, PAD_TOKENS), (2048, 128), (1 << 62, 256))
 
 
+# The largest bucket at most: a step of more tokens runs eagerly. Past it each bucket would add L + 1
+# graphs to the engine's start for the few steps that large (a max_prefill_tokens of 16,384 gets 77
+# buckets).
+MAX_TOKENS = 16384 + 256
+
+
 def prompt_buckets(max_tokens: int) -> list[int]:
-    """Token counts with graphs, up to the first one >= max_tokens."""
+    """Token counts with graphs, up to the first one >= max_tokens (at most
+    MAX_TOKENS)."""
+    max_tokens = min(max_tokens, MAX_TOKENS)
     out, t = [], PAD_TOKENS
     while True:
         out.append(t)
