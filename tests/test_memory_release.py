@@ -201,8 +201,14 @@ def test_preload_launcher_environment(tmp_path):
 
 
 class FakeGraphs:
+    prompt = None  # no prompt graphs
+    samples = False
+
     def __init__(self):
         self.calls = []
+
+    def can_run(self, plan) -> bool:  # every step eagerly
+        return False
 
     def destroy(self):
         self.calls.append("destroy")
@@ -230,6 +236,11 @@ def test_graph_modes(make_engine, mode):
     assert freed == {"cuda_graph": 0 if mode == "keep" else 1234}
     with pytest.raises(RuntimeError, match="already released"):
         engine.release_memory(["cuda_graph"])
+    if mode == "pause":  # the graphs' memory is unmapped: replaying them would read and write none
+        with pytest.raises(RuntimeError, match=r"cannot generate: \['cuda_graph'\] released"):
+            engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+    else:  # kept whole, or destroyed (steps run eagerly until they are captured again)
+        assert len(engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)) == 2
     engine.resume_memory(["cuda_graph"])
     assert engine.memory_state()["cuda_graph"] == "resident"
     assert graphs.calls == {"pause": [], "keep": [], "recapture": ["destroy", "capture"]}[mode]

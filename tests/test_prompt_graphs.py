@@ -3,7 +3,8 @@
 between attentions run as they are, over the same fixed buffers and padding
 rows as the graphs, so these tests check the cut itself (the pieces, the
 buffers between them, the padding to a bucket); the graphs' replay is checked
-on the GPU (test_gpu_fast_path.py)."""
+on the GPU (the last test here, and test_gpu_differential.py, whose engines
+take the graphs)."""
 from __future__ import annotations
 
 import pytest
@@ -63,7 +64,8 @@ def _prompt_engine(folder, monkeypatch, **kw) -> tuple[RolloutEngine, list[tuple
     return engine, seen
 
 
-@pytest.mark.parametrize("kind,page_size", [("llama", 1), ("qwen3", 16), ("qwen2", 16)])
+@pytest.mark.parametrize("kind,page_size", [("llama", 1), ("qwen3", 16),
+                                             pytest.param("qwen2", 16, marks=pytest.mark.slow)])
 def test_prompt_pieces_match_the_reference_over_random_call_sequences(tmp_path, monkeypatch, kind, page_size):
     """Chunked prompts, prefix-cache hits, retractions, aborts and n > 1 on one
     engine, its prompt and mixed steps through the pieces: every output
@@ -113,6 +115,18 @@ def test_prompt_pieces_agree_with_eager_steps_on_prompt_logprobs(tmp_path, monke
     engine, seen = _prompt_engine(folder, monkeypatch, max_prefill_tokens=40)
     cut = engine.generate(input_ids=prompts, sampling_params=params)
     assert seen
+    # destroyed and captured again (a release of the graphs in "recapture" mode): buffers allocated afresh
+    runner = engine.core.parts.runner
+    prompt = runner.graphs.prompt
+    prompt.destroy()
+    assert not prompt.captured and not prompt.buffers
+    assert engine.generate(input_ids=prompts[:1], sampling_params=params)[0].output_token_ids == \
+        cut[0].output_token_ids  # eagerly meanwhile
+    prompt.capture(None, runner.kv_pool, runner.backend, runner.table)
+    count = len(seen)
+    again = engine.generate(input_ids=prompts, sampling_params=params)
+    assert len(seen) > count
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in cut]
     for a, b in zip(plain, cut):
         assert a.output_token_ids == b.output_token_ids
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4)
@@ -142,8 +156,9 @@ def _peaked_llama(folder):
 def test_gpu_prompt_graphs_replay_as_eager_steps_and_survive_release(tmp_path, monkeypatch):
     """On the GPU: the graphs are captured for a dense model; prompt logprobs
     (every row's logits) and greedy outputs through them agree with eager
-    steps; after releasing and resuming memory (graphs destroyed and captured
-    again) the same engine gives the same bits."""
+    steps; after releasing and resuming the KV cache and the graphs (kept in
+    place in this process's torch hook mode) the same engine gives the same
+    bits."""
     import numpy as np
 
     folder = _peaked_llama(tmp_path / "m")

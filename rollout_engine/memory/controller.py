@@ -11,9 +11,11 @@ CUDA graphs (`graph_mode`):
   and their pool stay resident, a release of `cuda_graph` frees 0 bytes.
 - "recapture": destroy the graphs and their pool on release, capture them
   again on resume.
-In torch hook mode the engine keeps them (TORCH_HOOK_GRAPH_MODE): the pool is
-small next to weights and KV, and recapturing costs more than a resume
-should (BENCHMARKS.md, `memory` workload)."""
+In torch hook mode the engine keeps them (TORCH_HOOK_GRAPH_MODE): the pools
+are small next to weights and KV (the decode graphs', and the prompt graphs'
+of about one largest step's activations: 346 MiB for Qwen3-0.6B), and
+recapturing costs more than a resume should (BENCHMARKS.md, `memory`
+workload). With the graphs paused, generating waits for their resume."""
 from __future__ import annotations
 
 import gc
@@ -121,6 +123,8 @@ class MemoryController:
 
     def check_can_generate(self) -> None:
         released = [t for t in ("weights", "kv_cache") if not self.manager.resident(t)]
+        if self.graph_mode == "pause" and self.runner.graphs is not None and not self.manager.resident("cuda_graph"):
+            released.append("cuda_graph")  # the graphs stay, their memory unmapped
         if released:
             raise RuntimeError(f"cannot generate: {released} released; call resume_memory() first")
         self.validity.check()

@@ -20,16 +20,18 @@ page 0, as the decode graphs' padding rows. Attention sees the n real rows
 only; the padding rows of o are zeros. Rows are independent everywhere
 else, so the real rows come out as they would eagerly.
 
-Dense models at tp_size 1, bf16/fp16 weights, outside deterministic mode
+Dense models at tp_size 1 without fp8 weights, outside deterministic mode
 (`supports`); everything else stays eager. The buffers come from the graph
-memory pool (allocated inside a capture), so they are released and resumed
-with the `cuda_graph` tag.
+memory pool (allocated inside a capture), so a release of `cuda_graph` treats
+them as it treats the graphs: paused and resumed with them (preload hook),
+kept, or destroyed and allocated again at the next capture.
 """
 from __future__ import annotations
 
 import bisect
 from typing import Callable
 
+import numpy as np
 import torch
 
 from rollout_engine.forward_batch import PAD_TOKENS, ForwardBatch
@@ -69,10 +71,14 @@ def supports(model: torch.nn.Module, batch_invariant: bool) -> bool:
 
 
 class PromptGraphs:
+    """A model's graphs cut at attention, for steps of up to `max_tokens`
+    tokens: `capture`, then `run` per step, `destroy` to drop them."""
+
     def __init__(self, model: torch.nn.Module, max_tokens: int, device: torch.device):
         self.model, self.device = model, device
         self.buckets = prompt_buckets(max_tokens)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._buffer_graph: torch.cuda.CUDAGraph | None = None  # kept: the pool lives while a graph of it does
         # Per bucket, what runs between attentions: the graphs' replays (on the CPU, for tests, the
         # pieces themselves).
         self.steps: dict[int, list[Callable[[], None]]] = {}
@@ -93,9 +99,9 @@ class PromptGraphs:
         reserved page). On the GPU they are allocated inside a capture, so
         that they come from the graph pool."""
         cfg, m = self.model.config, self.model.model
-        attn = m.layers[0].self_attn.qkv_proj
+        qkv = m.layers[0].self_attn.qkv_proj
         t, dtype, dev = self.max_tokens, m.norm.weight.dtype, self.device
-        width = attn.num_heads * attn.head_dim
+        width = qkv.num_heads * qkv.head_dim
 
         def allocate() -> dict[str, torch.Tensor]:
             return {"ids": torch.zeros(t, dtype=torch.int64, device=dev),
@@ -104,7 +110,8 @@ class PromptGraphs:
                     "q": torch.zeros(t, width, dtype=dtype, device=dev),
                     "o": torch.zeros(t, width, dtype=dtype, device=dev),
                     "residual": torch.zeros(t, cfg.hidden_size, dtype=dtype, device=dev),
-                    "hidden": torch.zeros(t, cfg.hidden_size, dtype=dtype, device=dev)}
+                    "hidden": torch.zeros(t, cfg.hidden_size, dtype=dtype, device=dev),
+                    "rows": torch.zeros(1, dtype=torch.int32, device=dev)}  # a placeholder the pieces never read
 
         if capture_context is None:
             self.buffers = allocate()
@@ -113,7 +120,7 @@ class PromptGraphs:
         with capture_context(graph, self.mempool):
             self.buffers = allocate()
         graph.replay()  # the zeros (a capture only records them)
-        self.graphs[0] = [graph]  # kept: the pool lives while a graph captured into it does
+        self._buffer_graph = graph
 
     def _pieces(self, t: int, fb: ForwardBatch) -> list[Callable[[], None]]:
         """The L + 1 stretches between attentions of a bucket of t tokens,
@@ -143,12 +150,10 @@ class PromptGraphs:
 
     def _static_batch(self, t: int, kv_pool, backend, table) -> ForwardBatch:
         """What the pieces read of a step: its KV pool and the slots buffer."""
-        import numpy as np
-
         one = np.ones(1, dtype=np.int64)
         b = self.buffers
         return ForwardBatch(input_ids=b["ids"][:t], positions=b["positions"][:t], out_cache_loc=b["loc"][:t],
-                            extend_lens=one, seq_lens=one, rows=one, rows_device=b["loc"][:1], table=table,
+                            extend_lens=one, seq_lens=one, rows=one, rows_device=b["rows"], table=table,
                             kv_pool=kv_pool, attn_backend=backend, is_decode=False)
 
     @torch.inference_mode()
@@ -190,8 +195,8 @@ class PromptGraphs:
         b["loc"][:t].copy_(fb.out_cache_loc)
         b["o"][n:t].zero_()
         layers = self.model.model.layers
-        attn = layers[0].self_attn.qkv_proj
-        q = b["q"][:n].view(n, attn.num_heads, attn.head_dim)
+        qkv = layers[0].self_attn.qkv_proj
+        q = b["q"][:n].view(n, qkv.num_heads, qkv.head_dim)
         for i, step in enumerate(self.steps[t]):
             step()
             if i < len(layers):
@@ -203,6 +208,9 @@ class PromptGraphs:
         for graphs in self.graphs.values():
             for graph in graphs:
                 graph.reset()
+        if self._buffer_graph is not None:
+            self._buffer_graph.reset()
+            self._buffer_graph = None
         self.graphs.clear()
         self.steps.clear()
         self.buffers = {}
