@@ -274,3 +274,14 @@ def stress(engine, reference: Reference, gen: WorkloadGenerator, num_calls: int,
             gen.observe(out.prompt_token_ids, out.output_token_ids)
         engine.check_integrity()
     return report
+
+
+def tight_pool_stress(engine, hf, seed: int, num_calls: int = 40) -> Report:
+    """The CPU stress of an engine with a tight pool (max_total_tokens=400,
+    prefill chunks of 48): random calls of prompts up to 60 tokens over a
+    512-token range, each output within 1e-3 of Hugging Face fp32 (`hf`)."""
+    gen = WorkloadGenerator(seed=seed, token_range=(0, 512), max_prompt_len=60, max_new_tokens=30, max_batch=16)
+    report = stress(engine, Reference(hf, "cpu"), gen, num_calls=num_calls, margin=1e-3, logprob_tol=1e-3)
+    print(report.summary())
+    assert not report.violations, report.violations[:5]
+    return report

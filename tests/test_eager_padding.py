@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from differential import Reference, WorkloadGenerator, stress
+from differential import tight_pool_stress
 from models import make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams, forward_batch
 from rollout_engine.runner.model_runner import ModelRunner
@@ -46,7 +46,8 @@ def _padding_engine(folder, monkeypatch, **kw) -> tuple[RolloutEngine, list[tupl
     return engine, seen
 
 
-@pytest.mark.parametrize("kind,page_size", [("llama", 1), ("qwen3", 16)])
+# qwen3 at page size 16 in the slow tests: test_prompt_graphs.py runs that pair through buckets padded further
+@pytest.mark.parametrize("kind,page_size", [("llama", 1), pytest.param("qwen3", 16, marks=pytest.mark.slow)])
 def test_padded_steps_match_the_reference_over_random_call_sequences(tmp_path, monkeypatch, kind, page_size):
     """Chunked prompts, prefix-cache hits, retractions, aborts and n > 1 on one
     engine, every step padded: every output checked against Hugging Face."""
@@ -54,11 +55,7 @@ def test_padded_steps_match_the_reference_over_random_call_sequences(tmp_path, m
     folder = save_model(hf, tmp_path / kind)
     engine, seen = _padding_engine(folder, monkeypatch, max_total_tokens=400, max_prefill_tokens=48,
                                    page_size=page_size, max_running_requests=24)
-    gen = WorkloadGenerator(seed=11 + page_size, token_range=(0, 512), max_prompt_len=60, max_new_tokens=30,
-                            max_batch=16)
-    report = stress(engine, Reference(hf, "cpu"), gen, num_calls=40, margin=1e-3, logprob_tol=1e-3)
-    print(report.summary())
-    assert not report.violations, report.violations[:5]
+    tight_pool_stress(engine, hf, seed=11 + page_size)
     padded = [(n, rows, decode) for n, rows, decode in seen if rows > n]
     assert len(padded) > len(seen) // 10, f"{len(padded)} of {len(seen)} steps padded"
     assert all(rows % 8 == 0 and rows - n < 8 for n, rows, _ in padded)

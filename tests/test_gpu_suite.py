@@ -42,6 +42,7 @@ def test_refusals_are_one_line(argv, words, capsys, monkeypatch):
     assert exit_.value.code == 2 and words in err and "\n" not in err, err
 
 
+@pytest.mark.slow  # two pytest subprocesses, one of them waited out
 def test_a_shard_runs_its_files_and_one_past_its_time_is_stopped(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_suite, "SINGLE", "not gpu")  # CPU tests stand in for a GPU shard
     args = argparse.Namespace(out=str(tmp_path), timeout=300, gpus=1, multigpu=True, tag="",

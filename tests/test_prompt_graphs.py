@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from differential import Reference, WorkloadGenerator, stress
+from differential import Reference, WorkloadGenerator, stress, tight_pool_stress
 from models import make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams, forward_batch
 from rollout_engine.runner import prompt_graphs
@@ -74,11 +74,7 @@ def test_prompt_pieces_match_the_reference_over_random_call_sequences(tmp_path, 
     folder = save_model(hf, tmp_path / kind)
     engine, seen = _prompt_engine(folder, monkeypatch, max_total_tokens=400, max_prefill_tokens=48,
                                   page_size=page_size, max_running_requests=24)
-    gen = WorkloadGenerator(seed=21 + page_size, token_range=(0, 512), max_prompt_len=60, max_new_tokens=30,
-                            max_batch=16)
-    report = stress(engine, Reference(hf, "cpu"), gen, num_calls=40, margin=1e-3, logprob_tol=1e-3)
-    print(report.summary())
-    assert not report.violations, report.violations[:5]
+    tight_pool_stress(engine, hf, seed=21 + page_size)
     assert len(seen) > 20 and all(t in prompt_buckets(72) and t >= n for n, t in seen)
     assert any(t > n for n, t in seen)  # padded steps
     assert engine.cache_stats()["hit_rate"] > 0.1
