@@ -21,6 +21,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 
 from rollout_engine import SamplingParams
@@ -285,3 +286,23 @@ def tight_pool_stress(engine, hf, seed: int, num_calls: int = 40) -> Report:
     print(report.summary())
     assert not report.violations, report.violations[:5]
     return report
+
+
+PROMPT_LOGPROB_PROMPTS = [[(7 * i + j) % 500 for j in range(13 + 5 * i)] for i in range(6)]
+
+
+def prompt_logprob_outputs(engine) -> list:
+    """Greedy outputs with raw logprobs and prompt logprobs (every row's
+    logits) of six prompts, 13 to 38 tokens, on `engine`."""
+    params = SamplingParams(max_new_tokens=9, temperature=0.0, logprobs=True, prompt_logprobs=True)
+    return engine.generate(input_ids=PROMPT_LOGPROB_PROMPTS, sampling_params=params)
+
+
+def assert_outputs_close(expected: list, got: list, tol: float) -> None:
+    """The same tokens; logprobs and prompt logprobs within `tol`."""
+    for a, b in zip(expected, got, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=tol)
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        assert [x for x in a.prompt_logprobs if x is not None] == pytest.approx(
+            [x for x in b.prompt_logprobs if x is not None], abs=tol)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from differential import tight_pool_stress
+from differential import assert_outputs_close, prompt_logprob_outputs, tight_pool_stress
 from models import make_hf_model, save_model
-from rollout_engine import RolloutEngine, SamplingParams, forward_batch
+from rollout_engine import RolloutEngine, forward_batch
 from rollout_engine.runner.model_runner import ModelRunner
 
 
@@ -71,19 +71,11 @@ def test_padded_and_unpadded_engines_agree_with_prompt_logprobs(tmp_path, monkey
     are dropped before them (a step whose every row has logits included)."""
     hf = make_hf_model("llama", seed=6)
     folder = save_model(hf, tmp_path / "m")
-    prompts = [[(7 * i + j) % 500 for j in range(13 + 5 * i)] for i in range(6)]
-    params = SamplingParams(max_new_tokens=9, temperature=0.0, logprobs=True, prompt_logprobs=True)
-    plain = RolloutEngine(folder, device="cpu", max_prefill_tokens=40).generate(input_ids=prompts,
-                                                                                sampling_params=params)
+    plain = prompt_logprob_outputs(RolloutEngine(folder, device="cpu", max_prefill_tokens=40))
     engine, seen = _padding_engine(folder, monkeypatch, max_prefill_tokens=40)
-    padded = engine.generate(input_ids=prompts, sampling_params=params)
+    padded = prompt_logprob_outputs(engine)
     assert any(rows > n for n, rows, _ in seen)
-    for a, b in zip(plain, padded):
-        assert a.output_token_ids == b.output_token_ids
-        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
-        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
-        assert [x for x in a.prompt_logprobs if x is not None] == pytest.approx(
-            [x for x in b.prompt_logprobs if x is not None], abs=1e-5)
+    assert_outputs_close(plain, padded, 1e-5)
 
 
 def test_a_cpu_engine_does_not_pad(tmp_path):

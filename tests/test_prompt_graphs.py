@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from differential import Reference, WorkloadGenerator, stress, tight_pool_stress
+from differential import (Reference, WorkloadGenerator, assert_outputs_close, prompt_logprob_outputs, stress,
+                          tight_pool_stress)
 from models import make_hf_model, save_model
 from rollout_engine import RolloutEngine, SamplingParams, forward_batch
 from rollout_engine.runner import prompt_graphs
@@ -104,29 +105,23 @@ def test_prompt_pieces_agree_with_eager_steps_on_prompt_logprobs(tmp_path, monke
     of the bucket are dropped before them."""
     hf = make_hf_model("qwen3", seed=8)
     folder = save_model(hf, tmp_path / "m")
-    prompts = [[(7 * i + j) % 500 for j in range(13 + 5 * i)] for i in range(6)]
-    params = SamplingParams(max_new_tokens=9, temperature=0.0, logprobs=True, prompt_logprobs=True)
-    plain = RolloutEngine(folder, device="cpu", max_prefill_tokens=40).generate(input_ids=prompts,
-                                                                                sampling_params=params)
+    plain = prompt_logprob_outputs(RolloutEngine(folder, device="cpu", max_prefill_tokens=40))
     engine, seen = _prompt_engine(folder, monkeypatch, max_prefill_tokens=40)
-    cut = engine.generate(input_ids=prompts, sampling_params=params)
+    cut = prompt_logprob_outputs(engine)
     assert seen
     # destroyed and captured again (a release of the graphs in "recapture" mode): buffers allocated afresh
     runner = engine.core.parts.runner
     prompt = runner.graphs.prompt
     prompt.destroy()
     assert not prompt.captured and not prompt.buffers
-    assert engine.generate(input_ids=prompts[:1], sampling_params=params)[0].output_token_ids == \
-        cut[0].output_token_ids  # eagerly meanwhile
+    assert [o.output_token_ids for o in prompt_logprob_outputs(engine)] == \
+        [o.output_token_ids for o in cut]  # eagerly meanwhile
     prompt.capture(None, runner.kv_pool, runner.backend, runner.table)
     count = len(seen)
-    again = engine.generate(input_ids=prompts, sampling_params=params)
+    again = prompt_logprob_outputs(engine)
     assert len(seen) > count
     assert [o.output_token_ids for o in again] == [o.output_token_ids for o in cut]
-    for a, b in zip(plain, cut):
-        assert a.output_token_ids == b.output_token_ids
-        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4)
-        assert a.prompt_logprobs[1:] == pytest.approx(b.prompt_logprobs[1:], abs=1e-4)
+    assert_outputs_close(plain, cut, 1e-4)
 
 
 def test_which_models_take_prompt_graphs(tmp_path):

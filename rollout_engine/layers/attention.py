@@ -22,10 +22,15 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scaling = head_dim ** -0.5
 
-    def forward(self, q: torch.Tensor, fb: "ForwardBatch") -> torch.Tensor:
+    def forward(self, q: torch.Tensor, fb: "ForwardBatch", out: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, heads, d] for the step's new tokens. Returns [T, heads * d].
         Padding rows (`fb.pad`, at the end) are left out of the backend's call
-        and get zeros."""
+        and get zeros. `out` ([T, heads * d]): the real rows are written
+        there and it is returned; its padding rows are left as they are
+        (the caller's to zero)."""
         n = q.shape[0] - fb.pad
-        out = fb.attn_backend.forward(q[:n] if fb.pad else q, self, fb).reshape(n, self.num_heads * self.head_dim)
-        return F.pad(out, (0, 0, 0, fb.pad)) if fb.pad else out
+        o = fb.attn_backend.forward(q[:n] if fb.pad else q, self, fb).reshape(n, self.num_heads * self.head_dim)
+        if out is not None:
+            out[:n].copy_(o)
+            return out
+        return F.pad(o, (0, 0, 0, fb.pad)) if fb.pad else o

@@ -193,15 +193,15 @@ class PromptGraphs:
         b["ids"][:t].copy_(fb.input_ids)
         b["positions"][:t].copy_(fb.positions)
         b["loc"][:t].copy_(fb.out_cache_loc)
-        b["o"][n:t].zero_()
+        o = b["o"][:t]
+        o[n:].zero_()  # the padding rows, which attention leaves alone
         layers = self.model.model.layers
         qkv = layers[0].self_attn.qkv_proj
-        q = b["q"][:n].view(n, qkv.num_heads, qkv.head_dim)
+        q = b["q"][:t].view(t, qkv.num_heads, qkv.head_dim)
         for i, step in enumerate(self.steps[t]):
             step()
             if i < len(layers):
-                out = fb.attn_backend.forward(q, layers[i].self_attn.attn, fb)
-                b["o"][:n].copy_(out.reshape(n, -1))
+                layers[i].self_attn.attn(q, fb, out=o)
         return b["hidden"][:t]
 
     def destroy(self) -> None:
