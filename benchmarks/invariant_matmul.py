@@ -13,7 +13,12 @@ instead of the prompt-sized ones. `--launches`: time each candidate with
 both launch shapes (split over the reduction's chunks, and one program per
 tile) as well as the automatic choice. `--engine`: the engine's own choice
 (`pick_tiles`) too. Every candidate is also checked against DECODE_TILES
-bit for bit (configurations that share BLOCK_K must agree).
+bit for bit (configurations that share BLOCK_K must agree). `--fixed-rows`:
+instead of the candidates, the engine's two paths side by side: cuBLAS
+called at `layers.fixed_rows.ROWS` rows (with its check per shape) and the
+Triton kernels' own choice (`engine`).
+
+    python3 benchmarks/invariant_matmul.py --fixed-rows --rows 1 32 128 256 512 2048
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from gemm_shapes import graph_time_us, shapes  # benchmarks/, the script's own folder
 from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int, run_script
 from rollout_engine.kernels.invariant_matmul import DECODE_TILES, Tiles, invariant_matmul
+from rollout_engine.layers import fixed_rows
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS, PresetConfig
 
@@ -55,9 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine", action="store_true", help="also time the engine's own choice of tiles")
     p.add_argument("--flat", action="store_true",
                    help="also each candidate's tiled launch with its chunks in one loop (Tiles.flat)")
+    p.add_argument("--fixed-rows", action="store_true",
+                   help="time cuBLAS at a fixed row count (layers.fixed_rows) and the engine's Triton choice only")
     args = p.parse_checked(argv)
     needs_cuda(p, "the kernels are Triton's")
-    candidates = SMALL if args.small else CANDIDATES
+    candidates = [] if args.fixed_rows else SMALL if args.small else CANDIDATES
+    args.engine = args.engine or args.fixed_rows
     if args.flat:
         candidates = [dataclasses.replace(t, flat=f) for t in candidates for f in (False, True)]
     launches = ((None, ""), (True, "/split"), (False, "/tiled"))[:3 if args.launches else 1]
@@ -67,13 +76,20 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     mc = ModelConfig.from_hf(PresetConfig(**PRESETS[args.model]))
     rows = []
+    checks = {}
     for name, (n, k, _) in shapes(mc).items():
         copies = max(1, SPILL_BYTES // (2 * n * k))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
         x = torch.randn(max(args.rows), k, device="cuda", dtype=torch.bfloat16)
+        if args.fixed_rows:
+            checks[name] = fixed_rows.verify(ws[0], None)
+            print(f"{name}: cuBLAS at {fixed_rows.ROWS} rows invariant: {checks[name]}", flush=True)
         for m in args.rows:
             base = graph_time_us(lambda: [F.linear(x[:m], w) for w in ws], reps=1) / copies
             row = {"shape": name, "m": m, "n": n, "k": k, "cublas_us": round(base, 2)}
+            if args.fixed_rows:
+                us = graph_time_us(lambda: [fixed_rows.linear(x[:m], w) for w in ws], reps=1)
+                row["fixed_rows"] = round(us / copies / base, 3)
             variants = [(label_of(t) + suffix, t, split) for t in candidates for split, suffix in launches
                         if not (t.flat and split)]
             if args.engine:
@@ -100,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         at_m = [r for r in rows if r["m"] == m]
         base = sum(r["cublas_us"] for r in at_m)
         print(f"m={m}:", {lab: round(sum(r[lab] * r["cublas_us"] for r in at_m) / base, 3)
-                          for lab in at_m[0] if "x" in lab or lab == "engine"
+                          for lab in at_m[0] if "x" in lab or lab in ("engine", "fixed_rows")
                           if all(isinstance(r[lab], float) for r in at_m)})
     errors = {lab: r[lab] for r in rows for lab in r if isinstance(r[lab], str) and lab != "shape"}
     if errors:
@@ -108,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "device": torch.cuda.get_device_name(), "rows": rows,
-                       "split_equals_tiled": same}, f, indent=1)
+                       "split_equals_tiled": same, "fixed_rows": fixed_rows.ROWS, "fixed_rows_invariant": checks},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

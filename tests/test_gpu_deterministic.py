@@ -67,6 +67,46 @@ def test_matmul_rows_do_not_depend_on_the_batch():
         assert torch.equal(invariant_matmul(x[17:18], w, b)[0], full[17])
 
 
+def test_cublas_at_fixed_rows_rows_do_not_depend_on_the_batch():
+    """The products deterministic mode runs through cuBLAS (`fixed_rows`):
+    the check passes at the shapes of small and 7B-sized models, and a row
+    has the same bits alone, in a short batch, at a call's edge and in a
+    batch of several calls."""
+    from rollout_engine.layers import fixed_rows
+
+    torch.manual_seed(0)
+    rows = fixed_rows.ROWS
+    for n, k, bias in [(1376, 512, False), (512, 1376, True), (151936 // 8, 1024, False), (4608, 3584, True),
+                       (3584, 18944, False), (37888, 3584, False)]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+        assert fixed_rows.verify(w, b), (n, k, bias)
+        x = torch.randn(3 * rows + 40, k, device="cuda", dtype=torch.bfloat16)
+        full = fixed_rows.linear(x, w, b)
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        torch.testing.assert_close(full.float(), ref, atol=3e-2, rtol=3e-2)
+        for m in (1, 3, rows - 1, rows, rows + 1, 2 * rows + 5):
+            assert torch.equal(fixed_rows.linear(x[:m], w, b), full[:m]), (n, k, m)
+        assert torch.equal(fixed_rows.linear(x[rows + 17: rows + 18], w, b)[0], full[rows + 17])
+
+
+def test_the_engine_runs_every_product_through_cublas_at_fixed_rows(tmp_path):
+    """A deterministic engine checks each product shape at start and sends
+    them all to cuBLAS at fixed rows (the Triton kernels are the fallback)."""
+    from rollout_engine.layers import fixed_rows
+
+    hf = make_hf_model("qwen2", seed=1, num_hidden_layers=2, vocab_size=1000, initializer_range=0.06,
+                       max_position_embeddings=1024, **SHAPES["qwen2"])
+    engine = _engine(save_model(hf, tmp_path))
+    try:
+        model = engine.core.parts.model
+        weights = [m for m in model.modules() if getattr(m, "batch_invariant", False)
+                   and getattr(m, "weight", None) is not None and m.weight.dim() == 2]
+        assert weights and all(fixed_rows.takes(m.weight, getattr(m, "bias", None)) for m in weights)
+    finally:
+        engine.shutdown()
+
+
 def test_draw_from_weights_is_per_row_and_inverts_the_cdf():
     """The deterministic sampler's draw over a processed table: a row's token
     is the same alone and in any batch, has positive weight, and is where
@@ -247,13 +287,17 @@ def _compiled(*kernels) -> set:
     return {(i, str(key)) for i, c in enumerate(caches) for entry in c.values() for key in entry[0]}
 
 
-def test_the_first_long_prompt_compiles_no_matmul(tmp_path):
-    """The engine compiles its matrix-product kernels at start: a prompt
+def test_the_first_long_prompt_compiles_no_matmul(tmp_path, monkeypatch):
+    """With the Triton kernels (the fallback of cuBLAS at fixed rows, forced
+    here), the engine compiles its matrix-product kernels at start: a prompt
     past DECODE_MAX_ROWS tokens, then a batch of them (and the LM head over
     their few sampled rows, outside the graphs), find every kernel ready (a
     compile inside a rollout cost the first long prompt about half a second
     per weight shape)."""
     from rollout_engine.kernels.invariant_matmul import DECODE_MAX_ROWS, split_kernel, tile_kernel
+    from rollout_engine.layers import fixed_rows
+
+    monkeypatch.setattr(fixed_rows, "ENABLED", False)
 
     hf = make_hf_model("qwen2", seed=1, num_hidden_layers=2, vocab_size=1000, initializer_range=0.06,
                        max_position_embeddings=4096, **SHAPES["qwen2"])

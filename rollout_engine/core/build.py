@@ -23,7 +23,7 @@ from rollout_engine.distributed.comm import TPComm
 from rollout_engine.distributed.fast_allreduce import allreduce_mode
 from rollout_engine.distributed.tp_group import TPChannel, TPStepRunner
 from rollout_engine.kernels._triton import triton_available
-from rollout_engine.layers.invariant import compile_matmul_kernels, make_batch_invariant
+from rollout_engine.layers.invariant import make_batch_invariant, prepare_products
 from rollout_engine.layers.one_row import compile_one_row_kernels
 from rollout_engine.kv_sizing import kv_bytes_per_token, kv_capacity_tokens, kv_dtype_of, routes_layout
 from rollout_engine.memory.controller import MemoryController
@@ -226,7 +226,8 @@ def _runner(cfg: EngineConfig, model: DecoderForCausalLM, kv_pool: KVPool, table
                          batch_invariant=cfg.deterministic)
     backend = runner.backend
     if cfg.deterministic and device.type == "cuda":
-        compile_matmul_kernels(model)
+        with DEVICE_WIDE:  # its check replays a CUDA graph
+            prepare_products(model)
     compile_one_row_kernels(model)
     if cfg.cuda_graph and backend.supports_cuda_graph:
         with DEVICE_WIDE:  # another engine's thread (on this GPU) waits: see runner/device_lock.py

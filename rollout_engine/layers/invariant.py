@@ -4,13 +4,15 @@ A matrix product or a row reduction can take a different path, and round
 differently, when the number of rows changes. In deterministic mode the
 layers whose result could depend on it avoid that: on the GPU, matrix
 products run a kernel whose reduction order depends only on the weight's
-shape (kernels/invariant_matmul.py) and RMSNorm's kernel is one program
-per row already; on the CPU each row is computed alone, with the same shapes
+shape (cuBLAS called at one row count, `layers.fixed_rows`, where a check
+at start finds it invariant; else kernels/invariant_matmul.py) and
+RMSNorm's kernel is one program per row already; on the CPU each row is computed alone, with the same shapes
 whatever else is batched. Element-wise operations need nothing. Modules that
 take part have a `batch_invariant` attribute, set per model by
 `make_batch_invariant`."""
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -19,6 +21,9 @@ from torch import nn
 
 from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.invariant_matmul import invariant_matmul, launches_to_compile
+from rollout_engine.layers import fixed_rows
+
+log = logging.getLogger("rollout_engine")
 
 
 def per_row(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args) -> torch.Tensor:
@@ -31,6 +36,8 @@ def per_row(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args) -> torch.Te
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b), each row's bits independent of the other rows."""
     if use_kernel(x):
+        if fixed_rows.takes(weight, bias):
+            return fixed_rows.linear(x, weight, bias)
         return invariant_matmul(x, weight, bias)
     return per_row(F.linear, x, weight, bias)
 
@@ -46,15 +53,18 @@ def make_batch_invariant(model: nn.Module) -> int:
     return count
 
 
-def compile_matmul_kernels(model: nn.Module) -> int:
-    """Compile every matrix-product kernel a batch-invariant `model` on the
-    GPU can launch (each bucket of the tile picks, each launch shape, every
-    weight shape), so that no step of a rollout waits for Triton: a prompt,
-    a short chunk or the LM head over a few sampled rows runs outside the
-    CUDA graphs and may land in a bucket no captured batch size touched
-    (about half a second per kernel, once per machine: Triton keeps them on
-    disk). Returns how many shapes."""
-    seen = set()
+def prepare_products(model: nn.Module) -> tuple[int, int]:
+    """Make every matrix product of a batch-invariant `model` on the GPU
+    ready before the first step: each weight shape is checked for cuBLAS at
+    a fixed row count (`fixed_rows.verify`), and the shapes that fail (or
+    all, with `fixed_rows.ENABLED` off) get their Triton kernels compiled
+    (each bucket of the tile picks, each launch shape), so that no step of a
+    rollout waits for Triton: a prompt, a short chunk or the LM head over a
+    few sampled rows runs outside the CUDA graphs and may land in a bucket
+    no captured batch size touched (about half a second per kernel, once per
+    machine: Triton keeps them on disk). Returns (shapes through cuBLAS,
+    shapes through Triton)."""
+    seen, cublas, triton = set(), 0, 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not getattr(module, "batch_invariant", False) or weight is None or weight.dim() != 2:
@@ -64,8 +74,17 @@ def compile_matmul_kernels(model: nn.Module) -> int:
         if key in seen or not use_kernel(weight):
             continue
         seen.add(key)
+        if fixed_rows.ENABLED and fixed_rows.verify(weight, bias):
+            cublas += 1
+            continue
+        triton += 1
         n, k = weight.shape
         for rows, split in launches_to_compile(n, k, weight.device):
             x = torch.zeros(rows, k, dtype=weight.dtype, device=weight.device)
             invariant_matmul(x, weight, bias, split=split)
-    return len(seen)
+    if triton and fixed_rows.ENABLED:
+        log.warning("deterministic mode: %d of %d product shapes failed the check of cuBLAS at %d rows and take "
+                    "the slower Triton kernels", triton, cublas + triton, fixed_rows.ROWS)
+    log.info("deterministic mode: %d product shapes through cuBLAS at %d rows, %d through Triton kernels", cublas,
+             fixed_rows.ROWS, triton)
+    return cublas, triton
