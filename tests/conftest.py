@@ -26,6 +26,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fused_allreduce_kernels_built(request):
+    """Build FlashInfer's fused all-reduce + norm kernels once, before the
+    first multi-GPU test, where the run selected any: on a fresh machine the
+    build takes minutes (about four on 16 cores), longer than the time limit
+    a multi-GPU test gives the engine it starts (a fused-mode test failed so
+    on its first run on a fresh two-GPU host). A no-op elsewhere."""
+    if not any(item.get_closest_marker("multigpu") for item in request.session.items):
+        return
+    if torch.cuda.device_count() < 2:
+        return
+    try:
+        from rollout_engine.distributed.fused_norm import _build_kernels
+
+        _build_kernels(first=True)
+    except Exception:  # noqa: BLE001 - no FlashInfer, or a failed build: the tests that need it say so
+        pass
+
+
 MODEL_KINDS = [("llama", False), ("llama3", True), ("qwen2", True), ("qwen3", False)]
 
 

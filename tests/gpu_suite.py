@@ -87,7 +87,8 @@ def run(args, shards: list[list[str]]) -> list[tuple[str, int, str]]:
 
 def _start(args, env, name: str, select: list[str]) -> subprocess.Popen:
     with open(os.path.join(args.out, f"{name}.log"), "w") as log:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "--durations=10",
+        # -v: a line per test as it ends, so a pytest killed by the timeout still shows what failed
+        cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "--durations=10",
                f"--junitxml={os.path.join(args.out, name + '.xml')}", *select, *args.pytest_args]
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
