@@ -3,7 +3,7 @@ arguments, validated once, passed explicitly to every part."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from rollout_engine.sampling_params import SamplingParams, is_int, is_number
 from rollout_engine.suggest import unknown_keyword
@@ -91,10 +91,18 @@ def check_options(options: Mapping) -> None:
     """Keyword arguments of `RolloutEngine(model, **options)`: an unknown one
     is named as the engine's, with the closest option."""
     known = [f.name for f in fields(EngineConfig) if f.name != "model"]
+    check_keywords("RolloutEngine()", options, known, "rollout_engine.config.EngineConfig", "to generate()")
+
+
+def check_keywords(call: str, given: Mapping, known: Sequence[str], where: str, sampling_goes: str) -> None:
+    """A keyword `call` does not take: a sampling parameter is named as one,
+    with where it goes (`sampling_goes`); another with the closest known
+    keyword, else where they are listed."""
     sampling = {f.name for f in fields(SamplingParams)}
-    for name in options:
-        if name in sampling and name not in known:
-            raise TypeError(f"RolloutEngine() got an unexpected keyword argument {name!r} (a sampling parameter: "
-                            "pass it in SamplingParams, to generate())")
-        if name not in known:
-            raise unknown_keyword("RolloutEngine()", name, known, "rollout_engine.config.EngineConfig")
+    for name in given:
+        if name in known:
+            continue
+        if name in sampling:
+            raise TypeError(f"{call} got an unexpected keyword argument {name!r} (a sampling parameter: pass it "
+                            f"in SamplingParams, {sampling_goes})")
+        raise unknown_keyword(call, name, known, where)

@@ -28,13 +28,19 @@ def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     return f"unrecognized arguments: {' '.join(extras)}"
 
 
+# Other names of a choice: the closest spelling of float64 is float16, the closest dtype float32.
+ALIASES = {"float64": "float32", "double": "float32", "fp64": "float32", "fp32": "float32", "float": "float32",
+           "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
 def with_choice_hint(message: str) -> str:
     """argparse's 'invalid choice' message with the closest choice named
     (ofline: did you mean 'offline'?); other messages as they are."""
     found = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
     if found:
         choices = re.findall(r"'([^']*)'", found.group(2))
-        same = [c for c in choices if c.lower() == found.group(1).lower()]  # FP8 for fp8
+        given = found.group(1).lower()
+        same = [c for c in choices if c.lower() == given or c == ALIASES.get(given)]  # FP8 for fp8; bf16
         close = same or difflib.get_close_matches(found.group(1), choices, n=1, cutoff=0.6)
         if close:
             return f"{message}; did you mean '{close[0]}'?"

@@ -288,6 +288,8 @@ def test_a_shortened_flag_is_refused_not_taken_for_the_full_one(argv, flag, caps
     (["bench", "--workload", "ofline"], "invalid choice: 'ofline' (choose from"),
     (["bench", "--workload", "ofline"], "; did you mean 'offline'?"),
     (["generate", "--quantization", "FP8", "hi"], "invalid choice: 'FP8' (choose from 'fp8'); did you mean 'fp8'?"),
+    (["generate", "--dtype", "float64", "hi"], "did you mean 'float32'?"),  # not the closest spelling, float16
+    (["generate", "--dtype", "bf16", "hi"], "did you mean 'bfloat16'?"),
     (["generate", "--quantization", "fp8", "--deterministic", "hi"],
      "argument --quantization: cannot be used with --deterministic (fp8 products are not batch-invariant)"),
     (["generate", "--attention-backend", "torch", "--deterministic", "hi"],

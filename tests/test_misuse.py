@@ -139,6 +139,13 @@ CASES = [
     ("pause mode", lambda e: e.pause_generation("bogus"), ValueError, "mode", None),
     ("abort with a string", lambda e: e.abort("req-1"), ValueError, "request_ids", None),
     ("generate while paused", _paused_generate, RuntimeError, "paused", lambda e: e.continue_generation()),
+    ("generate(temperature=)", lambda e: e.generate(PROMPT, temperature=0.5), TypeError,
+     "'temperature' (a sampling parameter: pass it in SamplingParams, as sampling_params=", None),
+    ("params where input_ids go", lambda e: e.generate(PROMPT, GREEDY), ValueError,
+     "the second positional argument is input_ids", None),
+    ("stream(top_k=)", lambda e: list(e.stream(PROMPT, top_k=3)), TypeError, "RolloutEngine.stream() got", None),
+    ("generate_async misspelled", lambda e: asyncio.run(e.generate_async(PROMPT, sampling_param=GREEDY)), TypeError,
+     "did you mean 'sampling_params'", None),
 ]
 
 
