@@ -2,13 +2,14 @@
 
 A matrix product or a row reduction can take a different path, and round
 differently, when the number of rows changes. In deterministic mode the
-layers whose result could depend on it avoid that: on the GPU, matrix
-products run a kernel whose reduction order depends only on the weight's
-shape (cuBLAS called at one row count, `layers.fixed_rows`, where a check
-at start finds it invariant; else kernels/invariant_matmul.py) and
-RMSNorm's kernel is one program per row already; on the CPU each row is computed alone, with the same shapes
-whatever else is batched. Element-wise operations need nothing. Modules that
-take part have a `batch_invariant` attribute, set per model by
+layers whose result could depend on it avoid that. On the GPU, matrix
+products run through cuBLAS called at one row count (`layers.fixed_rows`)
+for the weight shapes a check at start finds invariant, else through a
+kernel whose reduction order depends only on the weight's shape
+(kernels/invariant_matmul.py); RMSNorm's kernel is one program per row
+already. On the CPU each row is computed alone, with the same shapes
+whatever else is batched. Element-wise operations need nothing. Modules
+that take part have a `batch_invariant` attribute, set per model by
 `make_batch_invariant`."""
 from __future__ import annotations
 
