@@ -59,8 +59,8 @@ FIELD_HELP: dict[str, str] = {
     "kv_cache_dtype": "dtype of the KV cache; auto: the model's dtype; fp8_e4m3: e4m3 values with scale 1, one "
                       "byte per element (twice bf16's tokens in the same memory, four times fp32's)",
     "deterministic": "batch-invariant mode: a seeded request gives the same tokens and logprobs whatever else "
-                     "is batched, chunked or cached (GPU: products through cuBLAS in calls of 256 rows, checked at start, "
-                     "Triton kernels where a check fails; CPU: row by row, several times slower)",
+                     "is batched, chunked or cached (GPU: products through cuBLAS in calls of 256 rows, checked "
+                     "at start, Triton kernels where a check fails; CPU: row by row, several times slower)",
 }
 
 # Fields whose allowed values config.py lists as a tuple.
