@@ -5,15 +5,13 @@ A facade: it validates arguments, submits to the engine's step loop
 controls and request creation live in core/."""
 from __future__ import annotations
 
-import functools
 import gc
-import inspect
 import weakref
 from typing import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from rollout_engine.config import EngineConfig, check_keywords, check_options
+from rollout_engine.config import EngineConfig, check_options
 from rollout_engine.core import calls
 from rollout_engine.core.controls import PAUSE_MODES
 from rollout_engine.core.engine_core import start_core
@@ -23,38 +21,14 @@ from rollout_engine.outputs import RolloutOutput
 from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.tokenizer import chat_token_ids
-from rollout_engine.validation import check_timeout, update_items, warn_flush_cache, weight_name_list
+from rollout_engine.validation import check_timeout, keywords_named, update_items, warn_flush_cache, weight_name_list
 
 Prompts = Sequence[str] | None
 InputIds = Sequence[Sequence[int]] | None
 Params = SamplingParams | Sequence[SamplingParams] | None
 
 
-def _keywords_named(method):
-    """generate and its kin: a keyword they do not take fails naming it (a
-    sampling parameter such as temperature=: where it goes instead), not
-    with Python's bare TypeError."""
-    known = [name for name in inspect.signature(method).parameters if name != "self"]
-    call = f"RolloutEngine.{method.__name__}()"
-
-    def check(kwargs):
-        if kwargs.keys() - known:
-            check_keywords(call, kwargs, known, "docs/python-api.md", "as sampling_params=SamplingParams(...)")
-
-    if inspect.iscoroutinefunction(method):
-        @functools.wraps(method)
-        async def checked_async(self, *args, **kwargs):
-            check(kwargs)
-            return await method(self, *args, **kwargs)
-        return checked_async
-
-    @functools.wraps(method)
-    def checked(self, *args, **kwargs):
-        check(kwargs)
-        return method(self, *args, **kwargs)
-    return checked
-
-
+@keywords_named("generate", "generate_async", "stream", "stream_async")  # temperature=: "a sampling parameter"
 class RolloutEngine:
     def __init__(self, model: str, **kwargs):
         check_options(kwargs)
@@ -64,20 +38,17 @@ class RolloutEngine:
         self.device, self.dtype, self.tokenizer = parts.device, parts.dtype, parts.tokenizer
         self.model_config, self.limits = parts.model.config, parts.limits
         self._controls = self.core.controls
-        # An engine dropped without shutdown() stops its loop (which would
-        # otherwise keep the model alive).
+        # an engine dropped without shutdown() stops its loop (else it would keep the model alive)
         self._finalizer = weakref.finalize(self, self.core.stop, 0)
         self._updater = parts.updater
         self._closed = False
 
     # ---- generation --------------------------------------------------------------
-    @_keywords_named
     def generate(self, prompts: Prompts = None, input_ids: InputIds = None, sampling_params: Params = None,
                  request_ids: Sequence[str] | None = None, progress: bool = False) -> list[RolloutOutput]:
         """Blocking; one output per (prompt, sample), samples of a prompt adjacent."""
         return calls.generate(self.core, (*self._inputs(prompts, input_ids, sampling_params), request_ids), progress)
 
-    @_keywords_named
     async def generate_async(self, prompts: Prompts = None, input_ids: InputIds = None,
                              sampling_params: Params = None,
                              request_ids: Sequence[str] | None = None) -> list[RolloutOutput]:
@@ -85,7 +56,6 @@ class RolloutEngine:
         inputs = self._inputs(prompts, input_ids, sampling_params)
         return await calls.generate_async(self.core, (*inputs, request_ids))
 
-    @_keywords_named
     def stream(self, prompts: Prompts = None, input_ids: InputIds = None, sampling_params: Params = None,
                request_ids: Sequence[str] | None = None) -> Iterator[RolloutOutput]:
         """Deltas as tokens are produced: each carries a request's tokens (and
@@ -94,7 +64,6 @@ class RolloutEngine:
         Closing the iterator early aborts its requests."""
         return calls.stream(self.core, (*self._inputs(prompts, input_ids, sampling_params), request_ids))
 
-    @_keywords_named
     def stream_async(self, prompts: Prompts = None, input_ids: InputIds = None, sampling_params: Params = None,
                      request_ids: Sequence[str] | None = None) -> AsyncIterator[RolloutOutput]:
         """`stream` for `async for`; closing it (aclose, cancellation) aborts its requests."""
@@ -228,8 +197,4 @@ class RolloutEngine:
 
     def _inputs(self, prompts, input_ids, sampling_params) -> tuple[list[list[int]], list[SamplingParams]]:
         self._require_open()
-        if isinstance(input_ids, SamplingParams) or (isinstance(input_ids, (list, tuple)) and input_ids
-                                                     and isinstance(input_ids[0], SamplingParams)):
-            raise ValueError("input_ids: got SamplingParams (the second positional argument is input_ids; pass "
-                             "the parameters as sampling_params=...)")
         return self.core.factory.validate(prompts, input_ids, sampling_params)

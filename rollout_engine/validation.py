@@ -2,9 +2,12 @@
 error is a ValueError naming the request and the field."""
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from rollout_engine.config import check_keywords
 from rollout_engine.sampling_params import SamplingParams, is_int
 
 
@@ -25,6 +28,10 @@ def _fail(index: int, field: str, why: str) -> None:
 
 def resolve_prompts(prompts: Sequence[str] | None, input_ids: Sequence[Sequence[int]] | None,
                     tokenizer: Any, limits: Limits) -> list[list[int]]:
+    if isinstance(input_ids, SamplingParams) or (isinstance(input_ids, (list, tuple)) and input_ids
+                                                 and isinstance(input_ids[0], SamplingParams)):
+        raise ValueError("input_ids: got SamplingParams (the second positional argument is input_ids; pass the "
+                         "parameters as sampling_params=...)")
     if (prompts is None) == (input_ids is None):
         raise ValueError("pass exactly one of prompts and input_ids")
     if prompts is not None:
@@ -181,3 +188,34 @@ def update_items(named_tensors):
     if isinstance(named_tensors, (str, bytes)) or not hasattr(named_tensors, "__iter__"):
         raise ValueError(f"named_tensors must be a dict or (name, tensor) pairs, got {type(named_tensors).__name__}")
     return named_tensors
+
+
+def keywords_named(*methods: str):
+    """Class decorator: these methods (generate and its kin) fail on a
+    keyword they do not take by naming it (a sampling parameter such as
+    temperature=: where it goes instead), not with Python's bare TypeError."""
+    def checked(method, call: str):
+        known = [name for name in inspect.signature(method).parameters if name != "self"]
+
+        def check(kwargs):
+            if kwargs.keys() - known:
+                check_keywords(call, kwargs, known, "docs/python-api.md", "as sampling_params=SamplingParams(...)")
+
+        if inspect.iscoroutinefunction(method):
+            @functools.wraps(method)
+            async def run_async(self, *args, **kwargs):
+                check(kwargs)
+                return await method(self, *args, **kwargs)
+            return run_async
+
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            check(kwargs)
+            return method(self, *args, **kwargs)
+        return run
+
+    def apply(cls):
+        for name in methods:
+            setattr(cls, name, checked(getattr(cls, name), f"{cls.__name__}.{name}()"))
+        return cls
+    return apply
