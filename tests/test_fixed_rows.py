@@ -53,11 +53,13 @@ def test_an_unaligned_or_strided_input_is_copied_before_the_calls(monkeypatch):
     sources = (base, strided)
     assert len(calls) == 4 and not any(s.data_ptr() <= ptr < s.data_ptr() + s.untyped_storage().nbytes()
                                        for _, ptr, _ in calls for s in sources)  # copies, not views
-    aligned = torch.randn(8, 16)
+    spare = torch.randn(8 * 16 + fixed_rows.ALIGN)  # the CPU allocator aligns to 64 bytes only
+    skip = (-spare.data_ptr() % fixed_rows.ALIGN) // spare.element_size()
+    aligned = spare[skip: skip + 8 * 16].view(8, 16)
+    assert aligned.data_ptr() % fixed_rows.ALIGN == 0
     calls.clear()
-    fixed_rows.linear(aligned, w)
-    if aligned.data_ptr() % fixed_rows.ALIGN == 0:  # the CPU allocator aligns to 64 bytes only
-        assert calls[0][1] == aligned.data_ptr()  # an aligned, contiguous input is read in place
+    torch.testing.assert_close(fixed_rows.linear(aligned, w), F.linear(aligned, w))
+    assert calls[0][1] == aligned.data_ptr()  # an aligned, contiguous input is read in place
 
 
 def test_the_check_passes_an_invariant_product_and_fails_one_that_depends_on_the_row(monkeypatch):
@@ -78,6 +80,22 @@ def test_the_check_passes_an_invariant_product_and_fails_one_that_depends_on_the
     assert not fixed_rows.takes(w, None)
     monkeypatch.setattr(fixed_rows, "ENABLED", True)
     monkeypatch.setattr(fixed_rows, "_call", rounds_by_position)
+    assert fixed_rows.verify(w, None)  # a shape keeps its first answer (engines of one process agree)
+    monkeypatch.setattr(fixed_rows, "_CHECKED", {})
+    assert not fixed_rows.verify(w, None)
+    assert not fixed_rows.takes(w, None)
+
+
+def test_a_check_that_fails_with_an_error_answers_false(monkeypatch):
+    """Out of memory (or any runtime error) while checking: the shape takes
+    the Triton kernels, the engine still starts."""
+    monkeypatch.setattr(fixed_rows, "_CHECKED", {})
+
+    def out_of_memory(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(fixed_rows, "_call", out_of_memory)
+    w = torch.randn(6, 16)
     assert not fixed_rows.verify(w, None)
     assert not fixed_rows.takes(w, None)
 

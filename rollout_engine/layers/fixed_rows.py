@@ -17,14 +17,23 @@ eagerly and replayed in a CUDA graph must give the same bits. A shape that
 fails keeps the Triton kernels (kernels/invariant_matmul.py), as does a
 shape never checked.
 
+cuBLAS's choice also follows torch's matmul settings (reduced-precision
+reductions, TF32, the preferred BLAS library): the mode assumes they stay
+as they were when the engine started; changed afterwards, the kernels
+captured in the CUDA graphs and those of the eager steps could differ.
+
 The price is the padding: a decode step of few rows computes ROWS of them.
 ROWS is the default largest decode batch (`cuda_graph_max_batch_size`),
 where rollouts spend their steps; measured in BENCHMARKS.md ("Deterministic
 mode: cuBLAS at a fixed row count")."""
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("rollout_engine")
 
 ROWS = 256
 ENABLED = True  # False: every product takes the Triton kernels (A/B runs: benchmarks/ab_switch.py)
@@ -80,7 +89,8 @@ def _graph_replay(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         linear(static, weight, bias)  # warm-up outside the capture
     torch.cuda.current_stream(x.device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread-local, as the engine's own captures (memory/saver.py): other threads' allocations go on
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = linear(static, weight, bias)
     graph.replay()
     torch.cuda.current_stream(x.device).synchronize()
@@ -92,7 +102,25 @@ def verify(weight: torch.Tensor, bias: torch.Tensor | None, graphs: bool = True,
     """Check, with random rows, that `linear` gives each row the same bits
     wherever it stands and whatever stands beside it, for this weight's
     shape; remember the answer (`takes`). `graphs`: also replayed in a CUDA
-    graph (the decode steps are)."""
+    graph (the decode steps are); a check without it is not remembered. A
+    shape checked before keeps its first answer (engines of one process
+    agree), and a check that fails with an error (out of memory) answers
+    False: the Triton kernels take the shape."""
+    key = _key(weight, bias)
+    if key in _CHECKED:
+        return _CHECKED[key]
+    try:
+        same = _same_bits(weight, bias, graphs, seed)
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+        log.warning("deterministic mode: checking cuBLAS at %d rows for a %s weight failed (%s); its products take "
+                    "the Triton kernels", ROWS, tuple(weight.shape), str(e).splitlines()[0] if str(e) else type(e))
+        same = False
+    if graphs or not weight.is_cuda:
+        _CHECKED[key] = same
+    return same
+
+
+def _same_bits(weight: torch.Tensor, bias: torch.Tensor | None, graphs: bool, seed: int) -> bool:
     gen = torch.Generator(device=weight.device).manual_seed(seed)
     k = weight.shape[1]
     x = torch.randn(2 * ROWS, k, generator=gen, device=weight.device, dtype=weight.dtype)
@@ -104,5 +132,4 @@ def verify(weight: torch.Tensor, bias: torch.Tensor | None, graphs: bool = True,
             and torch.equal(linear(x[ROWS + 1: ROWS + 2], weight, bias), full[ROWS + 1: ROWS + 2]))
     if same and graphs and weight.is_cuda:
         same = torch.equal(_graph_replay(x[perm[:ROWS - 9]], weight, bias), full[perm[:ROWS - 9]])
-    _CHECKED[_key(weight, bias)] = same
     return same

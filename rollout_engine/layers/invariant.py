@@ -88,4 +88,6 @@ def prepare_products(model: nn.Module) -> tuple[int, int]:
                     "the slower Triton kernels", triton, cublas + triton, fixed_rows.ROWS)
     log.info("deterministic mode: %d product shapes through cuBLAS at %d rows, %d through Triton kernels", cublas,
              fixed_rows.ROWS, triton)
+    if seen and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the checks' blocks and their graph's pool (the caller holds DEVICE_WIDE)
     return cublas, triton
