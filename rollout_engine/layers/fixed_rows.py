@@ -33,6 +33,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from rollout_engine.memory.saver import plain_graph_capture
+
 log = logging.getLogger("rollout_engine")
 
 ROWS = 256
@@ -72,7 +74,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m != calls * ROWS:
         x2 = F.pad(x2, (0, 0, 0, calls * ROWS - m))  # a new, aligned tensor
     elif not x2.is_contiguous() or x2.data_ptr() % ALIGN:
-        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # a new, aligned tensor
     y = torch.empty((calls * ROWS, n), dtype=x.dtype, device=x.device)
     for c in range(calls):
         rows = slice(c * ROWS, (c + 1) * ROWS)
@@ -89,8 +91,7 @@ def _graph_replay(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         linear(static, weight, bias)  # warm-up outside the capture
     torch.cuda.current_stream(x.device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    # thread-local, as the engine's own captures (memory/saver.py): other threads' allocations go on
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with plain_graph_capture(graph, None):  # thread-local, as the engine's own captures
         out = linear(static, weight, bias)
     graph.replay()
     torch.cuda.current_stream(x.device).synchronize()
