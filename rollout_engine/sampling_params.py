@@ -5,7 +5,7 @@ import functools
 import math
 from dataclasses import dataclass, fields
 
-from rollout_engine.suggest import unknown_keyword
+from rollout_engine.suggest import keywords_checked, unknown_keyword
 
 LOGPROB_MODES = ("processed", "raw")
 MAX_SEED = 1 << 63
@@ -107,22 +107,16 @@ class SamplingParams:
                 self.top_logprobs)
 
 
-def _named_keywords(init):
+def _unknown_fields(kwargs) -> None:
     """`SamplingParams(...)` with a keyword it does not take names the closest
     field (the dataclass's own error does not)."""
     known = [f.name for f in fields(SamplingParams)]
-
-    @functools.wraps(init)
-    def checked(self, *args, **kwargs):
-        for name in kwargs:
-            if name not in known:
-                raise unknown_keyword("SamplingParams()", name, known, "rollout_engine.SamplingParams")
-        init(self, *args, **kwargs)
-
-    return checked
+    for name in kwargs:
+        if name not in known:
+            raise unknown_keyword("SamplingParams()", name, known, "rollout_engine.SamplingParams")
 
 
-SamplingParams.__init__ = _named_keywords(SamplingParams.__init__)  # type: ignore[method-assign]
+SamplingParams.__init__ = keywords_checked(SamplingParams.__init__, _unknown_fields)  # type: ignore[method-assign]
 
 
 def is_int(x: object) -> bool:

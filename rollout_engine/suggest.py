@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
+import inspect
 import re
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 
 def unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
@@ -54,3 +56,21 @@ def unknown_keyword(call: str, name: str, known: Sequence[str], where: str) -> T
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else f" (the options: {where})"
     return TypeError(f"{call} got an unexpected keyword argument {name!r}{hint}")
+
+
+def keywords_checked(fn: Callable, check: Callable[[Mapping], None]) -> Callable:
+    """`fn` (a function or a coroutine function) with `check(kwargs)` run
+    first on every call: for errors that name a keyword `fn` does not take
+    before Python's own bare TypeError would."""
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def checked_async(*args, **kwargs):
+            check(kwargs)
+            return await fn(*args, **kwargs)
+        return checked_async
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        check(kwargs)
+        return fn(*args, **kwargs)
+    return checked

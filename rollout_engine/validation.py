@@ -2,13 +2,13 @@
 error is a ValueError naming the request and the field."""
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from rollout_engine.config import check_keywords
 from rollout_engine.sampling_params import SamplingParams, is_int
+from rollout_engine.suggest import keywords_checked
 
 
 @dataclass(frozen=True)
@@ -200,19 +200,7 @@ def keywords_named(*methods: str):
         def check(kwargs):
             if kwargs.keys() - known:
                 check_keywords(call, kwargs, known, "docs/python-api.md", "as sampling_params=SamplingParams(...)")
-
-        if inspect.iscoroutinefunction(method):
-            @functools.wraps(method)
-            async def run_async(self, *args, **kwargs):
-                check(kwargs)
-                return await method(self, *args, **kwargs)
-            return run_async
-
-        @functools.wraps(method)
-        def run(self, *args, **kwargs):
-            check(kwargs)
-            return method(self, *args, **kwargs)
-        return run
+        return keywords_checked(method, check)
 
     def apply(cls):
         for name in methods:
