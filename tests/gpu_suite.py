@@ -11,6 +11,7 @@ calls shorter than the suite.
 
     python tests/gpu_suite.py --out /tmp/gpu-suite            # every GPU
     python tests/gpu_suite.py --gpus 2 -- -x -k "not differential"   # extra pytest arguments after --
+    python tests/gpu_suite.py -- tests/test_gpu_moe.py tests/test_gpu_fp8.py   # only these files
     python tests/gpu_suite.py --part 1/3                      # a third of the files, then 2/3 and 3/3
 
 Exit status: 0 when every pytest passed, 1 otherwise (each one's last line
@@ -68,8 +69,8 @@ def run(args, shards: list[list[str]]) -> list[tuple[str, int, str]]:
     Every pytest runs in a process group of its own, killed on Ctrl-C."""
     phases = [[(f"{args.tag}gpu{i}", dict(os.environ, CUDA_VISIBLE_DEVICES=str(i)), ["-m", SINGLE, *files])
                for i, files in enumerate(shards) if files]]
-    if args.gpus >= 2 and args.multigpu:
-        phases.append([(f"{args.tag}multigpu", dict(os.environ), ["-m", "multigpu"])])
+    if args.gpus >= 2 and args.multigpu and (not args.paths or collect("multigpu", args.paths)):
+        phases.append([(f"{args.tag}multigpu", dict(os.environ), ["-m", "multigpu", *args.paths])])
     results = []
     for phase in phases:
         running = [(name, _start(args, env, name, select)) for name, env, select in phase]
@@ -105,6 +106,24 @@ def _finish(args, name: str, proc: subprocess.Popen, deadline: float) -> tuple[s
     return name, rc, (lines[-1] if lines else "") + (" (timed out)" if rc == 124 else "")
 
 
+# pytest flags that take no value: a path may follow them
+FLAGS = {"-x", "-v", "-vv", "-q", "-s", "-l", "--lf", "--ff", "--exitfirst", "--verbose", "--quiet"}
+
+
+def paths_apart(pytest_args: list[str]) -> tuple[list[str], list[str]]:
+    """The test paths among the extra pytest arguments (an existing file or
+    folder, or a node id in one, not an option's value), and the rest. The
+    paths narrow which files are dealt: each shard gets its own files and
+    the rest of the arguments, not every path again."""
+    paths, rest = [], []
+    for i, a in enumerate(pytest_args):
+        prev = pytest_args[i - 1] if i else ""
+        free = not prev.startswith("-") or prev in FLAGS or "=" in prev
+        is_path = free and not a.startswith("-") and os.path.exists(os.path.join(ROOT, a.split("::")[0]))
+        (paths if is_path else rest).append(a)
+    return paths, rest
+
+
 def part_of(text: str) -> tuple[int, int]:
     """--part's value: 'K/N' with 1 <= K <= N."""
     k, _, n = text.partition("/")
@@ -129,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         k, n = part_of(args.part)
     except ValueError as e:
         p.error(f"argument --part: {e}")
-    args.pytest_args = argv[split + 1:]
+    args.paths, args.pytest_args = paths_apart(argv[split + 1:])
     import torch
 
     needs_cuda(p, "it runs the GPU tests")
@@ -137,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus > torch.cuda.device_count():
         p.error(f"argument --gpus: {args.gpus}, but torch sees {torch.cuda.device_count()} GPUs")
     os.makedirs(args.out, exist_ok=True)
-    files = collect(SINGLE, args.pytest_args)
+    files = collect(SINGLE, [*args.paths, *args.pytest_args])
     mine = deal(files, n)[k - 1]
     args.multigpu, args.tag = k == n, (f"part{k}-" if n > 1 else "")  # each part's logs apart
     if not mine:

@@ -29,6 +29,13 @@ def test_a_part_is_one_of_n_dealt_the_same_way():
             gpu_suite.part_of(bad)
 
 
+def test_paths_narrow_the_files_and_are_not_given_to_every_shard():
+    paths, rest = gpu_suite.paths_apart(["tests/test_gpu_moe.py", "-x", "tests/test_gpu_fp8.py::test_a", "-k",
+                                         "tests", "--ignore", "tests/test_docs.py", "--durations=3", "tests"])
+    assert paths == ["tests/test_gpu_moe.py", "tests/test_gpu_fp8.py::test_a", "tests"]
+    assert rest == ["-x", "-k", "tests", "--ignore", "tests/test_docs.py", "--durations=3"]  # option values stay
+
+
 @pytest.mark.parametrize("argv,words", [([], "needs a CUDA GPU"), (["--gpus", "0"], "argument --gpus"),
                                         (["--timeout", "x"], "argument --timeout"),
                                         (["--part", "4/3"], "argument --part")])
@@ -45,7 +52,7 @@ def test_refusals_are_one_line(argv, words, capsys, monkeypatch):
 @pytest.mark.slow  # two pytest subprocesses, one of them waited out
 def test_a_shard_runs_its_files_and_one_past_its_time_is_stopped(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_suite, "SINGLE", "not gpu")  # CPU tests stand in for a GPU shard
-    args = argparse.Namespace(out=str(tmp_path), timeout=300, gpus=1, multigpu=True, tag="",
+    args = argparse.Namespace(out=str(tmp_path), timeout=300, gpus=1, multigpu=True, tag="", paths=[],
                               pytest_args=["-k", "ticking"])
     [(name, rc, last)] = gpu_suite.run(args, [["tests/test_progress.py"]])
     assert (name, rc) == ("gpu0", 0) and "passed" in last
