@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -59,9 +61,27 @@ def _job(body: str, tmp_path, preload: bool = False, limit: int = 840, env: dict
     cmd = [sys.executable, str(script), str(limit)]
     if preload:
         cmd = [sys.executable, "-m", "rollout_engine.cli", "run", "--"] + cmd
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    # Output to files, not pipes: a TP worker outliving its rank 0 (which the faulthandler ends at `limit`)
+    # would hold a pipe open and block the test. Whatever of the job's process group is left after it shows
+    # its stack (SIGABRT under PYTHONFAULTHANDLER) and is ended.
+    out, err = tmp_path / "job.out", tmp_path / "job.err"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, start_new_session=True,
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
+        try:
+            proc.wait(timeout=limit + 60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGABRT)
+            time.sleep(3)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # nothing left: the usual case
+            pass
+        proc.wait()
+    stdout, stderr = out.read_text(), err.read_text()
+    assert proc.returncode == 0, (proc.returncode, stdout[-3000:], stderr[-6000:])
+    line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
     print(result)
     return result
