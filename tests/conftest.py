@@ -29,13 +29,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def _fused_allreduce_kernels_built(request):
     """Build FlashInfer's fused all-reduce + norm kernels once, before the
-    first multi-GPU test, where the run selected any: on a fresh machine the
-    build takes minutes (about four on 16 cores), longer than the time limit
-    a multi-GPU test gives the engine it starts (a fused-mode test failed so
-    on its first run on a fresh two-GPU host). A no-op elsewhere."""
+    first multi-GPU test, where the run selected any and takes the fused
+    path (ROLLOUT_ENGINE_ALLREDUCE fused or unset): on a fresh machine the
+    build takes 4 to 5 minutes, longer than the time limit a multi-GPU test
+    gives the engine it starts. A no-op elsewhere."""
     if not any(item.get_closest_marker("multigpu") for item in request.session.items):
         return
     if torch.cuda.device_count() < 2:
+        return
+    from rollout_engine.distributed.fast_allreduce import allreduce_mode
+
+    if allreduce_mode() != "fused":  # the run asked for another path: only a test naming fused builds them
         return
     try:
         from rollout_engine.distributed.fused_norm import _build_kernels

@@ -23,7 +23,7 @@ GPU, in two steps on the CPU (the same structure); `one-shot`, the one-shot
 kernel (`fast_allreduce`) for small messages and NCCL for the rest, each
 norm its own kernel; `nccl`, NCCL for every all-reduce. The fused kernel's
 first use on a machine builds FlashInfer's kernels (257 s on a 16-core H200
-host; cached after, its progress logged). A GPU where it cannot be set up
+host, over 250 s on a 32-core one; cached after, its progress logged). A GPU where it cannot be set up
 goes on as `one-shot` (a warning when `fused` was asked for by name or a
 build or setup failed, INFO where the kernel does not apply). Measured:
 BENCHMARKS.md, "Tensor parallelism".
@@ -162,7 +162,7 @@ def _build_kernels(first: bool) -> None:
         get_trtllm_comm_module()  # loaded, or built while the first rank shows the time
         return
     log.warning("tensor parallelism: building FlashInfer's fused all-reduce + norm kernels (first use on this "
-                "machine: about 4 minutes on 16 cores; cached after). %s=one-shot skips them.", ENV)
+                "machine: 4 to 5 minutes; cached after). %s=one-shot skips them.", ENV)
     with Ticking(log, "building FlashInfer's fused all-reduce + norm kernels"):
         get_trtllm_comm_module()
 
