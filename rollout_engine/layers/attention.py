@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 
 
 # Hand the backend the output rows to write into (a padded step's, a prompt graph's `o` buffer) instead of
-# copying its result there; off (benchmarks/ab_switch.py) restores the copy, for before/after measurements.
-WRITE_INTO_OUT = True
+# copying its result there. Off until measured on a GPU (benchmarks/ab_switch.py ...WRITE_INTO_OUT=1): off,
+# the result is copied, as before.
+WRITE_INTO_OUT = False
 
 
 class PagedAttention(nn.Module):
