@@ -29,7 +29,9 @@ sys.path.insert(0, ROOT)
 
 SINGLE = "gpu and not multigpu"
 # Seconds per file on an H200 (JUnit times of a whole-suite run on four H200s, 2026-11-28, the real weights
-# converted on the machine), for dealing files to shards.
+# converted on the machine), for dealing files to shards. On a fresh machine (Triton's cache empty) the files
+# with many kernels take about 1.3x these; the multi-GPU tests wait 4-5 minutes more for the fused
+# all-reduce kernels' first build (tests/conftest.py).
 SECONDS = {"test_gpu_moe.py": 205, "test_gpu_fp8_kv_cache.py": 200, "test_gpu_deterministic.py": 135,
            "test_gpu_fp8.py": 130, "test_gpu_differential.py": 120, "test_gpu_moe_kernels.py": 110,
            "test_one_seq_attention.py": 90, "test_gpu_memory.py": 75, "test_gpu_parity.py": 50,
