@@ -90,19 +90,25 @@ def test_cublas_at_fixed_rows_rows_do_not_depend_on_the_batch():
         assert torch.equal(fixed_rows.linear(x[rows + 17: rows + 18], w, b)[0], full[rows + 17])
 
 
-def test_the_engine_runs_every_product_through_cublas_at_fixed_rows(tmp_path):
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
+def test_the_engine_runs_every_product_through_cublas_at_fixed_rows(tmp_path, kind):
     """A deterministic engine checks each product shape at start and sends
-    them all to cuBLAS at fixed rows (the Triton kernels are the fallback)."""
+    them all to cuBLAS at fixed rows (the Triton kernels are the fallback):
+    an MoE model's router and dense layer too (its experts keep their fused
+    batch-invariant kernel)."""
     from rollout_engine.layers import fixed_rows
 
-    hf = make_hf_model("qwen2", seed=1, num_hidden_layers=2, vocab_size=1000, initializer_range=0.06,
-                       max_position_embeddings=1024, **SHAPES["qwen2"])
+    hf = make_hf_model(kind, seed=1, num_hidden_layers=2, vocab_size=1000, initializer_range=0.06,
+                       max_position_embeddings=1024, **SHAPES[kind])
     engine = _engine(save_model(hf, tmp_path))
     try:
         model = engine.core.parts.model
-        weights = [m for m in model.modules() if getattr(m, "batch_invariant", False)
-                   and getattr(m, "weight", None) is not None and m.weight.dim() == 2]
-        assert weights and all(fixed_rows.takes(m.weight, getattr(m, "bias", None)) for m in weights)
+        weights = {name: m for name, m in model.named_modules() if getattr(m, "batch_invariant", False)
+                   and getattr(m, "weight", None) is not None and m.weight.dim() == 2}
+        elsewhere = [n for n, m in weights.items() if not fixed_rows.takes(m.weight, getattr(m, "bias", None))]
+        assert weights and elsewhere == []
+        if kind == "qwen3_moe":
+            assert any(name.endswith("mlp.gate") for name in weights), sorted(weights)  # the router among them
     finally:
         engine.shutdown()
 
