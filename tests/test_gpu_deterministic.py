@@ -90,6 +90,35 @@ def test_cublas_at_fixed_rows_rows_do_not_depend_on_the_batch():
         assert torch.equal(fixed_rows.linear(x[rows + 17: rows + 18], w, b)[0], full[rows + 17])
 
 
+def test_the_fixed_rows_check_captures_while_another_thread_allocates(monkeypatch):
+    """The check's CUDA graph is captured thread-locally, as the engine's
+    own: another thread (a trainer, a second engine starting) allocating on
+    the GPU meanwhile neither fails nor fails the check."""
+    import threading
+
+    from rollout_engine.layers import fixed_rows
+
+    monkeypatch.setattr(fixed_rows, "_CHECKED", {})  # shapes checked before would not capture again
+    stop, errors = threading.Event(), []
+
+    def allocate():
+        try:
+            while not stop.is_set():
+                torch.randn(1 << 20, device="cuda").sum().item()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    other = threading.Thread(target=allocate)
+    other.start()
+    try:
+        answers = [fixed_rows.verify(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5, None)
+                   for n, k in [(1376, 512), (512, 1376), (2048, 1024), (1024, 2048), (768, 256), (256, 768)]]
+    finally:
+        stop.set()
+        other.join(timeout=60)
+    assert not other.is_alive() and errors == [] and all(answers), (errors, answers)
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
 def test_the_engine_runs_every_product_through_cublas_at_fixed_rows(tmp_path, kind):
     """A deterministic engine checks each product shape at start and sends
