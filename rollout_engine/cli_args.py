@@ -19,6 +19,7 @@ from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS
 from rollout_engine.sampling_params import SamplingParams, is_int
 from rollout_engine.script_args import UsageError, flag_of
+from rollout_engine.suggest import did_you_mean
 from rollout_engine.tokenizer import has_tokenizer_files
 from rollout_engine.validation import Limits, check_request
 
@@ -209,11 +210,13 @@ def check_engine_args(config: EngineConfig) -> None:
     model, dummy = config.model, config.load_format == "dummy"
     if not os.path.isdir(model):
         if dummy and model not in PRESETS:
-            hint = " (a zoo model: add --load-format auto)" if model in ZOO else ""
+            hint = ("; it is a zoo model, with real weights: add --load-format auto" if model in ZOO
+                    else did_you_mean(model, [*PRESETS, *ZOO]))
             raise UsageError(f"argument --model: {model!r} is neither a folder nor a preset "
                              f"({', '.join(sorted(PRESETS))}){hint}")
         if not dummy and model not in ZOO:
-            hint = " (a preset: add --load-format dummy)" if model in PRESETS else ""
+            hint = ("; it is a preset, with random weights: add --load-format dummy" if model in PRESETS
+                    else did_you_mean(model, [*ZOO, *PRESETS]))
             raise UsageError(f"argument --model: {model!r} is neither a folder nor a zoo model "
                              f"({', '.join(sorted(ZOO))}){hint}")
     elif not is_model_folder(model):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Mapping, Sequence
 
 from rollout_engine.sampling_params import SamplingParams, is_int, is_number
-from rollout_engine.suggest import unknown_keyword
+from rollout_engine.suggest import ALIASES, unknown_keyword
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
@@ -42,15 +42,17 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "fp8_e4m3": K/V held in e4m3 (half of bf16's bytes), scale 1 (kernels/e4m3.py)
 
     def __post_init__(self) -> None:
-        def bad(field: str, why: str) -> None:
-            raise ValueError(f"{field} {why}, got {getattr(self, field)!r}")
+        def bad(field: str, why: str, hint: str = "") -> None:
+            raise ValueError(f"{field} {why}, got {getattr(self, field)!r}{hint}")
 
         if not isinstance(self.model, str) or not self.model:
             bad("model", "must be a folder path or a preset name")
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             bad("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.dtype not in DTYPES:
-            bad("dtype", f"must be one of {DTYPES}")
+            name = str(self.dtype).removeprefix("torch.")  # torch.float16 for 'float16'
+            alias = name if name in DTYPES else ALIASES.get(name.lower())
+            bad("dtype", f"must be one of {DTYPES}", f"; did you mean {alias!r}?" if alias else "")
         if self.load_format not in LOAD_FORMATS:
             bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.max_total_tokens is not None and (

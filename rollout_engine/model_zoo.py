@@ -123,5 +123,8 @@ def resolve_model_path(model: str, load_format: str) -> str:
         return model
     if model in ZOO:
         return ensure_model(model)
+    from rollout_engine.models.presets import PRESETS
+    from rollout_engine.suggest import did_you_mean
+
     raise ValueError(f"model {model!r} is not a folder, a known model ({sorted(ZOO)}), "
-                     "or a preset with load_format='dummy'")
+                     f"or a preset with load_format='dummy'{did_you_mean(model, [*ZOO, *PRESETS])}")

@@ -49,6 +49,12 @@ def with_choice_hint(message: str) -> str:
     return message
 
 
+def did_you_mean(given: str, known: Sequence[str], cutoff: float = 0.6) -> str:
+    """"; did you mean 'x'?" naming the closest of `known`, or ''."""
+    close = difflib.get_close_matches(given, list(known), n=1, cutoff=cutoff)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def unknown_keyword(call: str, name: str, known: Sequence[str], where: str) -> TypeError:
     """The error of a keyword argument `call` does not take, with the closest
     known one (temprature: did you mean 'temperature'?), else where the

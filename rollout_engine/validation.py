@@ -35,8 +35,11 @@ def resolve_prompts(prompts: Sequence[str] | None, input_ids: Sequence[Sequence[
     if (prompts is None) == (input_ids is None):
         raise ValueError("pass exactly one of prompts and input_ids")
     if prompts is not None:
-        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
-            raise ValueError("prompts must be a list of strings")
+        if isinstance(prompts, str):
+            shown = repr(prompts if len(prompts) <= 20 else prompts[:17] + "...")
+            raise ValueError(f"prompts must be a list of strings, got one string: pass [{shown}]")
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a list of strings, got {type(prompts).__name__}")
         if tokenizer is None:
             raise ValueError("prompts (text) need a tokenizer; pass input_ids or tokenizer=...")
         out = []

@@ -317,7 +317,11 @@ def test_a_scripts_misspelled_flag_names_the_closest_one(capsys):
 
 @pytest.mark.parametrize("argv,words", [(["generate", "--input-ids", "1,2", "hi"], "not both"),
                                         (["run"], "run needs a program"),
-                                        (["bench", "--model", "smollm2-135m"], "a zoo model: add --load-format auto")])
+                                        (["bench", "--model", "smollm2-135m"], "a zoo model, with real weights: add "
+                                                                               "--load-format auto"),
+                                        (["generate", "--model", "smolm2-135m", "hi"],
+                                         "nor a zoo model (smollm2-135m); did you mean 'smollm2-135m'?"),
+                                        (["bench", "--model", "qwen3-06b"], "; did you mean 'qwen3-0.6b'?")])
 def test_a_commands_own_checks_point_at_its_help_once(argv, words, capsys, no_model_load):
     """Checks made after argparse's (the command's own) end as argparse's do."""
     assert main(argv) == 2

@@ -91,7 +91,8 @@ CASES = [
     ("ignore_eos='yes'", _sp(ignore_eos="yes"), ValueError, "ignore_eos", None),
     ("no prompts", _gen(), ValueError, "prompts", None),
     ("prompts and input_ids", _gen(prompts=PROMPT, input_ids=[[1]]), ValueError, "prompts", None),
-    ("prompts is a string", _gen(prompts="hi"), ValueError, "prompts", None),
+    ("prompts is a string", _gen(prompts="hi"), ValueError, "prompts must be a list of strings, got one string: "
+                                                            "pass ['hi']", None),
     ("empty prompt", _gen(prompts=[""]), ValueError, "prompts", None),
     ("prompt not a string", _gen(prompts=[3]), ValueError, "prompts", None),
     ("empty input_ids", _gen(input_ids=[[]]), ValueError, "input_ids", None),
@@ -203,6 +204,19 @@ def test_an_unknown_engine_option_is_named_as_the_engines(kwargs, words):
     class) and the closest option."""
     with pytest.raises(TypeError, match=f"RolloutEngine\\(\\) got an unexpected keyword argument .*{words}"):
         RolloutEngine("smollm2-135m", **kwargs)
+
+
+@pytest.mark.parametrize("model,kwargs,end", [
+    ("smollm2-135m", {"dtype": "fp16"}, "got 'fp16'; did you mean 'float16'?"),
+    ("smollm2-135m", {"dtype": torch.bfloat16}, "got torch.bfloat16; did you mean 'bfloat16'?"),
+    ("smollm2-135m", {"dtype": "int8"}, "got 'int8'"),
+    ("smolm2-135m", {}, "or a preset with load_format='dummy'; did you mean 'smollm2-135m'?"),
+])
+def test_a_wrong_model_or_dtype_names_the_closest(model, kwargs, end):
+    """Refused before anything loads, with the value meant where one is close."""
+    with pytest.raises(ValueError) as exc:
+        RolloutEngine(model, device="cpu", **kwargs)
+    assert str(exc.value).endswith(end), exc.value
 
 
 @pytest.mark.parametrize("kwargs,words", [({"temprature": 0.5}, "did you mean 'temperature'"),

@@ -235,6 +235,18 @@ ABUSE = [
 ]
 
 
+def test_an_unknown_sampling_field_names_the_closest_one():
+    from rollout_engine.server.errors import ApiError
+    from rollout_engine.server.params import sglang_params
+
+    with pytest.raises(ApiError) as exc:
+        sglang_params({"max_new_token": 8}, False, 0)
+    assert exc.value.status == 400 and exc.value.param == "sampling_params.max_new_token"
+    assert exc.value.message.endswith("is not a known sampling parameter; did you mean 'max_new_tokens'?")
+    with pytest.raises(ApiError, match=r"sampling_params.bogus is not a known sampling parameter$"):
+        sglang_params({"bogus": 1}, False, 0)
+
+
 @pytest.mark.slow  # many requests; run by .ci/run after the fast tests
 def test_abuse_gets_4xx_never_500_and_the_server_stays_up(server):
     good = {"text": PROMPTS[0], "sampling_params": GREEDY}

@@ -6,6 +6,7 @@ from typing import Any
 
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.server.errors import ApiError
+from rollout_engine.suggest import did_you_mean
 
 # SGLang sampling fields taken as they are.
 SGLANG_DIRECT = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop_token_ids", "ignore_eos")
@@ -60,7 +61,8 @@ def sglang_params(raw: Any, return_logprob: bool, top_logprobs_num: int, field: 
             if value not in (NEUTRAL[key], None):
                 raise ApiError(400, f"{name} is not supported (only {NEUTRAL[key]!r})", name)
         elif key not in IGNORED:
-            raise ApiError(400, f"{name} is not a known sampling parameter", name)
+            known = [*SGLANG_DIRECT, "sampling_seed", "seed", "stop", *NEUTRAL, *IGNORED]
+            raise ApiError(400, f"{name} is not a known sampling parameter{did_you_mean(key, known)}", name)
     kw["top_logprobs"] = top_logprobs_num if return_logprob else 0
     if routed:
         kw["return_routed_experts"] = True
