@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=positive_int, default=1800, help="seconds each pytest may run")
     p.add_argument("--part", default="1/1", metavar="K/N",
                    help="the K-th of N parts of the single-GPU files; the multi-GPU tests with K = N")
+    p.usage = p.format_usage().removeprefix("usage: ").strip() + " [-- PYTEST_ARGS_OR_TEST_FILES ...]"
     args = p.parse_args(argv[:split])
     try:
         k, n = part_of(args.part)
