@@ -69,8 +69,8 @@ def run(args, shards: list[list[str]]) -> list[tuple[str, int, str]]:
     """Phase 1 (one pytest per shard, on its GPU, at once), then phase 2
     (the multi-GPU tests on all): (name, exit status, last line) each.
     Every pytest runs in a process group of its own, killed on Ctrl-C."""
-    phases = [[(f"{args.tag}gpu{i}", dict(os.environ, CUDA_VISIBLE_DEVICES=str(i)), ["-m", SINGLE, *files])
-               for i, files in enumerate(shards) if files]]
+    phases = [[(f"{args.tag}gpu{i}", dict(os.environ, CUDA_VISIBLE_DEVICES=str(i)),
+                ["-m", SINGLE, *narrowed(files, args.paths)]) for i, files in enumerate(shards) if files]]
     if args.gpus >= 2 and args.multigpu and (not args.paths or collect("multigpu", args.paths)):
         phases.append([(f"{args.tag}multigpu", dict(os.environ), ["-m", "multigpu", *args.paths])])
     results = []
@@ -124,6 +124,16 @@ def paths_apart(pytest_args: list[str]) -> tuple[list[str], list[str]]:
         is_path = free and not a.startswith("-") and os.path.exists(os.path.join(ROOT, a.split("::")[0]))
         (paths if is_path else rest).append(a)
     return paths, rest
+
+
+def narrowed(files: list[str], paths: list[str]) -> list[str]:
+    """A shard's files, each as the node ids named in it among `paths`
+    (tests/test_x.py::test_a), or whole where none is."""
+    out = []
+    for f in files:
+        ids = [p for p in paths if "::" in p and os.path.normpath(p.split("::")[0]) == os.path.normpath(f)]
+        out.extend(ids or [f])
+    return out
 
 
 def part_of(text: str) -> tuple[int, int]:

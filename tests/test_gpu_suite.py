@@ -34,6 +34,9 @@ def test_paths_narrow_the_files_and_are_not_given_to_every_shard():
                                          "tests", "--ignore", "tests/test_docs.py", "--durations=3", "tests"])
     assert paths == ["tests/test_gpu_moe.py", "tests/test_gpu_fp8.py::test_a", "tests"]
     assert rest == ["-x", "-k", "tests", "--ignore", "tests/test_docs.py", "--durations=3"]  # option values stay
+    # a shard runs the node ids named in its files, and its other files whole
+    assert gpu_suite.narrowed(["tests/test_gpu_fp8.py", "tests/test_gpu_moe.py"], paths) == \
+        ["tests/test_gpu_fp8.py::test_a", "tests/test_gpu_moe.py"]
 
 
 @pytest.mark.parametrize("argv,words", [([], "needs a CUDA GPU"), (["--gpus", "0"], "argument --gpus"),
