@@ -40,7 +40,6 @@ where the trainer's routers pick the engine's experts.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -55,7 +54,7 @@ from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.config import QUANTIZATIONS
 from rollout_engine.integrations.fsdp import sync_to_engine
 from rollout_engine.integrations.wandb import RolloutLogger
-from rollout_engine.script_args import HelpFormatter
+from rollout_engine.script_args import ScriptParser
 
 
 def make_problems(rng: random.Random, count: int) -> list[tuple[str, int]]:
@@ -237,7 +236,7 @@ def check_sync(trainer, engine) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = ScriptParser("grpo_train.py", __doc__.split("\n\n")[0])  # usage errors in one line, misspellings named
     p.add_argument("--model", default="smollm2-135m", help="zoo name, Hugging Face folder, or a preset")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: a preset's shape with random weights (use --task token)")

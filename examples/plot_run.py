@@ -8,9 +8,10 @@ or by --labels.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
+
+from rollout_engine.script_args import ScriptParser
 
 
 def plot(runs: dict[str, list[dict]], out: str, title: str = "GRPO") -> None:
@@ -49,7 +50,7 @@ def plot(runs: dict[str, list[dict]], out: str, title: str = "GRPO") -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ScriptParser("plot_run.py", __doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", metavar="FILE",
                    help="JSON lists written by grpo_train.py --log-json, then the PNG to write (unless --png)")
     p.add_argument("--png", help="the picture to write")

@@ -188,11 +188,13 @@ def test_fsdp_over_two_ranks_trains_one_policy_into_both_engines(tmp_path):
     (["--lr", "inf"], "--lr"), (["--lr", "0"], "--lr"), (["--clip", "-1"], "--clip"), (["--steps", "0"], "--steps"),
     (["--log-json", "/no/such/folder/run.json"], "--log-json"), (["--model", "no-such-model"], "--model"),
     (["--tis-cap", "0.5"], "--tis-cap"), (["--rollout-quantization", "int4"], "--rollout-quantization"),
+    (["--stpes", "3"], "did you mean --steps?"),
 ])
 def test_bad_arguments_are_one_line_errors_before_any_work(flags, named, capsys):
     with pytest.raises(SystemExit) as e:
         _load("grpo_train").main(flags)
-    assert e.value.code == 2 and named in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and named in err and err.count("\n") == 1, err
 
 
 def test_plot_run_keeps_every_run_apart(tmp_path, capsys):
