@@ -26,7 +26,7 @@ import numpy as np
 from rollout_engine import RolloutEngine, SamplingParams
 from rollout_engine.bench import workloads
 from rollout_engine.script_args import ScriptParser, positive_int, run_script
-from rollout_engine.config import KV_CACHE_DTYPES
+from rollout_engine.config import DTYPES, KV_CACHE_DTYPES
 from rollout_engine.fidelity import score
 from rollout_engine.model_zoo import resolve_model_path
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default="smollm2-135m", help="zoo name, Hugging Face folder, or a preset")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", help="the dtype of both engines")
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="the dtype of both engines")
     p.add_argument("--prompts", type=positive_int, default=32)
     p.add_argument("--prompt-len", type=positive_int, default=24)
     p.add_argument("--output-len", type=positive_int, default=64)
