@@ -136,6 +136,23 @@ def narrowed(files: list[str], paths: list[str]) -> list[str]:
     return out
 
 
+def file_seconds(reports: list[str]) -> dict[str, float]:
+    """Seconds per test file (its base name) summed over the JUnit reports
+    that exist (a pytest killed by its timeout writes none)."""
+    import xml.etree.ElementTree as ET
+
+    out: dict[str, float] = {}
+    for report in reports:
+        if not os.path.exists(report):
+            continue
+        for case in ET.parse(report).getroot().iter("testcase"):
+            # classname: tests.test_x, or tests.test_x.TestSomething: the module is the part named test_*
+            module = next((part for part in case.get("classname", "").split(".") if part.startswith("test_")), "?")
+            key = os.path.basename(case.get("file") or module + ".py")
+            out[key] = out.get(key, 0.0) + float(case.get("time") or 0)
+    return out
+
+
 def part_of(text: str) -> tuple[int, int]:
     """--part's value: 'K/N' with 1 <= K <= N."""
     k, _, n = text.partition("/")
@@ -180,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args, shards)
     for name, rc, last in results:
         print(f"{name}: exit {rc}: {last}")
+    seconds = file_seconds([os.path.join(args.out, f"{name}.xml") for name, _, _ in results])
+    if seconds:  # for SECONDS above
+        print("seconds per file: " + ", ".join(f"{f} {s:.0f}" for f, s in sorted(seconds.items(), key=lambda x: -x[1])))
     return 0 if all(rc == 0 for _, rc, _ in results) else 1
 
 

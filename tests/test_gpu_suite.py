@@ -39,6 +39,15 @@ def test_paths_narrow_the_files_and_are_not_given_to_every_shard():
         ["tests/test_gpu_fp8.py::test_a", "tests/test_gpu_moe.py"]
 
 
+def test_seconds_per_file_are_summed_from_the_junit_reports(tmp_path):
+    (tmp_path / "gpu0.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_gpu_moe" name="a" time="1.5"/>'
+        '<testcase classname="tests.test_gpu_moe.TestRows" name="b" time="2.0"/>'
+        '<testcase classname="tests.test_docs" name="c" time="0.25"/></testsuite></testsuites>')
+    seconds = gpu_suite.file_seconds([str(tmp_path / "gpu0.xml"), str(tmp_path / "killed.xml")])
+    assert seconds == {"test_gpu_moe.py": 3.5, "test_docs.py": 0.25}
+
+
 @pytest.mark.parametrize("argv,words", [([], "needs a CUDA GPU"), (["--gpus", "0"], "argument --gpus"),
                                         (["--timeout", "x"], "argument --timeout"),
                                         (["--part", "4/3"], "argument --part")])
@@ -60,6 +69,7 @@ def test_a_shard_runs_its_files_and_one_past_its_time_is_stopped(tmp_path, monke
     [(name, rc, last)] = gpu_suite.run(args, [["tests/test_progress.py"]])
     assert (name, rc) == ("gpu0", 0) and "passed" in last
     assert (tmp_path / "gpu0.xml").exists() and "passed" in (tmp_path / "gpu0.log").read_text()
+    assert list(gpu_suite.file_seconds([str(tmp_path / "gpu0.xml")])) == ["test_progress.py"]
     args.tag = "part2-"  # --part 2/N: its own logs beside the other parts'
     [(name, rc, last)] = gpu_suite.run(args, [["tests/test_progress.py"]])
     assert (name, rc) == ("part2-gpu0", 0)
