@@ -36,7 +36,8 @@ SECONDS = {"test_gpu_moe.py": 205, "test_gpu_fp8_kv_cache.py": 200, "test_gpu_de
            "test_gpu_fp8.py": 130, "test_gpu_differential.py": 120, "test_gpu_moe_kernels.py": 110,
            "test_one_seq_attention.py": 90, "test_gpu_memory.py": 75, "test_gpu_parity.py": 50,
            "test_gpu_fp8_row.py": 35, "test_gpu_kernels.py": 30, "test_gpu_weight_lifecycle.py": 30,
-           "test_gpu_fast_path.py": 25, "test_inflight_update.py": 15, "test_gpu_batch_gemm.py": 10, "test_prompt_graphs.py": 35}
+           "test_gpu_fast_path.py": 25, "test_inflight_update.py": 15, "test_gpu_batch_gemm.py": 10,
+           "test_prompt_graphs.py": 35}
 SECONDS_PER_TEST = 5
 
 
