@@ -90,10 +90,13 @@ def run(args, shards: list[list[str]]) -> list[tuple[str, int, str]]:
 
 
 def _start(args, env, name: str, select: list[str]) -> subprocess.Popen:
+    report = os.path.join(args.out, name + ".xml")
+    if os.path.exists(report):  # an earlier run's: a pytest killed by its timeout writes none to replace it
+        os.remove(report)
     with open(os.path.join(args.out, f"{name}.log"), "w") as log:
         # -v: a line per test as it ends, so a pytest killed by the timeout still shows what failed
         cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "--durations=10",
-               f"--junitxml={os.path.join(args.out, name + '.xml')}", *select, *args.pytest_args]
+               f"--junitxml={report}", *select, *args.pytest_args]
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -78,3 +78,4 @@ def test_a_shard_runs_its_files_and_one_past_its_time_is_stopped(tmp_path, monke
     args.timeout, args.pytest_args = 1, []
     [(name, rc, last)] = gpu_suite.run(args, [["tests/test_logs.py"]])  # builds an engine: more than a second
     assert rc == 124 and last.endswith("(timed out)")
+    assert not (tmp_path / "gpu0.xml").exists()  # the first run's report is not taken for this one's
