@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Mapping, Sequence
 
 from rollout_engine.sampling_params import SamplingParams, is_int, is_number
-from rollout_engine.suggest import ALIASES, unknown_keyword
+from rollout_engine.suggest import did_you_mean, unknown_keyword
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
@@ -50,9 +50,7 @@ class EngineConfig:
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             bad("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.dtype not in DTYPES:
-            name = str(self.dtype).removeprefix("torch.")  # torch.float16 for 'float16'
-            alias = name if name in DTYPES else ALIASES.get(name.lower())
-            bad("dtype", f"must be one of {DTYPES}", f"; did you mean {alias!r}?" if alias else "")
+            bad("dtype", f"must be one of {DTYPES}", did_you_mean(str(self.dtype).removeprefix("torch."), DTYPES))
         if self.load_format not in LOAD_FORMATS:
             bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.max_total_tokens is not None and (

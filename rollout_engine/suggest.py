@@ -40,27 +40,32 @@ def with_choice_hint(message: str) -> str:
     (ofline: did you mean 'offline'?); other messages as they are."""
     found = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
     if found:
-        choices = re.findall(r"'([^']*)'", found.group(2))
-        given = found.group(1).lower()
-        same = [c for c in choices if c.lower() == given or c == ALIASES.get(given)]  # FP8 for fp8; bf16
-        close = same or difflib.get_close_matches(found.group(1), choices, n=1, cutoff=0.6)
-        if close:
-            return f"{message}; did you mean '{close[0]}'?"
+        return message + did_you_mean(found.group(1), re.findall(r"'([^']*)'", found.group(2)))
     return message
 
 
-def did_you_mean(given: str, known: Sequence[str], cutoff: float = 0.6) -> str:
-    """"; did you mean 'x'?" naming the closest of `known`, or ''."""
-    close = difflib.get_close_matches(given, list(known), n=1, cutoff=cutoff)
-    return f"; did you mean {close[0]!r}?" if close else ""
+def meant(given: str, known: Sequence[str]) -> str | None:
+    """What `given` most likely meant among `known`: the same in another
+    case (FP8: fp8), its other name (bf16: bfloat16), else the closest
+    spelling; None if nothing is close."""
+    low = given.lower()
+    same = [k for k in known if k.lower() == low or k == ALIASES.get(low)]
+    close = same or difflib.get_close_matches(given, list(known), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def did_you_mean(given: str, known: Sequence[str]) -> str:
+    """"; did you mean 'x'?" naming what `given` meant (`meant`), or ''."""
+    choice = meant(given, known)
+    return f"; did you mean {choice!r}?" if choice else ""
 
 
 def unknown_keyword(call: str, name: str, known: Sequence[str], where: str) -> TypeError:
     """The error of a keyword argument `call` does not take, with the closest
     known one (temprature: did you mean 'temperature'?), else where the
     options are listed."""
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else f" (the options: {where})"
+    close = meant(name, known)
+    hint = f" (did you mean {close!r}?)" if close else f" (the options: {where})"
     return TypeError(f"{call} got an unexpected keyword argument {name!r}{hint}")
 
 
