@@ -215,7 +215,8 @@ def check_engine_args(config: EngineConfig) -> None:
             raise UsageError(f"argument --model: {model!r} is neither a folder nor a preset "
                              f"({', '.join(sorted(PRESETS))}){hint}")
         if not dummy and model not in ZOO:
-            hint = ("; it is a preset, with random weights: add --load-format dummy" if model in PRESETS
+            hint = ("; it is a preset, with random weights and no tokenizer: add --load-format dummy (and for text "
+                    "prompts --tokenizer FOLDER, or give --input-ids)" if model in PRESETS
                     else did_you_mean(model, [*ZOO, *PRESETS]))
             raise UsageError(f"argument --model: {model!r} is neither a folder nor a zoo model "
                              f"({', '.join(sorted(ZOO))}){hint}")

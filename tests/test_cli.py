@@ -321,7 +321,10 @@ def test_a_scripts_misspelled_flag_names_the_closest_one(capsys):
                                                                                "--load-format auto"),
                                         (["generate", "--model", "smolm2-135m", "hi"],
                                          "nor a zoo model (smollm2-135m); did you mean 'smollm2-135m'?"),
-                                        (["bench", "--model", "qwen3-06b"], "; did you mean 'qwen3-0.6b'?")])
+                                        (["bench", "--model", "qwen3-06b"], "; did you mean 'qwen3-0.6b'?"),
+                                        (["generate", "--model", "qwen3-0.6b", "hi"],
+                                         "add --load-format dummy (and for text prompts --tokenizer FOLDER, or give "
+                                         "--input-ids)")])
 def test_a_commands_own_checks_point_at_its_help_once(argv, words, capsys, no_model_load):
     """Checks made after argparse's (the command's own) end as argparse's do."""
     assert main(argv) == 2
