@@ -253,12 +253,11 @@ def decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale: float,
 
 
 def extend_attention(q, k_cache, v_cache, table, rows, seq_lens, qo_indptr, max_q_len: int,
-                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, Hq, D] new tokens; qo_indptr: [B + 1] device tensor. `out`:
-    where to write the result (shaped and strided as q; a new one if None)."""
+                     scale: float) -> torch.Tensor:
+    """q: [T, Hq, D] new tokens; qo_indptr: [B + 1] device tensor."""
     t, hq, d = q.shape
     hk = k_cache.shape[1]
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty_like(q)
     bsz = rows.numel()
     block_m = 64
     if t:

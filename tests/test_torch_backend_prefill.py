@@ -13,7 +13,6 @@ import rollout_engine.attention.torch_backend as torch_backend
 from rollout_engine.attention.torch_backend import TorchAttentionBackend
 from rollout_engine.cache.kv_pool import KVPool
 from rollout_engine.cache.req_table import ReqToTokenTable
-import rollout_engine.layers.attention as attention_layer
 from rollout_engine.layers.attention import PagedAttention
 from rollout_engine.forward_batch import ForwardBatch, TableMirror
 
@@ -43,13 +42,6 @@ def run_extend(q_lens, kv_lens, heads, kv_heads, seed=0, dtype=torch.float32):
     """An extend step over sequences with the given new-token and total
     lengths, their K/V at scattered slots of the pool. Returns (backend
     output, reference)."""
-    layer, q, fb, ref = extend_case(q_lens, kv_lens, heads, kv_heads, seed, dtype)
-    return layer(q, fb).view(q.shape[0], heads, D), ref
-
-
-def extend_case(q_lens, kv_lens, heads, kv_heads, seed=0, dtype=torch.float32, pad=0):
-    """(layer, queries with `pad` padding rows after them, the step, the
-    reference for the real rows)."""
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     total_kv, total_q = sum(kv_lens), sum(q_lens)
@@ -66,44 +58,17 @@ def extend_case(q_lens, kv_lens, heads, kv_heads, seed=0, dtype=torch.float32, p
         slots.append(torch.from_numpy(free[at: at + kv_len]))
         at += kv_len
     backend = TorchAttentionBackend()
-    zeros = torch.zeros(total_q + pad, dtype=torch.int64)
+    zeros = torch.zeros(total_q, dtype=torch.int64)
     fb = ForwardBatch(input_ids=zeros, positions=zeros, out_cache_loc=zeros,
                       extend_lens=np.array(q_lens, dtype=np.int64), seq_lens=np.array(kv_lens, dtype=np.int64),
                       rows=np.array(rows, dtype=np.int64), rows_device=torch.tensor(rows, dtype=torch.int32),
-                      table=_mirror(table), kv_pool=pool, attn_backend=backend, is_decode=False, pad=pad)
+                      table=_mirror(table), kv_pool=pool, attn_backend=backend, is_decode=False)
     backend.init_forward_metadata(fb)
     layer = PagedAttention(0, heads, kv_heads, D)
-    q = torch.randn(total_q + pad, heads, D, generator=g).to(dtype)
-    ref = naive_extend(q[:total_q], pool.k[0], pool.v[0], slots, q_lens, kv_lens, kv_heads, layer.scaling)
-    return layer, q, fb, ref
-
-
-@pytest.mark.parametrize("write_into_out", [True, False])
-def test_padded_steps_and_a_given_out_get_the_rows_the_backend_wrote(monkeypatch, write_into_out):
-    """A padded step's output (zeros in its padding rows) and an `out` the
-    caller gives (its padding rows left alone) hold the real rows' result;
-    with WRITE_INTO_OUT the backend writes them there itself (no copy),
-    without it they are copied from the backend's own tensor."""
-    monkeypatch.setattr(attention_layer, "WRITE_INTO_OUT", write_into_out)
-    layer, q, fb, ref = extend_case([5, 9], [12, 9], 9, 3, seed=2, pad=3)
-    n, width = q.shape[0] - 3, 9 * D
-    written = []
-    backend_forward = fb.attn_backend.forward
-
-    def forward(q, layer, fb, out=None):
-        written.append(backend_forward(q, layer, fb, out=out))
-        return written[-1]
-
-    monkeypatch.setattr(fb.attn_backend, "forward", forward)
-    padded = layer(q, fb)
-    assert padded.shape == (n + 3, width) and padded[n:].eq(0).all()
-    assert_close(padded[:n].view(n, 9, D), ref)
-    given = torch.full((n + 3, width), 7.0)
-    assert layer(q, fb, out=given) is given
-    assert given[n:].eq(7).all()  # the caller's padding rows, untouched
-    assert_close(given[:n].view(n, 9, D), ref)
-    in_place = [w.data_ptr() == o.data_ptr() for w, o in zip(written, (padded, given))]
-    assert in_place == [write_into_out] * 2
+    q = torch.randn(total_q, heads, D, generator=g).to(dtype)
+    out = layer(q, fb).view(total_q, heads, D)
+    ref = naive_extend(q, pool.k[0], pool.v[0], slots, q_lens, kv_lens, kv_heads, layer.scaling)
+    return out, ref
 
 
 def _mirror(table: ReqToTokenTable) -> TableMirror:

@@ -78,12 +78,9 @@ class AttentionBackend(ABC):
         raise NotImplementedError
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, layer: "PagedAttention", fb: "ForwardBatch",
-                out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         """q: [T, heads, d], the step's new K/V already in the pool. Returns
-        [T, heads, d]. `out`, a contiguous [T, heads, d] tensor of q's type:
-        where given, a backend that can writes the result there and returns
-        it (saving the caller a copy); one that cannot returns its own."""
+        [T, heads, d]."""
 
 
 def resolve_backend_name(name: str, shape: AttentionShape) -> str:

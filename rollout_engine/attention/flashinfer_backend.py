@@ -240,7 +240,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                            total, out=self.indices_buf, pad=pad)
 
     # ---- the layer call ------------------------------------------------------
-    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch", out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         if fb.attn_metadata is ONE_SEQ:
             return one_seq(q, layer, fb)
         if isinstance(fb.attn_metadata, tuple):  # the Triton decode's
@@ -249,4 +249,4 @@ class FlashInferAttentionBackend(AttentionBackend):
         p = self.shape.page_size
         k_cache = pool.k[layer.layer_id].view(-1, p, layer.num_kv_heads, layer.head_dim)
         v_cache = pool.v[layer.layer_id].view(-1, p, layer.num_kv_heads, layer.head_dim)
-        return fb.attn_metadata.run(q.contiguous(), (k_cache, v_cache), out=out)
+        return fb.attn_metadata.run(q.contiguous(), (k_cache, v_cache))

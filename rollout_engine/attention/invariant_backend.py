@@ -29,7 +29,7 @@ class BatchInvariantAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         fb.attn_metadata = context_slots(fb)
 
-    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch", out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         k_cache, v_cache = fb.kv_pool.k[layer.layer_id], fb.kv_pool.v[layer.layer_id]
         group = layer.num_heads // layer.num_kv_heads
         out = torch.empty_like(q)
@@ -64,7 +64,7 @@ class BatchInvariantTritonBackend(TritonAttentionBackend):
         super().__init__(shape)
         self.one_seq = False
 
-    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch", out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         pool = fb.kv_pool
         meta = fb.attn_metadata  # never in an order here (orders_decode)
         return invariant_attention(q, pool.k[layer.layer_id], pool.v[layer.layer_id], fb.table.tensor,

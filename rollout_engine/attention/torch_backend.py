@@ -45,12 +45,12 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             fb.attn_metadata = context_slots(fb)
 
-    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch", out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         pool = fb.kv_pool
         k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
         if fb.is_decode:
             return self._decode(q, k_cache, v_cache, layer, fb)
-        out = torch.empty_like(q) if out is None else out
+        out = torch.empty_like(q)
         q_start = 0
         for i in range(fb.batch_size):
             q_len = int(fb.extend_lens[i])

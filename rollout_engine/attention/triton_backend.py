@@ -102,7 +102,7 @@ class TritonAttentionBackend(AttentionBackend):
             host = np.concatenate([*in_order(order, lens, all_rows), order])
         self.step_buf[: host.size].copy_(torch.from_numpy(host).to(self.shape.device, non_blocking=True))
 
-    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch", out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
         if fb.attn_metadata is ONE_SEQ:
             return one_seq(q, layer, fb)
         pool = fb.kv_pool
@@ -113,5 +113,4 @@ class TritonAttentionBackend(AttentionBackend):
             rows = fb.rows_device if meta.order is None else meta.rows
             return decode_attention(q, k_cache, v_cache, table, rows, meta.seq_lens, layer.scaling, meta.order)
         return extend_attention(q, k_cache, v_cache, table, fb.rows_device, meta.seq_lens, meta.qo_indptr,
-                                meta.max_q_len, layer.scaling, out=out if out is not None and out.stride() == q.stride()
-                                else None)  # the kernel stores with q's strides
+                                meta.max_q_len, layer.scaling)
