@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import signal
 import subprocess
@@ -27,7 +28,9 @@ from rollout_engine.config import EngineConfig
 from rollout_engine.interrupts import DeferredInterrupt, generate_keeping_partials
 from rollout_engine.logs import LEVELS as LOG_LEVELS, show_logs
 from rollout_engine.model_zoo import ZOO
+from rollout_engine.progress import Ticking
 
+log = logging.getLogger("rollout_engine.cli")
 PROG = "rollout-engine"
 LOG_HELP = ("show the engine's log lines from this level on, with time and level (default: warnings and errors, "
             "unadorned); before or after the command")
@@ -139,11 +142,17 @@ def _prompts(args: argparse.Namespace, config: EngineConfig) -> tuple[list[str] 
     return args.prompts or DEMO_PROMPTS, None
 
 
+# A start slower than this (a large model's weights, a first kernel build, a
+# loaded machine) shows a line every STARTING_TICK_S seconds until it is done.
+STARTING_TICK_S = 5.0
+
+
 def _make_engine(config: EngineConfig) -> Any:
     from rollout_engine import RolloutEngine
 
     kwargs = {k: getattr(config, k) for k in config.__dataclass_fields__ if k != "model"}
-    return RolloutEngine(config.model, **kwargs)
+    with Ticking(log, f"starting the engine ({config.model})", every_s=STARTING_TICK_S, quiet_if_quick=True):
+        return RolloutEngine(config.model, **kwargs)
 
 
 LOGPROB_MODES = {"processed": "of the distribution sampled from, after temperature and top-k/top-p/min-p",

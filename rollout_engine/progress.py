@@ -88,16 +88,21 @@ class Ticking:
     """Lines on `log` (at WARNING, the level shown without any logging
     set up) while a long step with nothing to count runs, e.g. a kernel
     build: every `every_s` seconds (LOG_EVERY_S unless given) how long it
-    has taken so far, and at the end how long it took (or that it stopped)."""
+    has taken so far, and at the end how long it took (or that it stopped).
+    With `quiet_if_quick`, a step over before the first tick shows nothing,
+    not even the end line (a routine step, such as an engine's start, that
+    is only worth a line when it is slow)."""
 
-    def __init__(self, log: logging.Logger, what: str, every_s: float | None = None):
+    def __init__(self, log: logging.Logger, what: str, every_s: float | None = None, quiet_if_quick: bool = False):
         self.log, self.what = log, what
         self.every_s = LOG_EVERY_S if every_s is None else every_s
+        self.quiet_if_quick, self.ticked = quiet_if_quick, False
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._tick, name="rollout-engine-ticking", daemon=True)
 
     def _tick(self) -> None:
         while not self.stop.wait(self.every_s):
+            self.ticked = True
             self.log.warning("%s: %s so far", self.what, _duration(time.monotonic() - self.start))
 
     def __enter__(self) -> "Ticking":
@@ -109,6 +114,8 @@ class Ticking:
         self.stop.set()
         self.thread.join()
         taken = _duration(time.monotonic() - self.start)
+        if self.quiet_if_quick and not self.ticked:
+            return
         if kind is None:
             self.log.warning("%s: done in %s", self.what, taken)
         else:

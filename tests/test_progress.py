@@ -32,6 +32,37 @@ def test_ticking_says_when_the_step_failed_and_lets_the_error_through(caplog):
     assert [r.getMessage() for r in caplog.records] == ["building things: stopped after 0s"]
 
 
+def test_a_quick_step_is_silent_where_asked_and_a_slow_one_still_shows(caplog):
+    log = logging.getLogger("rollout_engine")
+    with caplog.at_level(logging.WARNING, logger="rollout_engine"):
+        with progress.Ticking(log, "starting", every_s=60, quiet_if_quick=True):
+            pass
+        assert caplog.records == []
+        with progress.Ticking(log, "starting", every_s=0.05, quiet_if_quick=True):
+            time.sleep(0.2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "starting: 0s so far" and lines[-1] == "starting: done in 0s", lines
+
+
+def test_the_cli_says_so_while_an_engine_is_slow_to_start(monkeypatch, capsys, caplog):
+    """`rollout-engine generate` shows a line while the engine starts, if it is slow."""
+    from rollout_engine import cli
+
+    monkeypatch.setattr(cli, "STARTING_TICK_S", 0.05)
+
+    def slow_engine(model, **kwargs):
+        time.sleep(0.3)
+        raise KeyboardInterrupt  # the start cut short: the line says so
+
+    monkeypatch.setattr("rollout_engine.RolloutEngine", slow_engine)
+    config = type("C", (), {"model": "some-model", "__dataclass_fields__": {"model": None}})()
+    with caplog.at_level(logging.WARNING, logger="rollout_engine"), pytest.raises(KeyboardInterrupt):
+        cli._make_engine(config)
+    lines = [r.getMessage() for r in caplog.records]
+    assert "starting the engine (some-model): 0s so far" in lines, lines
+    assert lines[-1] == "starting the engine (some-model): stopped after 0s", lines
+
+
 def test_durations_read_in_minutes_and_seconds():
     assert [progress._duration(s) for s in (0.2, 59.4, 60, 257.4)] == ["0s", "59s", "1m00s", "4m17s"]
 
