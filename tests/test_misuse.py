@@ -211,6 +211,8 @@ def test_an_unknown_engine_option_is_named_as_the_engines(kwargs, words):
     ("smollm2-135m", {"dtype": torch.bfloat16}, "got torch.bfloat16; did you mean 'bfloat16'?"),
     ("smollm2-135m", {"dtype": "int8"}, "got 'int8'"),
     ("smolm2-135m", {}, "or a preset with load_format='dummy'; did you mean 'smollm2-135m'?"),
+    ("qwen3-0.6b", {}, "it is a preset, shapes without weights or a tokenizer: pass load_format='dummy' for random "
+                       "weights of its shapes"),
 ])
 def test_a_wrong_model_or_dtype_names_the_closest(model, kwargs, end):
     """Refused before anything loads, with the value meant where one is close."""

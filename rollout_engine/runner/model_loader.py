@@ -41,7 +41,13 @@ def read_hf_config(model: str) -> tuple[Any, tuple[int, ...]]:
         return preset_config(model), ()
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(model)
+    try:
+        hf = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError):  # unreadable, or refused by transformers' own checks: its words
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. huggingface_hub's validation of the config's fields
+        said = " ".join(str(e).split()) or type(e).__name__
+        raise ValueError(f"{os.path.join(model, 'config.json')}: transformers refuses this config ({said})") from None
     eos: tuple[int, ...] = ()
     gen_path = os.path.join(model, "generation_config.json")
     if os.path.exists(gen_path):

@@ -6,12 +6,13 @@ rebound, so addresses held by CUDA graphs and attention plans stay valid.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -308,13 +309,25 @@ def safetensors_files(folder: str) -> list[str]:
 SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}  # the dtype the shapes-only pass must know
 
 
+@contextlib.contextmanager
+def _open_shard(path: str) -> Iterator[Any]:
+    """A safetensors shard, open; a damaged one (truncated, not safetensors)
+    is an OSError naming it, whether its header or a tensor is unreadable."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise OSError(f"{path}: not a readable safetensors file ({e}); download or convert the model "
+                      "again") from None
+
+
 def safetensors_shapes(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, meta tensor of the stored shape) from the file headers alone
     (e4m3 tensors in their dtype, as an FP8 checkpoint's weights)."""
-    from safetensors import safe_open
-
     for path in safetensors_files(folder):
-        with safe_open(path, framework="pt") as f:
+        with _open_shard(path) as f:
             for name in f.keys():
                 part = f.get_slice(name)
                 yield name, torch.empty(part.get_shape(), dtype=SAFETENSORS_DTYPES.get(part.get_dtype(), torch.float32),
@@ -323,9 +336,7 @@ def safetensors_shapes(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (name, tensor) pairs, one shard open at a time."""
-    from safetensors import safe_open
-
     for path in safetensors_files(folder):
-        with safe_open(path, framework="pt") as f:
+        with _open_shard(path) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

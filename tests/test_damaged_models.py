@@ -1,0 +1,68 @@
+"""A damaged model folder (truncated weights, a config transformers
+refuses) or a missing converter is one error naming the file or the fix,
+from Python and from the command line, not a traceback from a library."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from rollout_engine import RolloutEngine
+from rollout_engine import model_zoo
+from rollout_engine.cli import main as cli_main
+from tests.models import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def good_folder(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("good"))
+    make_hf_model("llama").save_pretrained(folder)
+    return folder
+
+
+def _copy(good_folder, tmp_path) -> str:
+    folder = str(tmp_path / "model")
+    shutil.copytree(good_folder, folder)
+    return folder
+
+
+@pytest.mark.parametrize("keep_bytes", [1000, None], ids=["header-cut", "data-cut"])
+def test_truncated_weights_name_the_file(good_folder, tmp_path, capsys, keep_bytes):
+    folder = _copy(good_folder, tmp_path)
+    path = os.path.join(folder, "model.safetensors")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(keep_bytes if keep_bytes is not None else size - 4096)
+    with pytest.raises(OSError, match="model.safetensors: not a readable safetensors file .*download or convert"):
+        RolloutEngine(folder, device="cpu")
+    assert cli_main(["generate", "--model", folder, "--input-ids", "1,2,3", "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.safetensors: not a readable safetensors file" in err[0], err
+
+
+def test_a_config_transformers_refuses_names_the_config(good_folder, tmp_path, capsys):
+    folder = _copy(good_folder, tmp_path)
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(hidden_size=65, num_attention_heads=4)  # heads do not divide the width
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="config.json: transformers refuses this config .*hidden size") as exc:
+        RolloutEngine(folder, device="cpu")
+    assert "\n" not in str(exc.value)
+    assert cli_main(["generate", "--model", folder, "--input-ids", "1,2,3", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.json" in err[0], err
+
+
+def test_a_zoo_model_without_the_converter_says_how_to_install_it(tmp_path, monkeypatch):
+    """Found before the download: the 'convert' extra names what to install."""
+    monkeypatch.setenv("ROLLOUT_ENGINE_CACHE", str(tmp_path / "cache"))
+    real = model_zoo.importlib.util.find_spec
+    monkeypatch.setattr(model_zoo.importlib.util, "find_spec", lambda name: None if name == "gguf" else real(name))
+    monkeypatch.setattr(model_zoo.subprocess, "run", lambda *a, **k: pytest.fail("downloaded before the check"))
+    with pytest.raises(RuntimeError, match=r"needs gguf: pip install gguf accelerate \(the 'convert' extra"):
+        model_zoo.ensure_model("smollm2-135m", quiet=True)
