@@ -250,7 +250,11 @@ def has_tokenizer(config: EngineConfig) -> bool:
 # ---- sampling -------------------------------------------------------------------
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int = 64, n: int = 1) -> None:
-    group = parser.add_argument_group("sampling")
+    own = SamplingParams()
+    group = parser.add_argument_group(
+        "sampling", f"defaults for reading samples at a terminal; SamplingParams' own (temperature {own.temperature}, "
+                    f"top-p {own.top_p}, {own.max_new_tokens} new tokens) sample the model's distribution, as RL "
+                    "rollouts want")
     group.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
                        help="tokens generated per sample at most")
     group.add_argument("--temperature", type=float, default=0.7, metavar="T", help="0 samples greedily")

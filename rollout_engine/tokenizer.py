@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -23,10 +24,29 @@ def load_tokenizer(model: str, tokenizer: str | None) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def check_messages(messages: Any) -> None:
+    """A chat: a list of {'role': ..., 'content': ...} dicts; else a
+    ValueError naming what is wrong, before the template sees it."""
+    if isinstance(messages, (str, bytes)):
+        raise ValueError("messages: a list of {'role': ..., 'content': ...} dicts, got a string; for one user "
+                         "turn pass [{'role': 'user', 'content': text}]")
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages: a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise ValueError(f"messages[{i}]: a dict with a 'role' string and a 'content', got {str(m)[:80]}")
+
+
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
     if tokenizer is None:
         raise ValueError("a chat template needs a tokenizer; pass tokenizer=... to the engine")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    check_messages(messages)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - the template's own refusals (jinja's errors: roles out of order, ...)
+        if not type(e).__module__.startswith("jinja2"):
+            raise
+        raise ValueError(f"messages: the model's chat template refuses them ({' '.join(str(e).split())})") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -137,6 +137,8 @@ CASES = [
     ("update from a missing folder", lambda e: e.update_weights_from_disk("/nonexistent"), ValueError, "path", None),
     ("get_weight unknown", lambda e: e.get_weight("nope"), ValueError, "nope", None),
     ("release without memory saver", lambda e: e.release_memory(), RuntimeError, "enable_memory_saver", None),
+    ("release an unknown tag", lambda e: e.release_memory(["bogus"]), ValueError,  # the input first, whatever the state
+     "tags: unknown ['bogus']; known: ['weights', 'kv_cache', 'cuda_graph']", None),
     ("pause mode", lambda e: e.pause_generation("bogus"), ValueError, "mode", None),
     ("abort with a string", lambda e: e.abort("req-1"), ValueError, "request_ids", None),
     ("generate while paused", _paused_generate, RuntimeError, "paused", lambda e: e.continue_generation()),
@@ -147,6 +149,10 @@ CASES = [
     ("stream(top_k=)", lambda e: list(e.stream(PROMPT, top_k=3)), TypeError, "RolloutEngine.stream() got", None),
     ("generate_async misspelled", lambda e: asyncio.run(e.generate_async(PROMPT, sampling_param=GREEDY)), TypeError,
      "did you mean 'sampling_params'", None),
+    ("chat template of a string", lambda e: e.apply_chat_template("hi"), ValueError,
+     "messages: a list of {'role': ..., 'content': ...} dicts, got a string; for one user turn pass", None),
+    ("chat turn without content", lambda e: e.apply_chat_template([{"role": "user"}]), ValueError,
+     "messages[0]: a dict with a 'role' string and a 'content'", None),
 ]
 
 
@@ -235,6 +241,20 @@ def test_no_prompts_give_no_outputs_at_once(engine, baseline, call):
     assert _within(10, lambda: call(engine)) == []
     assert engine.num_unfinished_requests() == 0
     assert engine.generate(PROMPT, sampling_params=GREEDY)[0].output_token_ids == baseline
+
+
+def test_a_chat_the_template_refuses_is_a_value_error_with_its_reason():
+    """A template's own refusal (jinja's raise_exception: roles out of order)."""
+    import jinja2
+
+    from rollout_engine.tokenizer import chat_token_ids
+
+    class Strict:
+        def apply_chat_template(self, messages, **kw):
+            raise jinja2.exceptions.TemplateError("Conversation roles must alternate user/assistant/user/assistant")
+
+    with pytest.raises(ValueError, match="messages: the model's chat template refuses them .*roles must alternate"):
+        chat_token_ids(Strict(), [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
 
 def test_enough_misuse_cases():

@@ -161,9 +161,15 @@ def test_rl_controls(server, tmp_path, smollm2_dir):
     assert again["output_ids"] == before["output_ids"]
     bad = server.post("/update_weights_from_disk", {"model_path": str(tmp_path / "nope")})
     assert bad.status_code == 400 and "not a folder" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "model_path"
+    (tmp_path / "empty").mkdir()
+    empty = server.post("/update_weights_from_disk", {"model_path": str(tmp_path / "empty")})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "model_path", empty.json()
 
     released = server.post("/release_memory_occupation", {})
     assert released.status_code == 409 and "enable_memory_saver" in released.json()["error"]["message"]
+    bogus = server.post("/release_memory_occupation", {"tags": ["bogus"]})  # the input first, then the state
+    assert bogus.status_code == 400 and "tags: unknown ['bogus']" in bogus.json()["error"]["message"], bogus.json()
     assert server.post("/pause_generation", {"mode": "keep"}).json()["success"]
     paused = server.post("/generate", {"text": "x", "sampling_params": GREEDY})
     assert paused.status_code == 409 and "paused" in paused.json()["error"]["message"]

@@ -41,15 +41,17 @@ class MemoryManager:
         return self.state[tag] == RESIDENT
 
     def check(self, tags: Sequence[str], want: str, action: str) -> tuple[str, ...]:
-        """Validate a whole request before acting on any tag."""
-        if not self.enabled:
-            raise RuntimeError(f"cannot {action} memory: the engine was built without enable_memory_saver=True "
-                               "(memory release needs it, on a CUDA device)")
+        """Validate a whole request before acting on any tag: the tags
+        themselves first (a wrong one is the caller's input, whatever the
+        engine's state), then what the state allows."""
         if isinstance(tags, str):
             tags = (tags,)
         unknown = [t for t in tags if t not in TAGS]
         if unknown:
             raise ValueError(f"tags: unknown {unknown}; known: {list(TAGS)}")
+        if not self.enabled:
+            raise RuntimeError(f"cannot {action} memory: the engine was built without enable_memory_saver=True "
+                               "(memory release needs it, on a CUDA device)")
         wrong = [t for t in tags if self.state[t] != want]
         if wrong:
             raise RuntimeError(f"cannot {action} {wrong}: already {'released' if want == RESIDENT else 'resident'}")

@@ -97,7 +97,10 @@ async def update_from_disk(body: DiskBody, request: Request):
         raise ApiError(400, f"load_format {body.load_format!r} is not supported (safetensors)", "load_format")
     if body.abort_all_requests:
         await _in_thread(engine.abort)
-    version = await _in_thread(engine.update_weights_from_disk, body.model_path, _version(body.weight_version))
+    try:
+        version = await _in_thread(engine.update_weights_from_disk, body.model_path, _version(body.weight_version))
+    except (ValueError, FileNotFoundError) as e:  # the folder, or what it holds: the request's model_path
+        raise ApiError(400, str(e), "model_path") from None
     return _ok("weights updated from disk", weight_version=version)
 
 
