@@ -165,6 +165,9 @@ def test_rl_controls(server, tmp_path, smollm2_dir):
     (tmp_path / "empty").mkdir()
     empty = server.post("/update_weights_from_disk", {"model_path": str(tmp_path / "empty")})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "model_path", empty.json()
+    (tmp_path / "empty" / "model.safetensors").write_bytes(b"not safetensors")
+    damaged = server.post("/update_weights_from_disk", {"model_path": str(tmp_path / "empty")})
+    assert damaged.status_code == 400 and "not a readable safetensors file" in damaged.json()["error"]["message"]
 
     released = server.post("/release_memory_occupation", {})
     assert released.status_code == 409 and "enable_memory_saver" in released.json()["error"]["message"]

@@ -99,7 +99,7 @@ async def update_from_disk(body: DiskBody, request: Request):
         await _in_thread(engine.abort)
     try:
         version = await _in_thread(engine.update_weights_from_disk, body.model_path, _version(body.weight_version))
-    except (ValueError, FileNotFoundError) as e:  # the folder, or what it holds: the request's model_path
+    except (ValueError, OSError) as e:  # the folder, or what it holds (no shards, a damaged one): model_path
         raise ApiError(400, str(e), "model_path") from None
     return _ok("weights updated from disk", weight_version=version)
 
