@@ -24,6 +24,19 @@ def load_tokenizer(model: str, tokenizer: str | None) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def check_tokenizer_fits(tokenizer: Any, vocab_size: int, given: str | None) -> None:
+    """A tokenizer with more tokens than the model's vocabulary belongs to
+    another model: its ids past the vocabulary would be refused request by
+    request. (One with fewer is common: embeddings padded past the tokens.)"""
+    if tokenizer is None:
+        return
+    n = len(tokenizer)
+    if n > vocab_size:
+        where = f"tokenizer {given!r}" if given is not None else "the model folder's tokenizer"
+        raise ValueError(f"{where} has {n} tokens, more than the model's vocabulary of {vocab_size}: it belongs to "
+                         "another model")
+
+
 def check_messages(messages: Any) -> None:
     """A chat: a list of {'role': ..., 'content': ...} dicts; else a
     ValueError naming what is wrong, before the template sees it."""

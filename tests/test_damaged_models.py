@@ -1,5 +1,6 @@
 """A damaged model folder (truncated weights, a config transformers
-refuses) or a missing converter is one error naming the file or the fix,
+refuses), a tokenizer of another model or a missing converter is one error
+naming the file or the fix,
 from Python and from the command line, not a traceback from a library."""
 from __future__ import annotations
 
@@ -66,3 +67,17 @@ def test_a_zoo_model_without_the_converter_says_how_to_install_it(tmp_path, monk
     monkeypatch.setattr(model_zoo.subprocess, "run", lambda *a, **k: pytest.fail("downloaded before the check"))
     with pytest.raises(RuntimeError, match=r"needs gguf: pip install gguf accelerate \(the 'convert' extra"):
         model_zoo.ensure_model("smollm2-135m", quiet=True)
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_the_weights_load(good_folder, smollm2_dir, capsys,
+                                                                                   monkeypatch):
+    """SmolLM2's 49,152 tokens against a 512-token model: another model's tokenizer."""
+    from rollout_engine.core import build
+
+    monkeypatch.setattr(build, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ValueError, match=r"^tokenizer '.*' has 49152 tokens, more than the model's "
+                                         r"vocabulary of 512: it belongs to another model"):
+        RolloutEngine(good_folder, tokenizer=smollm2_dir, device="cpu")
+    assert cli_main(["generate", "--model", good_folder, "--tokenizer", smollm2_dir, "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --tokenizer: '" in err[0] and "49152 tokens" in err[0], err

@@ -38,7 +38,7 @@ from rollout_engine.runner.model_runner import ModelRunner
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from rollout_engine.scheduler.stop import StopChecker
-from rollout_engine.tokenizer import load_tokenizer, tokenizer_eos_ids
+from rollout_engine.tokenizer import check_tokenizer_fits, load_tokenizer, tokenizer_eos_ids
 from rollout_engine.validation import ROUTING_OFF, Limits
 from rollout_engine.weights.loader import WeightLoader
 from rollout_engine.weights.receiver import WeightReceiver
@@ -135,6 +135,8 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
         if shape.moe is None:
             raise ValueError(f"enable_return_routed_experts=True needs a mixture-of-experts model; "
                              f"{shape.architecture} has no experts")
+    tokenizer = load_tokenizer(path, cfg.tokenizer)
+    check_tokenizer_fits(tokenizer, shape.vocab_size, cfg.tokenizer)  # refused before the weights load
     start = time.monotonic()
     model = load_model(path, cfg.load_format, comm, device, dtype, cfg.seed,
                        weights_region=memory.region("weights", cfg.weights_cpu_backup), quantization=cfg.quantization)
@@ -142,7 +144,6 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     loaded_s = time.monotonic() - start
     if cfg.deterministic:
         make_batch_invariant(model)
-    tokenizer = load_tokenizer(path, cfg.tokenizer)
     kv_pool, allocator, table, limits = _kv_memory(cfg, model, memory, device, dtype, free_before, comm)
     prefix_cache = RadixCache(allocator) if cfg.enable_prefix_cache else NoPrefixCache(allocator)
     start = time.monotonic()
