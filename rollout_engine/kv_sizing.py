@@ -47,7 +47,11 @@ def kv_capacity_tokens(cfg: EngineConfig, mc: ModelConfig, per_token: int, devic
     budget = int(free_before_load * cfg.mem_fraction) - weight_bytes - activation_reserve(cfg, mc, dtype_bytes)
     tokens = budget // per_token
     if tokens < 1024:
+        total = torch.cuda.mem_get_info(device)[1]
+        held = ("; another engine not shut down, or another process, holds the rest"
+                if free_before_load < 0.9 * total else "")
         raise ValueError(
-            f"mem_fraction={cfg.mem_fraction} leaves room for only {max(tokens, 0)} KV tokens; "
-            "raise mem_fraction or set max_total_tokens")
+            f"mem_fraction={cfg.mem_fraction} leaves room for only {max(tokens, 0)} KV tokens (free before the "
+            f"weights loaded: {free_before_load / 2**30:.1f} of the GPU's {total / 2**30:.1f} GiB{held}; the weights "
+            f"take {weight_bytes / 2**30:.1f} GiB); raise mem_fraction or set max_total_tokens")
     return int(tokens)

@@ -3,6 +3,7 @@ Each job runs in a fresh process: the device-wide numbers then belong to
 that engine alone, and the library's per-process state starts clean."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.gpu
 
@@ -65,6 +67,10 @@ def _job(body: str, tmp_path, preload: bool = False, limit: int = 840, env: dict
     # would hold a pipe open and block the test. Whatever of the job's process group is left after it shows
     # its stack (SIGABRT under PYTHONFAULTHANDLER) and is ended.
     out, err = tmp_path / "job.out", tmp_path / "job.err"
+    # The job measures the GPU as a fresh process: engines earlier tests left to the collector (and the blocks
+    # this process's allocator caches) would otherwise hold memory it counts on.
+    gc.collect()
+    torch.cuda.empty_cache()
     with open(out, "w") as fo, open(err, "w") as fe:
         proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True, start_new_session=True,
                                 env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})

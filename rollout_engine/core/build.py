@@ -5,6 +5,7 @@ Built once, on the constructing thread (memory-saver regions are entered
 here and nowhere per step)."""
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -111,6 +112,19 @@ def engine_cuda_index(cfg: EngineConfig) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def free_device_memory(device: torch.device) -> int:
+    """The GPU's free bytes as the KV cache is sized from them, after this
+    process gives back what it holds without use: an engine dropped without
+    shutdown() (collected here, if only cycles keep it) and blocks the
+    caching allocator keeps (a dropped engine's KV cache among them: a cell
+    that builds an engine run twice would otherwise find the first one's
+    memory still taken)."""
+    with DEVICE_WIDE:  # returning cached memory would break another engine's capture
+        gc.collect()
+        torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
 def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChannel | None = None) -> EngineParts:
     """This rank's parts (`comm`: its place in a tensor-parallel group;
     `channel`: on rank 0, the way to the other ranks)."""
@@ -126,7 +140,7 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     comm = (comm or TPComm()).with_fast_all_reduce(dtype, device)
     if not cfg.deterministic and shape.moe is None:  # see DecoderModel.fuses_norms
         comm = comm.with_fused_norm(shape.hidden_size, dtype, device)
-    free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    free_before = free_device_memory(device) if device.type == "cuda" else 0
     memory = MemoryManager(create_saver(cfg.enable_memory_saver, device))
     if not cfg.deterministic:  # a backend this device or dtype cannot run: refused before the weights load
         resolve_backend_name(cfg.attention_backend, AttentionShape(shape.num_heads, shape.num_kv_heads,
