@@ -81,3 +81,27 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_the_weights_lo
     assert cli_main(["generate", "--model", good_folder, "--tokenizer", smollm2_dir, "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "argument --tokenizer: '" in err[0] and "49152 tokens" in err[0], err
+
+
+@pytest.mark.parametrize("free_gib,words", [
+    (20.0, "free before the weights loaded: 20.0 of the GPU's 140.0 GiB; another engine not shut down, or another "
+           "process, holds the rest; the weights take 15.0 GiB"),
+    (139.0, "free before the weights loaded: 139.0 of the GPU's 140.0 GiB; the weights take 150.0 GiB"),
+])
+def test_too_little_room_for_the_kv_cache_says_where_the_memory_is(monkeypatch, free_gib, words):
+    """Memory another holder keeps is named as such; a model too large is not blamed on one."""
+    import torch
+
+    from rollout_engine.config import EngineConfig
+    from rollout_engine.kv_sizing import kv_capacity_tokens
+    from rollout_engine.models.config import ModelConfig
+    from rollout_engine.models.presets import preset_config
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * gib), 140 * gib))
+    mc = ModelConfig.from_hf(preset_config("qwen2.5-7b"))
+    weights = (15 if free_gib < 100 else 150) * gib
+    with pytest.raises(ValueError, match="leaves room for only 0 KV tokens") as exc:
+        kv_capacity_tokens(EngineConfig(model="qwen2.5-7b"), mc, 57344, torch.device("cuda"), int(free_gib * gib),
+                           weights, 2)
+    assert words in str(exc.value), exc.value
