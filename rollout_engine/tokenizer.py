@@ -1,9 +1,12 @@
 """Tokenizer loading and the chat-template helper."""
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -24,17 +27,28 @@ def load_tokenizer(model: str, tokenizer: str | None) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+# Tokens a tokenizer may have past the model's vocabulary and still be the
+# model's own: a few added after training without resizing the embeddings
+# (a pad token, say), which only requests that use them are refused for.
+EXTRA_TOKENS_OK = 256
+
+
 def check_tokenizer_fits(tokenizer: Any, vocab_size: int, given: str | None) -> None:
-    """A tokenizer with more tokens than the model's vocabulary belongs to
-    another model: its ids past the vocabulary would be refused request by
-    request. (One with fewer is common: embeddings padded past the tokens.)"""
+    """A tokenizer with many more tokens than the model's vocabulary belongs
+    to another model: refused. A few more: a warning (requests with those ids
+    are refused one by one). Fewer is common: embeddings padded past the
+    tokens."""
     if tokenizer is None:
         return
     n = len(tokenizer)
-    if n > vocab_size:
-        where = f"tokenizer {given!r}" if given is not None else "the model folder's tokenizer"
+    if n <= vocab_size:
+        return
+    where = f"tokenizer {given!r}" if given is not None else "the model folder's tokenizer"
+    if n - vocab_size > max(EXTRA_TOKENS_OK, vocab_size // 100):
         raise ValueError(f"{where} has {n} tokens, more than the model's vocabulary of {vocab_size}: it belongs to "
                          "another model")
+    log.warning("%s has %d tokens, %d more than the model's vocabulary of %d (added without resizing the "
+                "embeddings?): requests with those ids are refused", where, n, n - vocab_size, vocab_size)
 
 
 def check_messages(messages: Any) -> None:

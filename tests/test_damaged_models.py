@@ -105,3 +105,26 @@ def test_too_little_room_for_the_kv_cache_says_where_the_memory_is(monkeypatch, 
         kv_capacity_tokens(EngineConfig(model="qwen2.5-7b"), mc, 57344, torch.device("cuda"), int(free_gib * gib),
                            weights, 2)
     assert words in str(exc.value), exc.value
+
+
+def test_a_few_tokens_past_the_vocabulary_are_a_warning_not_a_refusal(caplog):
+    """A pad token added after training without resizing: the model's own tokenizer still."""
+    import logging
+
+    from rollout_engine.tokenizer import check_tokenizer_fits
+
+    class Tok:
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+    with caplog.at_level(logging.WARNING, logger="rollout_engine"):
+        check_tokenizer_fits(Tok(32001), 32000, None)
+        check_tokenizer_fits(Tok(151665), 151936, None)  # fewer: embeddings padded past the tokens
+    assert [r.getMessage() for r in caplog.records] == [
+        "the model folder's tokenizer has 32001 tokens, 1 more than the model's vocabulary of 32000 (added without "
+        "resizing the embeddings?): requests with those ids are refused"]
+    with pytest.raises(ValueError, match="has 151665 tokens, more than the model's vocabulary of 49152"):
+        check_tokenizer_fits(Tok(151665), 49152, "qwen-tok")
