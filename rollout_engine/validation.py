@@ -48,7 +48,12 @@ def resolve_prompts(prompts: Sequence[str] | None, input_ids: Sequence[Sequence[
                 _fail(i, "prompts", f"must be a string, got {type(p).__name__}")
             if not p:
                 _fail(i, "prompts", "holds an empty string")
-            out.append(tokenizer.encode(p))
+            ids = tokenizer.encode(p)
+            past = [t for t in ids if not 0 <= t < limits.vocab_size]  # a tokenizer with tokens past the model's
+            if past:
+                _fail(i, "prompts", f"encodes to token ids past the model's vocabulary [0, {limits.vocab_size}): "
+                                    f"{past[:5]} (the tokenizer has tokens the model does not)")
+            out.append(ids)
         return out
     if not _is_sequence(input_ids):
         raise ValueError("input_ids must be a list of lists of token ids")

@@ -128,3 +128,28 @@ def test_a_few_tokens_past_the_vocabulary_are_a_warning_not_a_refusal(caplog):
         "resizing the embeddings?): requests with those ids are refused"]
     with pytest.raises(ValueError, match="has 151665 tokens, more than the model's vocabulary of 49152"):
         check_tokenizer_fits(Tok(151665), 49152, "qwen-tok")
+
+
+def test_a_text_prompt_with_ids_past_the_vocabulary_is_refused_by_name(smollm2_dir, tmp_path, caplog):
+    """A tokenizer 52 tokens past the model's vocabulary is let through with a
+    warning; a text prompt that encodes to one of those ids is then refused,
+    not run into an index error (on a GPU, a device-side assert)."""
+    import logging
+
+    from rollout_engine import SamplingParams
+
+    folder = str(tmp_path / "m")
+    make_hf_model("llama", vocab_size=49100).save_pretrained(folder)
+    with caplog.at_level(logging.WARNING, logger="rollout_engine"):
+        engine = RolloutEngine(folder, tokenizer=smollm2_dir, device="cpu", max_total_tokens=512)
+    try:
+        assert any("52 more than the model's vocabulary of 49100" in r.getMessage() for r in caplog.records)
+        past = next(t for t in range(49100, 49152) if engine.tokenizer.encode(engine.tokenizer.decode([t])) == [t])
+        text = engine.tokenizer.decode([past])
+        params = SamplingParams(max_new_tokens=2, temperature=0)
+        with pytest.raises(ValueError, match=rf"request 1: prompts encodes to token ids past the model's vocabulary "
+                                             rf"\[0, 49100\): \[{past}\]"):
+            engine.generate(["hello", text], sampling_params=params)
+        assert len(engine.generate(["hello"], sampling_params=params)[0].output_token_ids) == 2  # still usable
+    finally:
+        engine.shutdown()
