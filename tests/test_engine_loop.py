@@ -308,3 +308,27 @@ def test_ctrl_c_while_the_engine_builds_exits_cleanly(peaked, tmp_path):
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert "interrupted" in proc.stderr and "terminate called" not in proc.stderr
     assert (tmp_path / "build-ended").exists()  # the process waited for the build to end
+
+
+def test_the_next_engine_frees_what_a_dropped_one_held(peaked):
+    """An engine dropped without shutdown() and kept only by cycles: its
+    finalizer asks its loop to stop without waiting, and its parts (model,
+    KV cache) go only once the loop has ended and the collector has run
+    again. Building the next engine sees to both before it sizes its KV
+    cache (core/build.py's release_dropped_engines)."""
+    import gc
+    import weakref
+
+    from rollout_engine.core.build import release_dropped_engines
+
+    dropped = RolloutEngine(peaked, device="cpu", max_total_tokens=1024)
+    core, kv = weakref.ref(dropped.core), weakref.ref(dropped.core.parts.kv_pool)
+    dropped.cycle = dropped  # only the collector frees it
+    gc.disable()  # nothing collects it meanwhile by chance
+    try:
+        del dropped
+        assert core() is not None
+        release_dropped_engines(wait_s=JOIN_S)
+        assert core() is None and kv() is None
+    finally:
+        gc.enable()

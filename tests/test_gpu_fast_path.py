@@ -270,23 +270,12 @@ def test_an_engine_dropped_without_shutdown_leaves_its_memory_to_the_next(gpu_mo
     memory, once collected, sits in this process's allocator cache, which
     the driver counts as taken: the next engine gives it back first, so it
     gets the same room (it found room for no KV tokens before)."""
-    import gc
-    import threading
-    import time
-
     _, folder = gpu_models[("qwen3", False)]
     kw = dict(device="cuda", cuda_graph=False)  # the default mem_fraction: most of the GPU
     first = RolloutEngine(folder, **kw)
     capacity = first.limits.kv_capacity
-    loops = sum(t.name == "rollout-engine-loop" for t in threading.enumerate())
-    first.cycle = first  # only the collector frees it
+    first.cycle = first  # only the collector frees it: the next build collects it and waits for its loop
     del first
-    gc.collect()
-    deadline = time.monotonic() + 30
-    while sum(t.name == "rollout-engine-loop" for t in threading.enumerate()) >= loops:
-        assert time.monotonic() < deadline, "the dropped engine's loop did not stop"
-        time.sleep(0.05)
-    gc.collect()
     second = RolloutEngine(folder, **kw)
     try:
         assert second.limits.kv_capacity >= 0.95 * capacity, (second.limits.kv_capacity, capacity)

@@ -112,17 +112,33 @@ def engine_cuda_index(cfg: EngineConfig) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+DROPPED_LOOP_WAIT_S = 10.0  # for a dropped engine's loop to finish its step and end
+
+
 def free_device_memory(device: torch.device) -> int:
     """The GPU's free bytes as the KV cache is sized from them, after this
-    process gives back what it holds without use: an engine dropped without
-    shutdown() (collected here, if only cycles keep it) and blocks the
-    caching allocator keeps (a dropped engine's KV cache among them: a cell
-    that builds an engine run twice would otherwise find the first one's
-    memory still taken)."""
+    process gives back what it holds without use: engines dropped without
+    shutdown() and the blocks the caching allocator keeps (a dropped
+    engine's KV cache among them, which the driver counts as taken: it left
+    the next engine room for no KV tokens). An engine still referenced keeps
+    its memory."""
+    release_dropped_engines()
     with DEVICE_WIDE:  # returning cached memory would break another engine's capture
-        gc.collect()
         torch.cuda.empty_cache()
     return torch.cuda.mem_get_info(device)[0]
+
+
+def release_dropped_engines(wait_s: float = DROPPED_LOOP_WAIT_S) -> None:
+    """Free what engines dropped without shutdown() hold. A dropped engine's
+    finalizer (run now, for one kept only by reference cycles) asks its loop
+    to stop without waiting; its parts go once the loop has ended, by a
+    second collection (the core and its controls refer to each other). Not
+    under DEVICE_WIDE: an ending loop may take it."""
+    from rollout_engine.core.engine_core import join_stopping_loops
+
+    gc.collect()
+    join_stopping_loops(wait_s)
+    gc.collect()
 
 
 def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChannel | None = None) -> EngineParts:

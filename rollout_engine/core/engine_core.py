@@ -47,6 +47,15 @@ def live_cores() -> list["EngineCore"]:
     return list(_LIVE)
 
 
+def join_stopping_loops(timeout: float) -> None:
+    """Wait for the loops asked to stop (a dropped engine's finalizer asks
+    without waiting), but this thread's own."""
+    me = threading.current_thread()
+    for core in list(_LIVE):
+        if core._stop_requested and core._thread is not me:
+            core._thread.join(timeout)
+
+
 @atexit.register
 def _stop_live_loops() -> None:
     """At interpreter exit, stop loop threads that are still stepping (the
@@ -121,6 +130,7 @@ class EngineCore:
         self._streams: list[Subscription] = []
         self._finished: list[Request] = []
         self._stopping = False
+        self._stop_requested = False
         self._abandoned = False
         self._dead: BaseException | None = None
         self._cuda_index = engine_cuda_index(cfg)
@@ -223,6 +233,7 @@ class EngineCore:
 
     def stop(self, timeout: float | None = None) -> None:
         """Abort every request, let the loop finish and join it."""
+        self._stop_requested = True
         if self._dead is None and self._thread.is_alive() and not self._stopping:
             def run() -> None:
                 self.abort_now()
