@@ -48,7 +48,7 @@ def kv_capacity_tokens(cfg: EngineConfig, mc: ModelConfig, per_token: int, devic
     tokens = budget // per_token
     if tokens < 1024:
         total = torch.cuda.mem_get_info(device)[1]
-        held = ("; another engine not shut down, or another process, holds the rest"
+        held = ("; this process (a trainer's tensors, an engine not shut down) or another one holds the rest"
                 if free_before_load < 0.9 * total else "")
         raise ValueError(
             f"mem_fraction={cfg.mem_fraction} leaves room for only {max(tokens, 0)} KV tokens (free before the "

@@ -99,7 +99,7 @@ def submit_manual(engine, prompts, input_ids, params, request_ids=None):
 @pytest.fixture(autouse=True)
 def _automatic_stepping_after_each_test():
     yield
-    from rollout_engine.core.engine_core import live_cores
+    from rollout_engine.core.live import live_cores
 
     for core in live_cores():
         if core.manual:

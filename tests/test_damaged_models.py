@@ -59,6 +59,18 @@ def test_a_config_transformers_refuses_names_the_config(good_folder, tmp_path, c
     assert len(err) == 1 and "config.json" in err[0], err
 
 
+def test_a_model_type_transformers_does_not_know_names_the_config(good_folder, tmp_path):
+    folder = _copy(good_folder, tmp_path)
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["model_type"] = "not-a-model-type"
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=r"config.json: transformers refuses this config \(.*not-a-model-type"):
+        RolloutEngine(folder, device="cpu")
+
+
 def test_a_zoo_model_without_the_converter_says_how_to_install_it(tmp_path, monkeypatch):
     """Found before the download: the 'convert' extra names what to install."""
     monkeypatch.setenv("ROLLOUT_ENGINE_CACHE", str(tmp_path / "cache"))
@@ -84,8 +96,8 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_the_weights_lo
 
 
 @pytest.mark.parametrize("free_gib,words", [
-    (20.0, "free before the weights loaded: 20.0 of the GPU's 140.0 GiB; another engine not shut down, or another "
-           "process, holds the rest; the weights take 15.0 GiB"),
+    (20.0, "free before the weights loaded: 20.0 of the GPU's 140.0 GiB; this process (a trainer's tensors, an "
+           "engine not shut down) or another one holds the rest; the weights take 15.0 GiB"),
     (139.0, "free before the weights loaded: 139.0 of the GPU's 140.0 GiB; the weights take 150.0 GiB"),
 ])
 def test_too_little_room_for_the_kv_cache_says_where_the_memory_is(monkeypatch, free_gib, words):

@@ -315,11 +315,11 @@ def test_the_next_engine_frees_what_a_dropped_one_held(peaked):
     finalizer asks its loop to stop without waiting, and its parts (model,
     KV cache) go only once the loop has ended and the collector has run
     again. Building the next engine sees to both before it sizes its KV
-    cache (core/build.py's release_dropped_engines)."""
+    cache (core/live.py)."""
     import gc
     import weakref
 
-    from rollout_engine.core.build import release_dropped_engines
+    from rollout_engine.core.live import release_dropped_engines
 
     dropped = RolloutEngine(peaked, device="cpu", max_total_tokens=1024)
     core, kv = weakref.ref(dropped.core), weakref.ref(dropped.core.parts.kv_pool)

@@ -162,6 +162,8 @@ def test_rl_controls(server, tmp_path, smollm2_dir):
     bad = server.post("/update_weights_from_disk", {"model_path": str(tmp_path / "nope")})
     assert bad.status_code == 400 and "not a folder" in bad.json()["error"]["message"]
     assert bad.json()["error"]["param"] == "model_path"
+    negative = server.post("/update_weights_from_disk", {"model_path": smollm2_dir, "weight_version": -1})
+    assert negative.status_code == 400 and negative.json()["error"]["param"] == "weight_version", negative.json()
     (tmp_path / "empty").mkdir()
     empty = server.post("/update_weights_from_disk", {"model_path": str(tmp_path / "empty")})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "model_path", empty.json()

@@ -59,3 +59,17 @@ def test_eos_finishes_with_stop(smol):
     out = smol.generate(input_ids=[ids], sampling_params=SamplingParams(max_new_tokens=200, temperature=0))[0]
     assert out.finish_reason == "stop"
     assert out.output_token_ids[-1] == smol.tokenizer.eos_token_id
+
+
+def test_a_chat_the_template_refuses_is_a_value_error_with_its_reason():
+    """A template's own refusal (jinja's raise_exception: roles out of order)."""
+    import jinja2
+
+    from rollout_engine.tokenizer import chat_token_ids
+
+    class Strict:
+        def apply_chat_template(self, messages, **kw):
+            raise jinja2.exceptions.TemplateError("Conversation roles must alternate user/assistant/user/assistant")
+
+    with pytest.raises(ValueError, match="messages: the model's chat template refuses them .*roles must alternate"):
+        chat_token_ids(Strict(), [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])

@@ -5,7 +5,6 @@ Built once, on the constructing thread (memory-saver regions are entered
 here and nowhere per step)."""
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from rollout_engine.model_zoo import resolve_model_path
 from rollout_engine.models.decoder import DecoderForCausalLM
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.runner.model_loader import load_model, read_hf_config, resolve_device, resolve_dtype
+from rollout_engine.core.live import release_dropped_engines
 from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.runner.model_runner import ModelRunner
 from rollout_engine.scheduler.kv_manager import KVManager
@@ -112,9 +112,6 @@ def engine_cuda_index(cfg: EngineConfig) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-DROPPED_LOOP_WAIT_S = 10.0  # for a dropped engine's loop to finish its step and end
-
-
 def free_device_memory(device: torch.device) -> int:
     """The GPU's free bytes as the KV cache is sized from them, after this
     process gives back what it holds without use: engines dropped without
@@ -126,19 +123,6 @@ def free_device_memory(device: torch.device) -> int:
     with DEVICE_WIDE:  # returning cached memory would break another engine's capture
         torch.cuda.empty_cache()
     return torch.cuda.mem_get_info(device)[0]
-
-
-def release_dropped_engines(wait_s: float = DROPPED_LOOP_WAIT_S) -> None:
-    """Free what engines dropped without shutdown() hold. A dropped engine's
-    finalizer (run now, for one kept only by reference cycles) asks its loop
-    to stop without waiting; its parts go once the loop has ended, by a
-    second collection (the core and its controls refer to each other). Not
-    under DEVICE_WIDE: an ending loop may take it."""
-    from rollout_engine.core.engine_core import join_stopping_loops
-
-    gc.collect()
-    join_stopping_loops(wait_s)
-    gc.collect()
 
 
 def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChannel | None = None) -> EngineParts:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
-import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
@@ -26,6 +25,7 @@ import torch
 from rollout_engine.config import EngineConfig
 from rollout_engine.model_zoo import resolve_model_path
 from rollout_engine.core.build import EngineParts, build_parts, check_tp_size, engine_cuda_index
+from rollout_engine.core import live
 from rollout_engine.core.controls import Controls
 from rollout_engine.core.worker import drop_graphs, worker_main
 from rollout_engine.outputs import merge_deltas, routes_ready
@@ -37,23 +37,8 @@ from rollout_engine.runner.model_loader import read_hf_config, resolve_device
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.scheduler.scheduler import Scheduler
 
-_LIVE: "weakref.WeakSet[EngineCore]" = weakref.WeakSet()
 STOP_AT_EXIT_SECONDS = 10.0  # for a loop thread stepping at interpreter exit
 ABANDONED_BUILD_WAIT_SECONDS = 120.0  # for one still building an engine nobody will use
-
-
-def live_cores() -> list["EngineCore"]:
-    """Every EngineCore whose loop has not been stopped."""
-    return list(_LIVE)
-
-
-def join_stopping_loops(timeout: float) -> None:
-    """Wait for the loops asked to stop (a dropped engine's finalizer asks
-    without waiting), but this thread's own."""
-    me = threading.current_thread()
-    for core in list(_LIVE):
-        if core._stop_requested and core._thread is not me:
-            core._thread.join(timeout)
 
 
 @atexit.register
@@ -63,7 +48,7 @@ def _stop_live_loops() -> None:
     building an engine whose constructor was interrupted (Ctrl-C) is waited
     for longer: killed inside torch, it would end the process with an abort."""
     try:
-        for core in list(_LIVE):
+        for core in live.live_cores():
             core.stop(timeout=ABANDONED_BUILD_WAIT_SECONDS if core._abandoned else STOP_AT_EXIT_SECONDS)
     except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, without a traceback
         pass
@@ -148,7 +133,7 @@ class EngineCore:
         try:
             self._thread = threading.Thread(target=self._run, args=(cfg, built), name="rollout-engine-loop",
                                             daemon=True)
-            _LIVE.add(self)
+            live.add(self)
             self._thread.start()
         except BaseException:  # the loop thread, which would have joined them, never started
             if self._workers is not None:
@@ -246,6 +231,12 @@ class EngineCore:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
+    def join_if_stopping(self, timeout: float) -> None:
+        """Wait for this loop if it was asked to stop (a dropped engine's
+        finalizer asks without waiting), from any other thread."""
+        if self._stop_requested and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
     # ---- on the loop thread ---------------------------------------------------
     def _submit(self, token_lists, params, request_ids, sub: Subscription) -> None:
         try:
@@ -308,7 +299,7 @@ class EngineCore:
             if self._dead is None:  # stopped: later posts are refused, and any left get an error
                 self._dead = RuntimeError("the engine's step loop was stopped")
                 self._fail_commands(self._dead)
-            _LIVE.discard(self)
+            live.discard(self)
 
     @staticmethod
     def _execute(fn: Callable[[], Any], fut: Future | None) -> None:

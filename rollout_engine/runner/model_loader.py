@@ -43,9 +43,9 @@ def read_hf_config(model: str) -> tuple[Any, tuple[int, ...]]:
 
     try:
         hf = AutoConfig.from_pretrained(model)
-    except (OSError, ValueError):  # unreadable, or refused by transformers' own checks: its words
+    except (OSError, ImportError):  # unreadable (transformers names the file), or a package the model type needs
         raise
-    except Exception as e:  # noqa: BLE001 - e.g. huggingface_hub's validation of the config's fields
+    except Exception as e:  # noqa: BLE001 - transformers' checks, huggingface_hub's validation of the fields
         said = " ".join(str(e).split()) or type(e).__name__
         raise ValueError(f"{os.path.join(model, 'config.json')}: transformers refuses this config ({said})") from None
     eos: tuple[int, ...] = ()

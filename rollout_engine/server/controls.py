@@ -70,11 +70,10 @@ def _version(value) -> int | None:
     """SGLang sends weight_version as a string; the engine counts integers."""
     if value is None:
         return None
-    if isinstance(value, str):
-        if not value.isdigit():
-            raise ApiError(400, f"weight_version must be a non-negative integer, got {value!r}", "weight_version")
-        return int(value)
-    return value
+    ok = value.isdigit() if isinstance(value, str) else isinstance(value, int) and value >= 0
+    if not ok:
+        raise ApiError(400, f"weight_version must be a non-negative integer, got {value!r}", "weight_version")
+    return int(value)
 
 
 def _tags(body: TagsBody) -> tuple:
