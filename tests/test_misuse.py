@@ -134,6 +134,8 @@ CASES = [
      "shape", None),
     ("update: NaN", _nan_update, ValueError, "down_proj", _restore),
     ("update: bad version", lambda e: e.update_weights({}, version=-1), ValueError, "version", None),
+    ("update: version past 64 bits", lambda e: e.update_weights({}, version=2**70), ValueError,
+     "version must be an integer in [0, 9223372036854775807]", None),
     ("update from a missing folder", lambda e: e.update_weights_from_disk("/nonexistent"), ValueError, "path", None),
     ("get_weight unknown", lambda e: e.get_weight("nope"), ValueError, "nope", None),
     ("release without memory saver", lambda e: e.release_memory(), RuntimeError, "enable_memory_saver", None),

@@ -162,8 +162,9 @@ def test_rl_controls(server, tmp_path, smollm2_dir):
     bad = server.post("/update_weights_from_disk", {"model_path": str(tmp_path / "nope")})
     assert bad.status_code == 400 and "not a folder" in bad.json()["error"]["message"]
     assert bad.json()["error"]["param"] == "model_path"
-    negative = server.post("/update_weights_from_disk", {"model_path": smollm2_dir, "weight_version": -1})
-    assert negative.status_code == 400 and negative.json()["error"]["param"] == "weight_version", negative.json()
+    for version in (-1, "\u00b2", 1.5, True, 2**70):  # a superscript digit, a float, a bool, past 64 bits
+        refused = server.post("/update_weights_from_disk", {"model_path": smollm2_dir, "weight_version": version})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "weight_version", refused.json()
     (tmp_path / "empty").mkdir()
     empty = server.post("/update_weights_from_disk", {"model_path": str(tmp_path / "empty")})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "model_path", empty.json()
@@ -175,6 +176,7 @@ def test_rl_controls(server, tmp_path, smollm2_dir):
     assert released.status_code == 409 and "enable_memory_saver" in released.json()["error"]["message"]
     bogus = server.post("/release_memory_occupation", {"tags": ["bogus"]})  # the input first, then the state
     assert bogus.status_code == 400 and "tags: unknown ['bogus']" in bogus.json()["error"]["message"], bogus.json()
+    assert bogus.json()["error"]["param"] == "tags"
     assert server.post("/pause_generation", {"mode": "keep"}).json()["success"]
     paused = server.post("/generate", {"text": "x", "sampling_params": GREEDY})
     assert paused.status_code == 409 and "paused" in paused.json()["error"]["message"]

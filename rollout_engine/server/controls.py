@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr
 
 from rollout_engine.distributed.weight_sync import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S
 from rollout_engine.server.errors import ApiError
+from rollout_engine.weights.updater import MAX_VERSION
 from rollout_engine.server.state import state_of
 
 router = APIRouter()
@@ -70,14 +71,22 @@ def _version(value) -> int | None:
     """SGLang sends weight_version as a string; the engine counts integers."""
     if value is None:
         return None
-    ok = value.isdigit() if isinstance(value, str) else isinstance(value, int) and value >= 0
-    if not ok:
-        raise ApiError(400, f"weight_version must be a non-negative integer, got {value!r}", "weight_version")
+    ok = (value.isascii() and value.isdigit()) if isinstance(value, str) else isinstance(value, int) and value >= 0
+    if not ok or int(value) > MAX_VERSION:
+        raise ApiError(400, f"weight_version must be an integer in [0, {MAX_VERSION}], got {value!r}", "weight_version")
     return int(value)
 
 
 def _tags(body: TagsBody) -> tuple:
     return () if body.tags is None else (body.tags,)
+
+
+async def _tagged(control, body: TagsBody) -> Any:
+    """A memory control on the request's tags; an unknown tag is the request's `tags`."""
+    try:
+        return await _in_thread(control, *_tags(body))
+    except ValueError as e:
+        raise ApiError(400, str(e), "tags") from None
 
 
 async def _in_thread(fn, *args) -> Any:
@@ -141,13 +150,13 @@ async def release(body: TagsBody, request: Request):
     engine = state_of(request).engine
     if not engine.metrics()["paused"] and engine.num_unfinished_requests():
         raise ApiError(409, "requests are running: pause generation (pause_generation) or wait before releasing")
-    freed = await _in_thread(engine.release_memory, *_tags(body))
+    freed = await _tagged(engine.release_memory, body)
     return _ok("memory released", freed_bytes=freed)
 
 
 @router.post("/resume_memory_occupation")
 async def resume(body: TagsBody, request: Request):
-    await _in_thread(state_of(request).engine.resume_memory, *_tags(body))
+    await _tagged(state_of(request).engine.resume_memory, body)
     return _ok("memory resumed")
 
 

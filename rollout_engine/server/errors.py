@@ -2,6 +2,8 @@
 {"error": {"message", "type", "param", "code"}}."""
 from __future__ import annotations
 
+import re
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -25,8 +27,15 @@ def error_response(status: int, message: str, param: str | None = None, headers:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+# The member of a union type pydantic tried, which it appends to the field's
+# location ("weight_version.int" for an int | str field given 1.5).
+_UNION_MEMBER = re.compile(r"(int|str|float|bool|none|bytes|(list|dict|tuple|set|function-\w+|json-or-python)\[.*\])$")
+
+
 def _field(loc) -> str:
     parts = [str(p) for p in loc if p != "body"]
+    while len(parts) > 1 and _UNION_MEMBER.fullmatch(parts[-1]):
+        parts.pop()
     return ".".join(parts) or "body"
 
 

@@ -27,6 +27,7 @@ from rollout_engine.weights.receiver import WeightReceiver
 from rollout_engine.weights.validity import WeightValidity, name_list, plural
 
 log = logging.getLogger("rollout_engine")
+MAX_VERSION = 2**63 - 1  # a weight version fits a signed 64-bit integer (metrics, the HTTP API, torch tensors)
 
 
 class IncompleteUpdate(RuntimeError):
@@ -58,8 +59,9 @@ class WeightUpdater:
     def _check_can_update(self, version: int | None) -> None:
         if not self.memory.manager.resident("weights"):
             raise RuntimeError("cannot update weights while they are released; resume_memory(['weights']) first")
-        if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
-            raise ValueError(f"version must be a non-negative integer, got {version!r}")
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)
+                                    or not 0 <= version <= MAX_VERSION):
+            raise ValueError(f"version must be an integer in [0, {MAX_VERSION}], got {version!r}")
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None,
                checked: bool = False) -> int:
