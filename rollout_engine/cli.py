@@ -302,7 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # the engine's checks of its input, said as the flags that set it
         if os.environ.get("ROLLOUT_ENGINE_DEBUG") or args is None:
             return _fail(exc, 2, reraise=True)
-        return _fail(f"{said_as_flags(exc)} (see '{PROG} {args.command} --help')", 2)
+        said = str(said_as_flags(exc))
+        if said.startswith("argument "):  # a flag's: its help says what it takes (a file's problem has no flag)
+            said += f" (see '{PROG} {args.command} --help')"
+        return _fail(said, 2)
     except FileNotFoundError as exc:
         return _fail(exc, 2, reraise=True)
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:

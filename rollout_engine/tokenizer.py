@@ -24,7 +24,13 @@ def load_tokenizer(model: str, tokenizer: str | None) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except ImportError:  # a package this tokenizer needs (sentencepiece, ...): transformers names it
+        raise
+    except Exception as e:  # noqa: BLE001 - damaged files: a decode error, broken JSON, a backend refusal
+        said = " ".join(str(e).split()) or type(e).__name__
+        raise OSError(f"{path}: its tokenizer files cannot be read ({type(e).__name__}: {said[:300]})") from None
 
 
 # Tokens a tokenizer may have past the model's vocabulary and still be the

@@ -56,7 +56,21 @@ def test_a_config_transformers_refuses_names_the_config(good_folder, tmp_path, c
     assert "\n" not in str(exc.value)
     assert cli_main(["generate", "--model", folder, "--input-ids", "1,2,3", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "config.json" in err[0], err
+    assert len(err) == 1 and "config.json" in err[0] and "--help" not in err[0], err  # no flag to look up
+
+
+def test_a_config_without_the_model_sizes_names_them(good_folder, tmp_path):
+    """Left out, transformers would take its class's defaults (Llama's 32,000
+    tokens, 32 layers) and the weights be refused for a tensor's shape."""
+    folder = _copy(good_folder, tmp_path)
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    del cfg["vocab_size"], cfg["num_hidden_layers"]
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=r"config.json: no vocab_size, num_hidden_layers \(transformers would take"):
+        RolloutEngine(folder, device="cpu")
 
 
 def test_a_model_type_transformers_does_not_know_names_the_config(good_folder, tmp_path):
@@ -165,3 +179,20 @@ def test_a_text_prompt_with_ids_past_the_vocabulary_is_refused_by_name(smollm2_d
         assert len(engine.generate(["hello"], sampling_params=params)[0].output_token_ids) == 2  # still usable
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("damage", ["garbage tokenizer.json", "broken tokenizer_config.json"])
+def test_damaged_tokenizer_files_name_the_folder(smollm2_dir, tmp_path, capsys, damage):
+    folder = str(tmp_path / "model")
+    shutil.copytree(smollm2_dir, folder)
+    if damage == "garbage tokenizer.json":
+        with open(os.path.join(folder, "tokenizer.json"), "wb") as f:
+            f.write(bytes(range(128, 256)) * 64)
+    else:
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            f.write('{"model_max_length": 8192,,}')
+    with pytest.raises(OSError, match=f"{folder}: its tokenizer files cannot be read"):
+        RolloutEngine(folder, device="cpu")
+    assert cli_main(["generate", "--model", folder, "hi"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its tokenizer files cannot be read" in err[0], err

@@ -34,6 +34,23 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+# Sizes a config must state: where one is left out transformers takes its
+# class's default (Llama's vocabulary of 32,000, 32 layers), which fits
+# another model, and the weights are refused for shapes that look wrong.
+STATED_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _check_sizes_given(hf: Any, path: str) -> None:
+    with open(path) as f:
+        raw = json.load(f)
+    fields = {**raw, **raw.get("text_config", {})} if isinstance(raw.get("text_config"), dict) else raw
+    aliases = getattr(hf, "attribute_map", {}) or {}
+    missing = [k for k in STATED_SIZES if k not in fields and not any(a in fields for a, c in aliases.items() if c == k)]
+    if missing:
+        raise ValueError(f"{path}: no {', '.join(missing)} (transformers would take its defaults, another model's "
+                         "sizes)")
+
+
 def read_hf_config(model: str) -> tuple[Any, tuple[int, ...]]:
     """The HF config of a folder (or a preset) and the EOS ids its generation
     config declares."""
@@ -48,6 +65,7 @@ def read_hf_config(model: str) -> tuple[Any, tuple[int, ...]]:
     except Exception as e:  # noqa: BLE001 - transformers' checks, huggingface_hub's validation of the fields
         said = " ".join(str(e).split()) or type(e).__name__
         raise ValueError(f"{os.path.join(model, 'config.json')}: transformers refuses this config ({said})") from None
+    _check_sizes_given(hf, os.path.join(model, "config.json"))
     eos: tuple[int, ...] = ()
     gen_path = os.path.join(model, "generation_config.json")
     if os.path.exists(gen_path):
