@@ -90,10 +90,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = build_config(args)
     params = build_sampling(args)
     check_engine_args(config)
-    check_tp_args(config)
-    prompts, ids = _prompts(args, config)
-    check_prompt_args(config, prompts, ids, params)
-    engine = _make_engine(config)
+    # From here on the work takes seconds (torch, transformers, the model's config, the weights): a slow
+    # start (a loaded machine, a large model) shows a line every STARTING_TICK_S seconds.
+    with Ticking(log, f"starting the engine ({config.model})", every_s=STARTING_TICK_S, quiet_if_quick=True):
+        check_tp_args(config)
+        prompts, ids = _prompts(args, config)
+        check_prompt_args(config, prompts, ids, params)
+        engine = _make_engine(config)
     handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     try:
         template = getattr(engine.tokenizer, "chat_template", None)
@@ -142,17 +145,14 @@ def _prompts(args: argparse.Namespace, config: EngineConfig) -> tuple[list[str] 
     return args.prompts or DEMO_PROMPTS, None
 
 
-# A start slower than this (a large model's weights, a first kernel build, a
-# loaded machine) shows a line every STARTING_TICK_S seconds until it is done.
-STARTING_TICK_S = 5.0
+STARTING_TICK_S = 5.0  # a start slower than this shows a line this often until it is done
 
 
 def _make_engine(config: EngineConfig) -> Any:
     from rollout_engine import RolloutEngine
 
     kwargs = {k: getattr(config, k) for k in config.__dataclass_fields__ if k != "model"}
-    with Ticking(log, f"starting the engine ({config.model})", every_s=STARTING_TICK_S, quiet_if_quick=True):
-        return RolloutEngine(config.model, **kwargs)
+    return RolloutEngine(config.model, **kwargs)
 
 
 LOGPROB_MODES = {"processed": "of the distribution sampled from, after temperature and top-k/top-p/min-p",

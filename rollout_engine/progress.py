@@ -89,9 +89,10 @@ class Ticking:
     set up) while a long step with nothing to count runs, e.g. a kernel
     build: every `every_s` seconds (LOG_EVERY_S unless given) how long it
     has taken so far, and at the end how long it took (or that it stopped).
-    With `quiet_if_quick`, a step over before the first tick shows nothing,
-    not even the end line (a routine step, such as an engine's start, that
-    is only worth a line when it is slow)."""
+    With `quiet_if_quick` (a routine step, such as an engine's start, that
+    is only worth a line when it is slow), a step over before the first tick
+    shows nothing, and one that fails no end line: the caller reports the
+    failure in its own one line."""
 
     def __init__(self, log: logging.Logger, what: str, every_s: float | None = None, quiet_if_quick: bool = False):
         self.log, self.what = log, what
@@ -114,7 +115,7 @@ class Ticking:
         self.stop.set()
         self.thread.join()
         taken = _duration(time.monotonic() - self.start)
-        if self.quiet_if_quick and not self.ticked:
+        if self.quiet_if_quick and (not self.ticked or kind is not None):
             return
         if kind is None:
             self.log.warning("%s: done in %s", self.what, taken)

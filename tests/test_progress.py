@@ -40,27 +40,34 @@ def test_a_quick_step_is_silent_where_asked_and_a_slow_one_still_shows(caplog):
         assert caplog.records == []
         with progress.Ticking(log, "starting", every_s=0.05, quiet_if_quick=True):
             time.sleep(0.2)
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines[0] == "starting: 0s so far" and lines[-1] == "starting: done in 0s", lines
+        caplog.clear()
+        with pytest.raises(KeyboardInterrupt), progress.Ticking(log, "starting", every_s=0.05, quiet_if_quick=True):
+            time.sleep(0.2)
+            raise KeyboardInterrupt
     lines = [r.getMessage() for r in caplog.records]
-    assert lines[0] == "starting: 0s so far" and lines[-1] == "starting: done in 0s", lines
+    assert lines and all(line.endswith(" so far") for line in lines), lines  # the caller says it stopped
 
 
-def test_the_cli_says_so_while_an_engine_is_slow_to_start(monkeypatch, capsys, caplog):
-    """`rollout-engine generate` shows a line while the engine starts, if it is slow."""
+def test_the_cli_says_so_while_an_engine_is_slow_to_start(smollm2_dir, monkeypatch, capsys, caplog):
+    """`rollout-engine generate` shows a line while it starts, if it is slow;
+    Ctrl-C then ends it with the one error line."""
     from rollout_engine import cli
 
     monkeypatch.setattr(cli, "STARTING_TICK_S", 0.05)
 
     def slow_engine(model, **kwargs):
         time.sleep(0.3)
-        raise KeyboardInterrupt  # the start cut short: the line says so
+        raise KeyboardInterrupt
 
     monkeypatch.setattr("rollout_engine.RolloutEngine", slow_engine)
-    config = type("C", (), {"model": "some-model", "__dataclass_fields__": {"model": None}})()
-    with caplog.at_level(logging.WARNING, logger="rollout_engine"), pytest.raises(KeyboardInterrupt):
-        cli._make_engine(config)
+    with caplog.at_level(logging.WARNING, logger="rollout_engine"):
+        assert cli.main(["generate", "--model", smollm2_dir, "hi"]) == 130
     lines = [r.getMessage() for r in caplog.records]
-    assert "starting the engine (some-model): 0s so far" in lines, lines
-    assert lines[-1] == "starting the engine (some-model): stopped after 0s", lines
+    assert lines and all(line.startswith(f"starting the engine ({smollm2_dir}): ") and line.endswith(" so far")
+                         for line in lines), lines
+    assert capsys.readouterr().err.strip().splitlines() == ["rollout-engine: error: interrupted"]
 
 
 def test_durations_read_in_minutes_and_seconds():
