@@ -60,14 +60,19 @@ def check_tokenizer_fits(tokenizer: Any, vocab_size: int, given: str | None) -> 
 def check_messages(messages: Any) -> None:
     """A chat: a list of {'role': ..., 'content': ...} dicts; else a
     ValueError naming what is wrong, before the template sees it."""
-    if isinstance(messages, (str, bytes)):
+    if isinstance(messages, str):
         raise ValueError("messages: a list of {'role': ..., 'content': ...} dicts, got a string; for one user "
                          "turn pass [{'role': 'user', 'content': text}]")
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"messages: a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages: empty; a chat needs at least one turn")
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
             raise ValueError(f"messages[{i}]: a dict with a 'role' string and a 'content', got {str(m)[:80]}")
+        if not isinstance(m["content"], (str, list)) and m["content"] is not None:
+            raise ValueError(f"messages[{i}]: content must be a string (or a list of parts), got "
+                             f"{type(m['content']).__name__}")
 
 
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
@@ -77,8 +82,8 @@ def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]], add_generatio
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as e:  # noqa: BLE001 - the template's own refusals (jinja's errors: roles out of order, ...)
-        if not type(e).__module__.startswith("jinja2"):
-            raise
+        if not (type(e).__module__.startswith("jinja2") or isinstance(e, TypeError)):  # TypeError: content it
+            raise                                                                     # cannot join (parts, None)
         raise ValueError(f"messages: the model's chat template refuses them ({' '.join(str(e).split())})") from None
     return tokenizer.encode(text, add_special_tokens=False)
 

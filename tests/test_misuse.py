@@ -155,6 +155,12 @@ CASES = [
      "messages: a list of {'role': ..., 'content': ...} dicts, got a string; for one user turn pass", None),
     ("chat turn without content", lambda e: e.apply_chat_template([{"role": "user"}]), ValueError,
      "messages[0]: a dict with a 'role' string and a 'content'", None),
+    ("chat turn of a number", lambda e: e.apply_chat_template([{"role": "user", "content": 5}]), ValueError,
+     "messages[0]: content must be a string (or a list of parts), got int", None),
+    ("chat of no turns", lambda e: e.apply_chat_template([]), ValueError, "messages: empty", None),
+    ("chat content the template cannot join", lambda e: e.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]), ValueError,
+     "messages: the model's chat template refuses them", None),
 ]
 
 
