@@ -102,6 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         template = getattr(engine.tokenizer, "chat_template", None)
         if args.chat or (prompts is DEMO_PROMPTS and template):  # the demo's questions are chat turns
             ids = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+            _check_chat_ids(ids, engine.limits.vocab_size)
         kwargs = {"input_ids": ids} if ids is not None else {"prompts": prompts}
         start = time.perf_counter()
         outs, interrupted = generate_keeping_partials(engine, handler is not None, sampling_params=params,
@@ -122,6 +123,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if note.hit:
             raise KeyboardInterrupt
     return 0
+
+
+def _check_chat_ids(ids: list[list[int]], vocab_size: int) -> None:
+    """The chat turns' ids, said as the text they came from: the user gave
+    prompts, not --input-ids."""
+    for i, row in enumerate(ids):
+        past = [t for t in row if not 0 <= t < vocab_size]
+        if past:
+            raise UsageError(f"argument --chat: prompt {i} encodes to token ids past the model's vocabulary "
+                             f"[0, {vocab_size}): {past[:5]} (the tokenizer has tokens the model does not)")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

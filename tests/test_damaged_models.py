@@ -196,3 +196,19 @@ def test_damaged_tokenizer_files_name_the_folder(smollm2_dir, tmp_path, capsys, 
     assert cli_main(["generate", "--model", folder, "hi"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "its tokenizer files cannot be read" in err[0], err
+
+
+def test_a_chat_prompt_past_the_vocabulary_is_named_as_the_prompt(smollm2_dir, tmp_path, capsys):
+    """--chat turns text into ids: the refusal names the prompt, not --input-ids the user never gave."""
+    folder = str(tmp_path / "m")
+    make_hf_model("llama", vocab_size=49100).save_pretrained(folder)
+    from rollout_engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir, None)
+    past = next(t for t in range(49100, 49152) if tok.encode(tok.decode([t])) == [t])
+    capsys.readouterr()  # the model's saving
+    assert cli_main(["generate", "--model", folder, "--tokenizer", smollm2_dir, "--chat", "--max-total-tokens",
+                     "512", "hi", tok.decode([past])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rollout-engine: error: argument --chat: prompt 1 encodes to token "
+                                               f"ids past the model's vocabulary [0, 49100): [{past}]"), err
