@@ -128,11 +128,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _check_chat_ids(ids: list[list[int]], vocab_size: int) -> None:
     """The chat turns' ids, said as the text they came from: the user gave
     prompts, not --input-ids."""
+    from rollout_engine.validation import past_vocabulary
+
     for i, row in enumerate(ids):
-        past = [t for t in row if not 0 <= t < vocab_size]
+        past = past_vocabulary(row, vocab_size)
         if past:
             raise UsageError(f"argument --chat: prompt {i} encodes to token ids past the model's vocabulary "
-                             f"[0, {vocab_size}): {past[:5]} (the tokenizer has tokens the model does not)")
+                             f"[0, {vocab_size}): {past} (the tokenizer has tokens the model does not)")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -22,6 +22,12 @@ class Limits:
 ROUTING_OFF = "needs an engine built with enable_return_routed_experts=True (MoE models only)"
 
 
+def past_vocabulary(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The first few of `ids` outside [0, vocab_size): ids a tokenizer larger
+    than the model's vocabulary gave."""
+    return [t for t in ids if not 0 <= t < vocab_size][:5]
+
+
 def _fail(index: int, field: str, why: str) -> None:
     raise ValueError(f"request {index}: {field} {why}")
 
@@ -49,10 +55,10 @@ def resolve_prompts(prompts: Sequence[str] | None, input_ids: Sequence[Sequence[
             if not p:
                 _fail(i, "prompts", "holds an empty string")
             ids = tokenizer.encode(p)
-            past = [t for t in ids if not 0 <= t < limits.vocab_size]  # a tokenizer with tokens past the model's
+            past = past_vocabulary(ids, limits.vocab_size)  # a tokenizer with tokens past the model's
             if past:
                 _fail(i, "prompts", f"encodes to token ids past the model's vocabulary [0, {limits.vocab_size}): "
-                                    f"{past[:5]} (the tokenizer has tokens the model does not)")
+                                    f"{past} (the tokenizer has tokens the model does not)")
             out.append(ids)
         return out
     if not _is_sequence(input_ids):
