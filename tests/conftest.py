@@ -68,6 +68,17 @@ def llama(tiny_models):
     return tiny_models[("llama", False)]
 
 
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if a `rollout-engine` command gets as far as building an
+    engine."""
+    from rollout_engine import cli
+
+    def refuse(config):
+        raise AssertionError(f"the model was loaded: {config}")
+    monkeypatch.setattr(cli, "_make_engine", refuse)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     from rollout_engine.model_zoo import ensure_model
