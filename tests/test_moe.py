@@ -142,6 +142,21 @@ def test_bad_expert_weights_are_refused_by_name_before_any_copy(moe_models):
     assert _outputs(engine) == want
 
 
+def test_a_mixtral_checkpoint_name_is_refused_as_it_was_sent(moe_models):
+    """Mixtral's checkpoints say block_sparse_moe where transformers 5 says
+    mlp; an error names the tensor the caller sent, not the engine's name."""
+    hf, folder = moe_models["mixtral"]
+    engine = RolloutEngine(folder, device="cpu", max_total_tokens=1024)
+    count = hf.config.num_local_experts
+    name = f"model.layers.0.block_sparse_moe.experts.{count}.w1.weight"
+    with pytest.raises(ValueError, match=f"^{name}: expert index {count} is out of range"):
+        engine.update_weights([(name, torch.zeros(hf.config.intermediate_size, hf.config.hidden_size))])
+    with pytest.raises(ValueError, match=f"^{name}: expert index"):
+        engine.get_weight(name)
+    with pytest.raises(ValueError, match="'model.layers.0.block_sparse_moe.experts.-1.w1.weight'"):
+        engine.get_weight("model.layers.0.block_sparse_moe.experts.-1.w1.weight")
+
+
 def test_a_checkpoint_that_disagrees_with_its_config_is_refused_naming_it(tmp_path):
     hf = make_hf_model("mixtral", seed=1)
     folder = save_model(hf, tmp_path / "ok")

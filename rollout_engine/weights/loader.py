@@ -76,6 +76,7 @@ class WeightLoader:
             return None
         if self.tied_head(hf_name):
             return None  # the embedding is the head
+        given = hf_name  # errors name the tensor as the caller sent it
         for old, new in RENAMED:
             hf_name = hf_name.replace(old, new)
         expert = PER_EXPERT.match(hf_name)
@@ -83,10 +84,10 @@ class WeightLoader:
             part = EXPERT_PARTS[expert["part"]]
             name = f"{expert['experts']}.{'down_proj' if part == DOWN else 'gate_up_proj'}"
             if name not in self.params:
-                raise ValueError(f"unknown weight name {hf_name!r}")
+                raise ValueError(f"unknown weight name {given!r}")
             index, count = int(expert["expert"]), self.model.get_submodule(expert["experts"]).num_experts
             if index >= count:
-                raise ValueError(f"{hf_name}: expert index {index} is out of range (num_experts={count})")
+                raise ValueError(f"{given}: expert index {index} is out of range (num_experts={count})")
             return Target(name, (index, part))
         for hf_part, our_part, shard_id in self.stacked:
             token = f".{hf_part}."
@@ -96,7 +97,7 @@ class WeightLoader:
                     return Target(name, shard_id)
         if hf_name in self.params:
             return Target(hf_name, None)
-        raise ValueError(f"unknown weight name {hf_name!r}")
+        raise ValueError(f"unknown weight name {given!r}")
 
     def units(self, target: Target) -> list[Target]:
         """The (parameter, shard) units `target` writes: an expert tensor in
