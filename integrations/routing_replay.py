@@ -151,6 +151,10 @@ def _architecture(model: nn.Module) -> str:
 def _stack(routed_experts: Sequence[np.ndarray], num_layers: int, top_k: int, num_experts: int
            ) -> list[np.ndarray]:
     """Each row checked and as int64; ValueError naming the row otherwise."""
+    shape = getattr(routed_experts, "shape", None)
+    if shape is not None and len(shape) != 4:  # one row's array, not a list of them (a 4-d stack is rows)
+        raise ValueError(f"routed_experts: expected one array per row of the batch, got one array of shape "
+                         f"{tuple(shape)}; pass [array] for a batch of one row")
     rows = []
     for i, row in enumerate(routed_experts):
         if row is None:

@@ -191,6 +191,8 @@ def _break(kind: str):
             arrays = arrays[:3]
         elif kind == "too_long":
             input_ids = input_ids[:, :6]
+        elif kind == "one_array":  # one row's array where a list of them belongs
+            arrays = arrays[0]
         return arrays, input_ids
     return edit
 
@@ -206,6 +208,7 @@ BAD = {
     "missing": r"routed_experts\[2\] is None",
     "batch": r"the batch has 4 rows but routed_experts has 3 arrays",
     "too_long": r"routed_experts\[0\] covers 9 positions, the input has only 6",
+    "one_array": r"routed_experts: expected one array per row of the batch, got one array of shape \(9, 2, 2\)",
 }
 
 
