@@ -131,7 +131,7 @@ def test_a_broken_stream_blocks_generation_until_complete(llama, second_llama):
 
     with pytest.raises(ValueError, match="unknown weight name"):
         engine.update_weights(stream())
-    with pytest.raises(RuntimeError, match="hold no valid values"):
+    with pytest.raises(RuntimeError, match="are not usable"):
         engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
     engine.update_weights(iter(hf_b.state_dict().items()))
     assert _tokens(engine) == _tokens(RolloutEngine(folder_b, max_total_tokens=4096))

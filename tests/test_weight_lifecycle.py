@@ -86,7 +86,7 @@ def test_a_stream_that_breaks_off_marks_exactly_what_it_wrote(llama, model_b):
     assert all(n in message for n in written) and sorted(info.value.written) == sorted(written)
     assert engine.weight_version == 0  # the version moves only on a complete update
     assert engine.metrics()["invalid_weights"] == 4
-    with pytest.raises(RuntimeError, match="4 weights hold no valid values") as refused:
+    with pytest.raises(RuntimeError, match="4 weights are not usable") as refused:
         engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
     assert written[0] in str(refused.value)
     # Rewriting exactly those four (here: their old values) makes it generate again.
@@ -205,7 +205,7 @@ def test_an_interrupt_inside_a_stream_stays_an_interrupt_and_marks_what_was_writ
     with pytest.raises(KeyboardInterrupt):
         engine.update_weights(stream())
     assert engine.metrics()["invalid_weights"] == 1
-    with pytest.raises(RuntimeError, match=f"1 weight holds no valid values \\({items[0][0]}\\)"):
+    with pytest.raises(RuntimeError, match=f"1 weight is not usable \\({items[0][0]}\\)"):
         engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
 
 

@@ -26,6 +26,9 @@ from rollout_engine.weights.loader import WeightLoader, iter_safetensors, safete
 from rollout_engine.weights.receiver import WeightReceiver
 from rollout_engine.weights.validity import WeightValidity, name_list, plural
 
+# Why tensors an unfinished update wrote are marked (weights/validity.py).
+STOPPED_PART_WAY = "an update stopped part-way after writing them, so the model would mix two sets of weights"
+
 log = logging.getLogger("rollout_engine")
 MAX_VERSION = 2**63 - 1  # a weight version fits a signed 64-bit integer (metrics, the HTTP API, torch tensors)
 
@@ -78,7 +81,7 @@ class WeightUpdater:
                 raise
             if not isinstance(e, Exception):  # Ctrl-C, SystemExit: marked as any stop, and raised as they are
                 self.prefix_cache.advance_epoch()
-                self.validity.mark(written, "an update stopped part-way after writing them")
+                self.validity.mark(written, STOPPED_PART_WAY)
                 raise
             self._broke_off(written, e)
         self.validity.clear(written)
@@ -101,7 +104,7 @@ class WeightUpdater:
     def _broke_off(self, written: set, cause: BaseException) -> None:
         """Mark what a stopped update wrote and raise an error naming it."""
         self.prefix_cache.advance_epoch()  # the weights did change
-        self.validity.mark(written, "an update stopped part-way after writing them")
+        self.validity.mark(written, STOPPED_PART_WAY)
         names = self.validity.names_of(written)
         message = (f"{cause or type(cause).__name__}; the update stopped after writing {plural(len(names), 'tensor')} "
                    f"({name_list(names)}): they "

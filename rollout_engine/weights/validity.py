@@ -1,5 +1,5 @@
-"""Which weights hold no valid values, and why: the engine refuses to
-generate while any do.
+"""Which weights are not usable, and why: the engine refuses to generate
+while any are.
 
 A weight is invalid after a release without `weights_cpu_backup` (all of
 them), or when an update that could not be made atomic (a stream, a disk
@@ -58,7 +58,7 @@ class WeightValidity:
         if not self._invalid:
             return
         reasons = sorted(set(self._invalid.values()))
-        holds = "weight holds" if self.count == 1 else "weights hold"
-        raise RuntimeError(f"cannot generate: {self.count} {holds} no valid values ({name_list(self.names())}): "
+        are = "weight is" if self.count == 1 else "weights are"
+        raise RuntimeError(f"cannot generate: {self.count} {are} not usable ({name_list(self.names())}): "
                            f"{'; '.join(reasons)}. Write them again (update_weights with those names) or load a "
                            "complete set of weights")
