@@ -46,7 +46,7 @@ def resolve_prompts(prompts: Sequence[str] | None, input_ids: Sequence[Sequence[
             raise ValueError(f"prompts must be a list of strings, got one string: pass [{shown}]")
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a list of strings, got {type(prompts).__name__}")
-        if tokenizer is None:
+        if tokenizer is None and prompts:  # no prompts: no outputs, as for input_ids=[]
             raise ValueError("prompts (text) need a tokenizer; pass input_ids or tokenizer=...")
         out = []
         for i, p in enumerate(prompts):

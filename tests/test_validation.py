@@ -40,6 +40,16 @@ def test_bad_generate_input(engine, kwargs, match):
     assert len(out[0].output_token_ids) == 8
 
 
+def test_no_prompts_give_no_outputs_without_a_tokenizer_too(engine):
+    """An empty list of prompts is no work, text or ids alike, tokenizer or not."""
+    assert engine.generate(prompts=[]) == [] and engine.generate(input_ids=[]) == []
+
+
+def test_max_new_tokens_0_says_how_to_get_a_prompts_logprobs():
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1 \(for a prompt's logprobs alone"):
+        SamplingParams(max_new_tokens=0)
+
+
 def test_kv_capacity_is_checked(llama):
     small = RolloutEngine(llama[1], max_total_tokens=64)
     with pytest.raises(ValueError, match=r"request 0: sampling_params.max_new_tokens .* KV cache capacity of 64"):
