@@ -8,6 +8,7 @@ ROLLOUT_ENGINE_DEBUG=1 to get the traceback of a run-time failure instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import importlib.util
 import logging
@@ -89,6 +90,8 @@ def cmd_download(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     config = build_config(args)
     params = build_sampling(args)
+    if config.enable_return_routed_experts:  # the flag asks for the routes: every sample carries them
+        params = dataclasses.replace(params, return_routed_experts=True)
     check_engine_args(config)
     # From here on the work takes seconds (torch, transformers, the model's config, the weights): a slow
     # start (a loaded machine, a large model) shows a line every STARTING_TICK_S seconds.
@@ -183,6 +186,10 @@ def _print_outputs(outs: list[Any], prompts: list[Any], params: Any, elapsed: fl
         count = len(out.output_token_ids)
         print(f"    {count} token{'s' if count != 1 else ''}, finish={out.finish_reason}, mean logprob={mean_lp:.3f}, "
               f"first logprobs={[round(x, 3) for x in lps[:5]]}")
+        routes = out.routed_experts
+        if routes is not None:  # [positions, MoE layers, top_k]
+            print(f"    routed experts: {routes.shape[0]} positions x {routes.shape[1]} MoE layers x top "
+                  f"{routes.shape[2]}; the last position's in layer 0: {routes[-1, 0].tolist() if len(routes) else []}")
     total = sum(len(o.output_token_ids) for o in outs)
     print(f"{len(outs)} sample{'s' if len(outs) != 1 else ''}, {total} output token{'s' if total != 1 else ''} in {elapsed:.2f} s: {total / elapsed:.1f} tok/s; "
           f"logprobs {params.logprob_mode} ({LOGPROB_MODES[params.logprob_mode]})")

@@ -79,6 +79,18 @@ def test_generate_from_input_ids_prints_token_ids(llama, capsys):
     assert "4 samples, 16 output tokens" in out
 
 
+def test_generate_with_routes_prints_each_samples_routes(moe_models, capsys):
+    """--enable-return-routed-experts asks every sample for its routes and
+    prints their shape: [prompt + output - 1 positions, MoE layers, top_k]."""
+    hf, folder = moe_models["qwen3_moe"]
+    rc = main(["generate", "--model", folder, "--input-ids", "1,2,3", "--max-new-tokens", "4", "--temperature", "0",
+               "--ignore-eos", "--max-total-tokens", "256", "--enable-return-routed-experts"])
+    assert rc == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "routed experts:" in line]
+    k, sparse = hf.config.num_experts_per_tok, sum(type(m).__name__.endswith("SparseMoeBlock") for m in hf.modules())
+    assert len(lines) == 1 and f"routed experts: 6 positions x {sparse} MoE layers x top {k}" in lines[0], lines
+
+
 def test_text_prompt_without_tokenizer_is_one_line_exit_2():
     # As a user runs it: a subprocess, through the module's __main__.
     proc = subprocess.run([sys.executable, "-m", "rollout_engine.cli", "generate", "--model", "qwen3-0.6b",
