@@ -42,7 +42,9 @@ def build_output(r: "Request", stop: "StopChecker", since: int = 0) -> RolloutOu
     """The output of request `r` from its output token `since` on (0: all of
     it, as `generate` returns; later: a stream delta)."""
     p = r.params
-    end = r.num_output_tokens  # sampled tokens; placeholders scheduled ahead excluded
+    # Sampled tokens (placeholders scheduled ahead excluded); max_new_tokens=0: none, the one token the
+    # prompt's last position gave is dropped, and its routing row with it.
+    end = r.num_output_tokens if p.max_new_tokens else 0
     # Text from the request's incremental detokenizer: complete characters
     # only, cut right before the first stop string (the token ids and
     # logprobs keep every sampled token). since=0: all the text so far;
@@ -51,7 +53,7 @@ def build_output(r: "Request", stop: "StopChecker", since: int = 0) -> RolloutOu
     text = None
     detok = stop.detokenizer(r)
     if detok is not None:
-        text = detok.read(from_start=since == 0)
+        text = detok.read(from_start=since == 0) if p.max_new_tokens else ""
         if r.finished:
             stop.release(r)
     return RolloutOutput(
@@ -62,7 +64,16 @@ def build_output(r: "Request", stop: "StopChecker", since: int = 0) -> RolloutOu
         prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
         finish_reason=r.finish_reason, text=text, num_cached_tokens=r.num_cached_tokens,
         weight_version=r.weight_version, output_weight_versions=r.output_weight_versions[since:end],
-        routed_experts=r.routes.result() if r.routes is not None and r.finished else None)
+        routed_experts=_routes(r))
+
+
+def _routes(r: "Request") -> "np.ndarray | None":
+    """A finished request's routing: one row per token that went through the
+    model, [prompt_len + output_len - 1, moe_layers, top_k]."""
+    if r.routes is None or not r.finished:
+        return None
+    routes = r.routes.result()
+    return routes if r.params.max_new_tokens or routes is None else routes[: len(r.prompt_ids) - 1]
 
 
 def merge_deltas(deltas: list[RolloutOutput]) -> RolloutOutput:

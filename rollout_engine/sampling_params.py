@@ -52,9 +52,9 @@ class SamplingParams:
         def bad(field: str, why: str) -> None:
             raise ValueError(f"sampling_params.{field} {why}, got {getattr(self, field)!r}")
 
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            bad("max_new_tokens", "must be an integer >= 1 (for a prompt's logprobs alone: max_new_tokens=1 "
-                "with prompt_logprobs=True, and ignore the one token)")
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            bad("max_new_tokens", "must be an integer >= 0 (0: the prompt alone, for its prompt_logprobs or to "
+                "fill the prefix cache)")
         if not is_number(self.temperature) or not 0.0 <= self.temperature < math.inf:
             bad("temperature", "must be a finite number >= 0")
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -13,7 +13,7 @@ from rollout_engine.cli import main
 @pytest.mark.parametrize("flags, named", [
     (["-n", "0"], "-n"),
     (["--temperature", "-1"], "--temperature"),
-    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens"),
     (["--top-p", "0"], "--top-p"),
     (["--page-size", "3"], "--page-size"),
     (["--dtype", "foo"], "--dtype"),

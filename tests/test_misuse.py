@@ -67,7 +67,7 @@ def _paused_generate(e):
 
 # (id, action, exception, words the message must contain, clean-up)
 CASES = [
-    ("max_new_tokens=0", _sp(max_new_tokens=0), ValueError, "max_new_tokens", None),
+    ("max_new_tokens=-1", _sp(max_new_tokens=-1), ValueError, "max_new_tokens", None),
     ("max_new_tokens=1.5", _sp(max_new_tokens=1.5), ValueError, "max_new_tokens", None),
     ("temperature=-1", _sp(temperature=-1.0), ValueError, "temperature", None),
     ("temperature=inf", _sp(temperature=math.inf), ValueError, "temperature", None),

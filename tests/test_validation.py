@@ -45,11 +45,6 @@ def test_no_prompts_give_no_outputs_without_a_tokenizer_too(engine):
     assert engine.generate(prompts=[]) == [] and engine.generate(input_ids=[]) == []
 
 
-def test_max_new_tokens_0_says_how_to_get_a_prompts_logprobs():
-    with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1 \(for a prompt's logprobs alone"):
-        SamplingParams(max_new_tokens=0)
-
-
 def test_kv_capacity_is_checked(llama):
     small = RolloutEngine(llama[1], max_total_tokens=64)
     with pytest.raises(ValueError, match=r"request 0: sampling_params.max_new_tokens .* KV cache capacity of 64"):
@@ -59,7 +54,7 @@ def test_kv_capacity_is_checked(llama):
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"), (dict(n=0), "n"), (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"), (dict(n=0), "n"), (dict(max_new_tokens=-1), "max_new_tokens"),
     (dict(seed=-3), "seed"), (dict(logprob_mode="softmax"), "logprob_mode"), (dict(top_logprobs=-1), "top_logprobs"),
     (dict(stop=[""]), "stop"), (dict(stop_token_ids=[1.5]), "stop_token_ids"), (dict(logprobs="yes"), "logprobs"),
 ])
