@@ -64,6 +64,8 @@ def test_native_generate_equals_in_process(server, local):
         assert meta["weight_version"] == 0 and meta["completion_tokens"] == 12
     single = server.post("/generate", {"input_ids": ref[0].prompt_token_ids, "sampling_params": GREEDY}).json()
     assert isinstance(single, dict) and single["output_ids"] == ref[0].output_token_ids
+    alone = server.post("/generate", {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 0}}).json()
+    assert alone["output_ids"] == [] and alone["text"] == "" and alone["meta_info"]["completion_tokens"] == 0
 
 
 def test_native_stream_ends_with_the_full_output(server):
