@@ -152,7 +152,8 @@ def _stack(routed_experts: Sequence[np.ndarray], num_layers: int, top_k: int, nu
            ) -> list[np.ndarray]:
     """Each row checked and as int64; ValueError naming the row otherwise."""
     shape = getattr(routed_experts, "shape", None)
-    if shape is not None and len(shape) != 4:  # one row's array, not a list of them (a 4-d stack is rows)
+    if shape is not None and len(shape) in (2, 3) and getattr(routed_experts, "dtype", None) != object:
+        # one row's array, not rows (a 4-d stack of equal rows, or a 1-d array of row objects, is rows)
         raise ValueError(f"routed_experts: expected one array per row of the batch, got one array of shape "
                          f"{tuple(shape)}; pass [array] for a batch of one row")
     rows = []

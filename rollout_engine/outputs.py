@@ -26,10 +26,10 @@ class RolloutOutput:
     # Per output token, the weight version that produced it (differs from
     # weight_version only across an update made while the request ran).
     output_weight_versions: list[int] = field(default_factory=list)
-    # return_routed_experts: [prompt_len + output_len - 1, moe_layers, top_k] expert ids (uint8 up to 256
-    # experts, else int16), the routing of every token that went through the model, read from the KV slot
-    # it lives in (cache hits and retractions included); an aborted request's covers the tokens computed
-    # by then. Streams: on the last delta only. Otherwise None.
+    # return_routed_experts: [prompt_len + output_len - 1, moe_layers, top_k] expert ids (prompt_len rows with
+    # max_new_tokens=0; uint8 up to 256 experts, else int16), the routing of every token that went through
+    # the model, read from the KV slot it lives in (cache hits and retractions included); an aborted
+    # request's covers the tokens computed by then. Streams: on the last delta only. Otherwise None.
     routed_experts: "np.ndarray | None" = None
 
 
@@ -43,7 +43,7 @@ def build_output(r: "Request", stop: "StopChecker", since: int = 0) -> RolloutOu
     it, as `generate` returns; later: a stream delta)."""
     p = r.params
     # Sampled tokens (placeholders scheduled ahead excluded); max_new_tokens=0: none, the one token the
-    # prompt's last position gave is dropped, and its routing row with it.
+    # prompt's last position gave is dropped.
     end = r.num_output_tokens if p.max_new_tokens else 0
     # Text from the request's incremental detokenizer: complete characters
     # only, cut right before the first stop string (the token ids and
@@ -64,16 +64,7 @@ def build_output(r: "Request", stop: "StopChecker", since: int = 0) -> RolloutOu
         prompt_logprobs=list(r.prompt_logprobs) if r.prompt_logprobs is not None else None,
         finish_reason=r.finish_reason, text=text, num_cached_tokens=r.num_cached_tokens,
         weight_version=r.weight_version, output_weight_versions=r.output_weight_versions[since:end],
-        routed_experts=_routes(r))
-
-
-def _routes(r: "Request") -> "np.ndarray | None":
-    """A finished request's routing: one row per token that went through the
-    model, [prompt_len + output_len - 1, moe_layers, top_k]."""
-    if r.routes is None or not r.finished:
-        return None
-    routes = r.routes.result()
-    return routes if r.params.max_new_tokens or routes is None else routes[: len(r.prompt_ids) - 1]
+        routed_experts=r.routes.result() if r.routes is not None and r.finished else None)
 
 
 def merge_deltas(deltas: list[RolloutOutput]) -> RolloutOutput:

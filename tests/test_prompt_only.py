@@ -87,7 +87,7 @@ def test_text_is_empty_with_a_tokenizer(smollm2_dir):
         engine.shutdown()
 
 
-def test_moe_routes_cover_the_prompts_positions_that_went_through(moe_models):
+def test_moe_routes_cover_every_prompt_position(moe_models):
     _, folder = moe_models["qwen3_moe"]
     engine = RolloutEngine(folder, max_total_tokens=1024, enable_return_routed_experts=True)
     try:
@@ -96,8 +96,16 @@ def test_moe_routes_cover_the_prompts_positions_that_went_through(moe_models):
         engine.flush_cache()
         none = engine.generate(input_ids=PROMPTS, sampling_params=SamplingParams(
             max_new_tokens=0, return_routed_experts=True))
-        for a, b, prompt in zip(one, none, PROMPTS):
-            assert a.routed_experts.shape[0] == len(prompt) and b.routed_experts.shape[0] == len(prompt) - 1
-            assert (b.routed_experts == a.routed_experts[: len(prompt) - 1]).all()
+        for a, b, prompt in zip(one, none, PROMPTS):  # every prompt position went through the model
+            assert a.routed_experts.shape[0] == b.routed_experts.shape[0] == len(prompt)
+            assert (b.routed_experts == a.routed_experts).all()
     finally:
         engine.shutdown()
+
+
+def test_the_metrics_count_no_output_token(engine):
+    before = engine.metrics()
+    engine.generate(input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=0, n=2))
+    after = engine.metrics()
+    assert after["output_tokens"] == before["output_tokens"]
+    assert after["finished"]["length"] == before["finished"].get("length", 0) + 6

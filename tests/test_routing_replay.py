@@ -87,6 +87,21 @@ def test_replaying_the_models_own_routing_changes_nothing(models, kind):
     _assert_unpatched(model)
 
 
+def test_rows_may_come_as_a_stack_or_an_array_of_row_objects(models):
+    """Rows of one length stacked into one 4-d array, or rows of any length in
+    a 1-d object array (a dataframe column's values), are rows alike."""
+    model, input_ids = models["qwen3_moe"], _batch()
+    with torch.no_grad():
+        free, layers = _run(model, input_ids)
+        rows = _arrays(layers)
+        objects = np.empty(len(rows), dtype=object)
+        objects[:] = rows
+        shortest = min(len(r) for r in rows)
+        for given in (objects, np.stack([r[:shortest] for r in rows])):  # past an array, routing is free
+            with replay(model, given):
+                assert torch.allclose(model(input_ids).logits, free, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_forced_routing_is_used_with_the_trainers_gate_weights(models, kind):
     model, input_ids = models[kind], _batch()
