@@ -64,8 +64,14 @@ def test_native_generate_equals_in_process(server, local):
         assert meta["weight_version"] == 0 and meta["completion_tokens"] == 12
     single = server.post("/generate", {"input_ids": ref[0].prompt_token_ids, "sampling_params": GREEDY}).json()
     assert isinstance(single, dict) and single["output_ids"] == ref[0].output_token_ids
-    alone = server.post("/generate", {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 0}}).json()
-    assert alone["output_ids"] == [] and alone["text"] == "" and alone["meta_info"]["completion_tokens"] == 0
+    scored = server.post("/generate", {"input_ids": ref[0].prompt_token_ids, "sampling_params": {"max_new_tokens": 0},
+                                       "return_logprob": True, "logprob_start_len": 1}).json()  # SGLang's scoring
+    want = local.generate(input_ids=[ref[0].prompt_token_ids],
+                          sampling_params=SamplingParams(max_new_tokens=0, prompt_logprobs=True))[0]
+    assert scored["output_ids"] == [] and scored["text"] == "" and scored["meta_info"]["completion_tokens"] == 0
+    triples = scored["meta_info"]["input_token_logprobs"]
+    assert [t[1] for t in triples] == want.prompt_token_ids[1:]
+    assert max(abs(t[0] - w) for t, w in zip(triples, want.prompt_logprobs[1:])) < 1e-5
 
 
 def test_native_stream_ends_with_the_full_output(server):
@@ -234,6 +240,8 @@ ABUSE = [
     ("/generate", json.dumps({"text": "a", "stream": "yes"}).encode()),
     ("/generate", json.dumps({"text": "a", "top_logprobs_num": 10 ** 6, "return_logprob": True}).encode()),
     ("/generate", json.dumps({"text": "a", "rid": 5}).encode()),
+    ("/generate", json.dumps({"text": "a", "logprob_start_len": "0", "return_logprob": True}).encode()),
+    ("/generate", json.dumps({"text": "a", "logprob_start_len": -2}).encode()),
     ("/generate", b"[" * 100_000 + b"]" * 100_000),
     ("/generate", ('{"text": ' + "[" * 5000 + '"a"' + "]" * 5000 + "}").encode()),
     ("/v1/completions", b"{}"),

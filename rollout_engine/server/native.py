@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import time
 from typing import Any
 
@@ -68,6 +69,13 @@ class GenerateCall:
             raise ApiError(400, "return_logprob must be a bool", "return_logprob")
         top = logprob_count(body.get("top_logprobs_num", 0), "top_logprobs_num")
         self.logprob_text = body.get("return_text_in_logprobs", False) is True
+        # SGLang's prompt scoring: with return_logprob, the prompt's logprobs from this position on
+        # (input_token_logprobs); -1 (the default): none.
+        self.logprob_start = body.get("logprob_start_len", -1)
+        if not isinstance(self.logprob_start, int) or isinstance(self.logprob_start, bool) or self.logprob_start < -1:
+            raise ApiError(400, "logprob_start_len must be an integer >= -1 (-1: no prompt logprobs)",
+                           "logprob_start_len")
+        prompt_logprobs = self.return_logprob and self.logprob_start >= 0
         self.routed = body.get("return_routed_experts", False)
         if not isinstance(self.routed, bool):
             raise ApiError(400, "return_routed_experts must be a bool", "return_routed_experts")
@@ -82,6 +90,8 @@ class GenerateCall:
                            for i, p in enumerate(raw)]
         else:
             self.params = [sglang_params(raw, self.return_logprob, top, routed=self.routed)] * count
+        if prompt_logprobs:
+            self.params = [dataclasses.replace(p, prompt_logprobs=True) for p in self.params]
         rid = body.get("rid")
         self.request_ids = None
         if rid is not None:
@@ -118,6 +128,10 @@ def meta_info(out: RolloutOutput, call: GenerateCall, tokenizer, started: float,
                                          zip(out.output_logprobs or [], out.output_token_ids)]
         if out.top_logprobs is not None:
             meta["output_top_logprobs"] = [[[lp, t, tok(t)] for t, lp in row] for row in out.top_logprobs]
+        if call.logprob_start >= 0 and out.prompt_logprobs is not None:  # the first prompt token's is None
+            start = call.logprob_start
+            meta["input_token_logprobs"] = [[lp, t, tok(t)] for lp, t in
+                                            zip(out.prompt_logprobs[start:], out.prompt_token_ids[start:])]
     if out.routed_experts is not None:  # SGLang's encoding: base64 of the int32 array, rows of layers x top_k
         meta["routed_experts"] = base64.b64encode(out.routed_experts.astype("<i4").tobytes()).decode("ascii")
     return meta
@@ -205,8 +219,6 @@ async def weight_version(request: Request):
 @router.get("/get_server_info")
 async def server_info(request: Request):
     st = state_of(request)
-    import dataclasses
-
     engine = dataclasses.asdict(st.engine.config)
     # what runs, where the config said "auto"
     engine.update(device=str(st.engine.device), dtype=str(st.engine.dtype).removeprefix("torch."),
