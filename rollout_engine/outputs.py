@@ -42,9 +42,7 @@ def build_output(r: "Request", stop: "StopChecker", since: int = 0) -> RolloutOu
     """The output of request `r` from its output token `since` on (0: all of
     it, as `generate` returns; later: a stream delta)."""
     p = r.params
-    # Sampled tokens (placeholders scheduled ahead excluded); max_new_tokens=0: none, the one token the
-    # prompt's last position gave is dropped.
-    end = r.num_output_tokens if p.max_new_tokens else 0
+    end = r.num_output_tokens  # sampled tokens; placeholders scheduled ahead excluded
     # Text from the request's incremental detokenizer: complete characters
     # only, cut right before the first stop string (the token ids and
     # logprobs keep every sampled token). since=0: all the text so far;
@@ -53,7 +51,7 @@ def build_output(r: "Request", stop: "StopChecker", since: int = 0) -> RolloutOu
     text = None
     detok = stop.detokenizer(r)
     if detok is not None:
-        text = detok.read(from_start=since == 0) if p.max_new_tokens else ""
+        text = detok.read(from_start=since == 0)
         if r.finished:
             stop.release(r)
     return RolloutOutput(

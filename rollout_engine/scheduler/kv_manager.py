@@ -131,14 +131,15 @@ class KVManager:
 
     def computed_slots(self, req: Request, kv_of: Request | None = None) -> np.ndarray:
         """The KV slots of every position of `req` that went through the
-        model: all but its last sampled token (an aborted request: those
+        model: all but its last sampled token, or the whole prompt where it
+        kept no token (max_new_tokens=0; an aborted request: those
         computed). From its own row, or when it holds none, from `kv_of`'s
         (a fork sibling that finished on its first token shares its
         leader's prompt KV); none when neither holds KV."""
         holder = req if req.row is not None else kv_of
         if holder is None or holder.row is None:
             return np.zeros(0, np.int64)
-        n = min(holder.kv_len, len(req.prompt_ids) + req.num_output_tokens - 1)
+        n = min(holder.kv_len, len(req.prompt_ids) + max(req.num_output_tokens - 1, 0))
         return self.table.slots(holder.row, 0, n)
 
     def release(self, req: Request) -> None:

@@ -368,6 +368,10 @@ class Scheduler:
         """Record a sampled token (into its placeholder when it was scheduled
         ahead); returns True if the request finished. `kv_of`: the request
         whose KV holds this one's tokens (a fork's leader)."""
+        if req.params.max_new_tokens == 0:  # the prompt alone: the token its last position gave is not kept
+            req.weight_version = weight_version
+            self._finish(req, "length", kv_of)
+            return True
         if fill_index is None:
             req.output_ids.append(result.token)
         else:

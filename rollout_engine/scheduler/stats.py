@@ -44,8 +44,6 @@ class StepStats:
     ttft_histogram: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
 
     def on_token(self, req: Request) -> None:
-        if req.params.max_new_tokens == 0:  # the prompt alone: the token it gave is not output
-            return
         self.output_tokens += 1
         if req.num_output_tokens == 1 and req.num_retractions == 0:
             ttft = time.monotonic() - req.arrival_time

@@ -26,8 +26,6 @@ class StopChecker:
     def check(self, req: Request) -> str | None:
         """Judged on the sampled tokens (placeholders scheduled ahead excluded)."""
         params = req.params
-        if params.max_new_tokens == 0:  # the prompt alone: the token its last position gave is not output
-            return "length"
         n = req.num_output_tokens
         token = req.output_ids[n - 1]
         if not params.ignore_eos and token in self.eos:
