@@ -179,12 +179,12 @@ def _print_outputs(outs: list[Any], prompts: list[Any], params: Any, elapsed: fl
     n = params.n
     for i, out in enumerate(outs):
         lps = out.output_logprobs or []
-        mean_lp = sum(lps) / len(lps) if lps else float("nan")
+        mean_lp = f"{sum(lps) / len(lps):.3f}" if lps else "-"
         print(f"--- [{out.request_id}] {_short(prompts[i // n])}")
         # Without a tokenizer there is no text: the token ids are the output.
         print(repr(out.text) if out.text is not None else f"token ids: {out.output_token_ids}")
         count = len(out.output_token_ids)
-        print(f"    {count} token{'s' if count != 1 else ''}, finish={out.finish_reason}, mean logprob={mean_lp:.3f}, "
+        print(f"    {count} token{'s' if count != 1 else ''}, finish={out.finish_reason}, mean logprob={mean_lp}, "
               f"first logprobs={[round(x, 3) for x in lps[:5]]}")
         routes = out.routed_experts
         if routes is not None:  # [positions, MoE layers, top_k]

@@ -256,7 +256,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int = 64,
                     f"top-p {own.top_p}, {own.max_new_tokens} new tokens) sample the model's distribution, as RL "
                     "rollouts want")
     group.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
-                       help="tokens generated per sample at most")
+                       help="tokens generated per sample at most (0: the prompt alone, no tokens)")
     group.add_argument("--temperature", type=float, default=0.7, metavar="T", help="0 samples greedily")
     group.add_argument("--top-p", type=float, default=0.9, metavar="P",
                        help="keep the most likely tokens whose probabilities sum to P")

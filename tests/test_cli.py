@@ -91,6 +91,11 @@ def test_generate_with_routes_prints_each_samples_routes(moe_models, capsys):
     assert len(lines) == 1 and f"routed experts: 6 positions x {sparse} MoE layers x top {k}" in lines[0], lines
 
 
+def test_generate_the_prompt_alone(llama, capsys):
+    assert main(["generate", "--model", llama[1], "--input-ids", "1,2,3", "--max-new-tokens", "0"]) == 0
+    assert "0 tokens, finish=length, mean logprob=-," in capsys.readouterr().out
+
+
 def test_text_prompt_without_tokenizer_is_one_line_exit_2():
     # As a user runs it: a subprocess, through the module's __main__.
     proc = subprocess.run([sys.executable, "-m", "rollout_engine.cli", "generate", "--model", "qwen3-0.6b",

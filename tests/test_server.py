@@ -72,6 +72,9 @@ def test_native_generate_equals_in_process(server, local):
     triples = scored["meta_info"]["input_token_logprobs"]
     assert [t[1] for t in triples] == want.prompt_token_ids[1:]
     assert max(abs(t[0] - w) for t, w in zip(triples, want.prompt_logprobs[1:])) < 1e-5
+    default = server.post("/generate", {"input_ids": ref[0].prompt_token_ids, "return_logprob": True,
+                                        "logprob_start_len": None, "sampling_params": {"max_new_tokens": 0}})
+    assert default.status_code == 200 and "input_token_logprobs" not in default.json()["meta_info"]
 
 
 def test_native_stream_ends_with_the_full_output(server):

@@ -71,10 +71,11 @@ class GenerateCall:
         self.logprob_text = body.get("return_text_in_logprobs", False) is True
         # SGLang's prompt scoring: with return_logprob, the prompt's logprobs from this position on
         # (input_token_logprobs); -1 (the default): none.
-        self.logprob_start = body.get("logprob_start_len", -1)
+        self.logprob_start = body.get("logprob_start_len")
+        self.logprob_start = -1 if self.logprob_start is None else self.logprob_start
         if not isinstance(self.logprob_start, int) or isinstance(self.logprob_start, bool) or self.logprob_start < -1:
-            raise ApiError(400, "logprob_start_len must be an integer >= -1 (-1: no prompt logprobs)",
-                           "logprob_start_len")
+            raise ApiError(400, f"logprob_start_len must be an integer >= -1 (-1: no prompt logprobs; one value for "
+                                f"every prompt), got {self.logprob_start!r}", "logprob_start_len")
         prompt_logprobs = self.return_logprob and self.logprob_start >= 0
         self.routed = body.get("return_routed_experts", False)
         if not isinstance(self.routed, bool):
