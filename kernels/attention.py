@@ -78,6 +78,28 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         return online_update(q, k, v, allowed, scale, m, l, acc)
 
     @triton.jit
+    def merge_states(m, l, acc, part_ptr, ml_ptr, b, heads, real, state_rows, HQ: tl.constexpr, D: tl.constexpr,
+                     CHUNKS: tl.constexpr):
+        """A sequence's state (m, l, acc over its query `heads`, `real` where
+        a head exists) merged with the states that `kernels.group_attention`'s
+        prefix launch stored for it (its shared keys, CHUNKS chunks), in
+        chunk order."""
+        d = tl.arange(0, D)
+        for c in tl.static_range(CHUNKS):
+            state = (c * state_rows + b) * HQ + heads
+            mc = tl.load(ml_ptr + state * 2, mask=real, other=float("-inf"))
+            lc = tl.load(ml_ptr + state * 2 + 1, mask=real, other=0.0)
+            ac = tl.load(part_ptr + state[:, None] * D + d[None, :], mask=real[:, None], other=0.0)
+            top = tl.maximum(m, mc)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            a0 = tl.exp(m - top)
+            a1 = tl.exp(mc - top)
+            acc = acc * a0[:, None] + ac * a1[:, None]
+            l = l * a0 + lc * a1
+            m = top
+        return m, l, acc
+
+    @triton.jit
     def sequence_of(qo_indptr_ptr, rows_ptr, lens_ptr, b):
         """Sequence b of an extend step: (first query, number of queries,
         request-table row, keys in all, keys before the first query)."""
@@ -88,10 +110,11 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         return q_start, q_len, row, kv_len, kv_len - q_len
 
     @triton.jit
-    def decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, lens_ptr, order_ptr, table_stride, scale,
-                      stride_qt, stride_qh, stride_ks, stride_kh,
+    def decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, lens_ptr, order_ptr, lo_ptr, part_ptr, ml_ptr,
+                      table_stride, scale, state_rows, stride_qt, stride_qh, stride_ks, stride_kh,
                       GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      F16: tl.constexpr = False, ORDERED: tl.constexpr = False):
+                      F16: tl.constexpr = False, ORDERED: tl.constexpr = False, HQ: tl.constexpr = 1,
+                      CHUNKS: tl.constexpr = 0):
         """One sequence's query heads of one KV head. ORDERED: program
         (h, i) takes KV head h of sequence order[i], so the programs start
         the longest sequences first, all heads of a sequence together (the
@@ -104,7 +127,10 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         queries are scaled by 1/16 first (the scale by 16) and clamped to
         fp16's range: exact from 2^-10 to 2^20 in magnitude, smaller values
         rounding to fp16's subnormal steps (without the clamp a query of 3e5
-        came out non-finite on the GPU)."""
+        came out non-finite on the GPU). CHUNKS > 0: the sequence's keys
+        before lo[i] were walked by `kernels.group_attention`'s prefix
+        launch, whose CHUNKS states (part, ml) this program merges into its
+        own."""
         if ORDERED:
             i = tl.program_id(1)
             b = tl.load(order_ptr + i)
@@ -126,9 +152,16 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         m = tl.full([GROUP_P], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, D], tl.float32)
-        for start in range(0, kv_len, BLOCK_N):
+        lo = 0
+        if CHUNKS > 0:
+            lo = tl.multiple_of(tl.load(lo_ptr + i), BLOCK_N)  # (`group_attention.ALIGN`)
+        for start in range(lo, kv_len, BLOCK_N):
             m, l, acc = attend_block(q, k_ptr, v_ptr, table_ptr, row, table_stride, start, kv_len, kvh, stride_ks,
                                      stride_kh, scale, g, m, l, acc, D=D, BLOCK_N=BLOCK_N, CAUSAL=False)
+        if CHUNKS > 0:
+            if lo > 0:
+                m, l, acc = merge_states(m, l, acc, part_ptr, ml_ptr, b, heads, g < GROUP, state_rows, HQ=HQ, D=D,
+                                         CHUNKS=CHUNKS)
         out = acc / l[:, None]
         tl.store(o_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=(g < GROUP)[:, None])
@@ -228,14 +261,17 @@ def in_order(order: np.ndarray, *rows: np.ndarray) -> list[np.ndarray]:
 
 
 def decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale: float,
-                     order: torch.Tensor | None = None) -> torch.Tensor:
+                     order: torch.Tensor | None = None, prefix: tuple | None = None) -> torch.Tensor:
     """q: [B, Hq, D]; rows, seq_lens: [B] device tensors. bf16 queries over
     an e4m3 cache take fp16 products (`decode_kernel`'s F16). `order`: a
     permutation of the B rows as an int32 device tensor (`longest_first`):
     the programs start in that order, longest sequences first, so ragged
     lengths do not leave a tail of long ones; the outputs are the same.
     With an order, `rows` and `seq_lens` come in it too (`rows[i]`,
-    `seq_lens[i]` are query `order[i]`'s: `in_order`)."""
+    `seq_lens[i]` are query `order[i]`'s: `in_order`). `prefix`: (lo,
+    part, ml), the keys before lo (int32 [B], in the order too) already
+    walked by `kernels.group_attention.prefix_attention`, whose states
+    (part, ml) the programs merge."""
     bsz, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
@@ -244,11 +280,14 @@ def decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale: float,
         return out
     block_n, warps, stages = decode_tile(bsz * hk, k_cache.dtype == torch.float8_e4m3fn)
     grid = (bsz, hk) if order is None else (hk, bsz)
-    _kernels()[0][grid](q, k_cache, v_cache, out, table, rows, seq_lens, rows if order is None else order,
-                        table.stride(0), scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+    lo, part, ml = prefix if prefix is not None else (seq_lens, out, out)
+    _kernels()[0][grid](q, k_cache, v_cache, out, table, rows, seq_lens, rows if order is None else order, lo, part,
+                        ml, table.stride(0), scale, part.shape[1] if prefix is not None else 0, q.stride(0),
+                        q.stride(1), k_cache.stride(0), k_cache.stride(1),
                         GROUP=group, GROUP_P=max(16, next_pow2(group)), D=d, BLOCK_N=block_n,
                         F16=E4M3_IN_F16 and q.dtype == torch.bfloat16 and k_cache.dtype == torch.float8_e4m3fn,
-                        ORDERED=order is not None, num_warps=warps, num_stages=stages)
+                        ORDERED=order is not None, HQ=hq, CHUNKS=part.shape[0] if prefix is not None else 0,
+                        num_warps=warps, num_stages=stages)
     return out
 
 
