@@ -53,9 +53,12 @@ def members_per_group(group: int) -> int:
 
 def prefix_chunks(groups: int, kv_heads: int, sms: int = 132) -> int:
     """Chunks per group's shared keys: about two prefix programs a
-    streaming multiprocessor for `groups` groups (a power of two, 1 to 8)."""
-    want = cdiv(2 * sms, max(1, groups * kv_heads))
-    return min(8, next_pow2(want))
+    streaming multiprocessor for `groups` groups, rounded down to a power of
+    two from 1 to 4 (an H100 at qwen2.5-7b's heads, groups of 8 sharing 640
+    tokens: 64 rows best at 4, 256 at 2, 512 at 1; BENCHMARKS.md, "Shared
+    prompts read once a group")."""
+    want = max(1, 2 * sms // max(1, groups * kv_heads))
+    return min(4, 1 << (want.bit_length() - 1))
 
 
 class PrefixGroups(NamedTuple):

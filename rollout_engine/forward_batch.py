@@ -75,6 +75,8 @@ class ForwardBatch:
     is_decode: bool
     attn_metadata: Any = field(default=None)
     pad: int = 0  # padding rows after the step's tokens (`padded_tokens`): not attended, not read
+    share_keys: np.ndarray | None = None  # the plan's (`StepPlan.share_keys`): sequences sharing a prefix
+    share_lens: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
@@ -94,7 +96,7 @@ class ForwardBatch:
             input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, extend_lens=plan.extend_lens,
             seq_lens=plan.seq_lens, rows=plan.rows, rows_device=rows_device, table=table, kv_pool=kv_pool,
             attn_backend=backend,
-            is_decode=plan.is_decode, pad=pad,
+            is_decode=plan.is_decode, pad=pad, share_keys=plan.share_keys, share_lens=plan.share_lens,
         )
         backend.init_forward_metadata(fb)
         return fb

@@ -94,6 +94,12 @@ class StepPlan:
     # Per prompt row, when some request of the step wants processed prompt
     # logprobs (prompt_logprob_mode): its parameters (raw rows marked raw).
     prompt_sampling: SamplingPlan | None = None
+    # Decode steps where sequences hold the same prefix-cache node (the n
+    # samples of one prompt): per sequence a key (equal keys: the same node;
+    # -1: none) and how many tokens of its context that node covers, so that
+    # attention may read those once for all of them; None when no two share.
+    share_keys: np.ndarray | None = None
+    share_lens: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:

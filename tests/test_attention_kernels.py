@@ -173,7 +173,8 @@ def test_triton_backend_sends_each_decode_step_its_longest_first_order(monkeypat
     step = lambda lens, decode=True: SimpleNamespace(  # noqa: E731
         is_decode=decode, batch_size=len(lens), seq_lens=np.array(lens, dtype=np.int64),
         rows=np.arange(10, 10 + len(lens), dtype=np.int64), rows_device=torch.arange(10, 10 + len(lens)),
-        extend_lens=np.ones(len(lens), dtype=np.int64) if decode else np.array(lens, dtype=np.int64), attn_metadata=None)
+        extend_lens=np.ones(len(lens), dtype=np.int64) if decode else np.array(lens, dtype=np.int64), attn_metadata=None,
+        share_keys=None, share_lens=None)
     be = TritonAttentionBackend(shape)
     fb = step([4, 30, 7])
     be.init_forward_metadata(fb)

@@ -142,3 +142,41 @@ def test_differential_stress(model, reference, backend, page_size, monkeypatch):
           f"hit rate {stats['hit_rate']:.2f}, ahead steps {stats['ahead_steps']}")
     assert not report.violations, report.violations[:5]
     assert stats["hit_rate"] > 0.1 and report.aborted > 0 and stats["retractions"] > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("backend", ["triton", "flashinfer-triton-decode"])
+def test_differential_stress_shared_prompts(model, reference, backend, page_size, monkeypatch):
+    """Samples of long prompts (n > 1, prompts past the prefix launch's
+    least shared length): decode steps whose sequences hold the same cached
+    prompt read its keys once a group (kernels/group_attention.py), in CUDA
+    graphs and eagerly (batches past the largest graph), with retractions in
+    a tight pool, aborts, cache hits and follow-up turns; then GRPO's shape,
+    8 samples each of 4 prompts at once."""
+    from rollout_engine.attention import flashinfer_backend, triton_backend
+
+    folder, _, prompts, token_range = model
+    calls = int(os.environ.get("STRESS_CALLS", "60")) // 2
+    split = backend != "triton"
+    monkeypatch.setattr(flashinfer_backend, "TRITON_DECODE_BF16_MIN_ROWS", 2)
+    monkeypatch.setattr(flashinfer_backend, "TRITON_DECODE_BF16_MIN_GROUP", 1)
+    made = []
+    group = triton_backend.prefix_groups
+    monkeypatch.setattr(triton_backend, "prefix_groups", lambda *a, **k: made.append(group(*a, **k)) or made[-1])
+    long = [sum((prompts[(i + j) % len(prompts)] for j in range(8)), []) for i in range(6)]
+    engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", attention_backend="flashinfer" if split else backend,
+                           page_size=page_size, max_total_tokens=2560, max_prefill_tokens=512,
+                           cuda_graph_max_batch_size=16, max_running_requests=64)
+    gen = WorkloadGenerator(seed=20 + page_size, token_range=token_range, base_prompts=long, max_prompt_len=400,
+                            max_new_tokens=40, max_batch=8)
+    report = stress(engine, reference, gen, calls, MARGIN, LOGPROB_TOL, MEAN_TOL)
+    grpo = SamplingParams(n=8, temperature=1.0, seed=3, max_new_tokens=32, logprob_mode="raw", ignore_eos=True)
+    call = Call(long[:4], [grpo] * 4)
+    check_outputs(reference, call, run_call(engine, call, "grpo"), report, MARGIN, LOGPROB_TOL, "grpo", MEAN_TOL)
+    engine.check_integrity()
+    stats = engine.cache_stats()
+    steps = sum(pg.count > 0 for pg in made)
+    print(f"{backend} page_size={page_size}: {report.summary()}; steps with groups {steps} of {len(made)}, "
+          f"retractions {stats['retractions']}")
+    assert not report.violations, report.violations[:5]
+    assert steps > 20 and max(pg.count for pg in made) >= 4

@@ -69,12 +69,13 @@ class AttentionBackend(ABC):
         raise NotImplementedError
 
     def prepare_replay(self, bs: int, bucket: int, seq_lens: np.ndarray, rows: np.ndarray,
-                       fb: "ForwardBatch") -> None:
+                       fb: "ForwardBatch", shares: tuple | None = None) -> None:
         """Before replaying the graph of `bucket` for a batch of `bs` real
         sequences: write their lengths (padding rows: one token in the
         reserved page 0) into the static buffers. `rows`: their request-table
         rows on the host. `fb` is the captured batch, its static rows already
-        filled."""
+        filled. `shares`: the plan's (share_keys, share_lens), for backends
+        that read a shared prefix once (`StepPlan.share_keys`)."""
         raise NotImplementedError
 
     @abstractmethod

@@ -214,7 +214,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         return wrapper
 
     def prepare_replay(self, bs: int, bucket: int, seq_lens: np.ndarray, rows: np.ndarray,
-                       fb: "ForwardBatch") -> None:
+                       fb: "ForwardBatch", shares: tuple | None = None) -> None:
         """Plan a replay of `bucket` rows for `bs` sequences: FlashInfer's plan
         copies the page table (padding sequences: one page, the reserved page
         0, one token) into the graph's buffers, then one kernel builds the
@@ -226,7 +226,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if fb.attn_metadata is ONE_SEQ:  # the kernel reads the length on the device: nothing to plan
             return
         if isinstance(fb.attn_metadata, tuple):
-            self.triton_decode.prepare_replay(bs, bucket, seq_lens, rows, fb)
+            self.triton_decode.prepare_replay(bs, bucket, seq_lens, rows, fb, shares)
             return
         pad = bucket - bs
         real = PageTable.of(seq_lens, self.shape.page_size)

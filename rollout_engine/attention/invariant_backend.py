@@ -59,6 +59,7 @@ class BatchInvariantTritonBackend(TritonAttentionBackend):
     equal itself in a batch."""
 
     orders_decode = False  # its kernel's grid is by sequence and query block
+    shares_prefixes = False  # a sequence's bits must not depend on the sequences it shares a prefix with
 
     def __init__(self, shape: AttentionShape, **_):
         super().__init__(shape)

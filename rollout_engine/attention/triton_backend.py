@@ -15,6 +15,7 @@ import torch
 from rollout_engine.attention.base import AttentionBackend, AttentionShape
 from rollout_engine.attention.one_seq import ONE_SEQ, one_seq, one_seq_shape, takes_one_seq
 from rollout_engine.kernels.attention import decode_attention, extend_attention, in_order, longest_first
+from rollout_engine.kernels.group_attention import PrefixGroups, members_per_group, prefix_chunks, prefix_groups
 
 if TYPE_CHECKING:
     from rollout_engine.layers.attention import PagedAttention
@@ -26,27 +27,60 @@ if TYPE_CHECKING:
 # sequences running alone at the end (BENCHMARKS.md, "Longest first"). Read
 # per step and when a graph is captured (A/B runs set it before).
 LONGEST_FIRST = True
+# Decode steps whose sequences hold the same prefix (the plan's share_keys: the
+# n samples of a prompt) read its keys once a group (`kernels.group_attention`),
+# where the steps are ordered. Read when the backend is built (A/B runs set it
+# before).
+GROUPS = True
+
+
+class GroupMetadata(NamedTuple):
+    """A decode step's prefix groups on the device (`prefix_groups`): where
+    each sequence's own keys start (in the step's order), and per group its
+    first member's request-table row, shared length and members."""
+    lo: torch.Tensor
+    rows: torch.Tensor
+    lens: torch.Tensor
+    members: torch.Tensor
+    chunks: int
 
 
 class TritonMetadata(NamedTuple):
     """A step's metadata. With an `order` (decode steps, longest first), the
     lengths and the request-table `rows` are in that order (`in_order`);
-    without one, `rows` is None: the step's own device rows."""
+    without one, `rows` is None: the step's own device rows. `groups`: the
+    step's prefix groups, if it reads shared prefixes once."""
     seq_lens: torch.Tensor
     qo_indptr: torch.Tensor
     max_q_len: int
     order: torch.Tensor | None
     rows: torch.Tensor | None
+    groups: GroupMetadata | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
     needs_device_table = True
     supports_cuda_graph = True
     orders_decode = True  # decode steps start their longest sequences first (with LONGEST_FIRST)
+    shares_prefixes = True  # decode steps read a shared prefix once a group (with GROUPS and the order)
 
     def __init__(self, shape: AttentionShape, **_):
         self.shape = shape
         self.one_seq = one_seq_shape(shape)
+        # sequences a prefix program takes; 0: no groups
+        self.members = members_per_group(shape.num_heads // shape.num_kv_heads) if GROUPS and self.shares_prefixes else 0
+        self.sms = (torch.cuda.get_device_properties(shape.device).multi_processor_count
+                    if shape.device.type == "cuda" else 132)
+
+    def _groups(self, shares: tuple | None, rows: np.ndarray) -> PrefixGroups | None:
+        """The step's prefix groups from the plan's (share_keys, share_lens), or None."""
+        if not self.members or shares is None or shares[0] is None:
+            return None
+        pg = prefix_groups(shares[0], shares[1], rows, self.members)
+        return pg if pg.count else None
+
+    def _chunks(self, groups: int) -> int:
+        return prefix_chunks(groups, self.shape.num_kv_heads, self.sms)
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         if takes_one_seq(self.one_seq, fb):
@@ -61,17 +95,37 @@ class TritonAttentionBackend(AttentionBackend):
             dev = torch.from_numpy(np.concatenate([lens, qo_indptr])).to(self.shape.device, non_blocking=True)
             fb.attn_metadata = TritonMetadata(dev[:b], dev[b:], max_q, None, None)
             return
-        order = longest_first(lens)
-        dev = torch.from_numpy(np.concatenate([*in_order(order, lens, fb.rows), order, qo_indptr]))
-        dev = dev.to(self.shape.device, non_blocking=True)
-        fb.attn_metadata = TritonMetadata(dev[:b], dev[3 * b:], max_q, dev[2 * b: 3 * b], dev[b: 2 * b])
+        pg = self._groups((fb.share_keys, fb.share_lens), fb.rows)
+        lo = pg.lo if pg is not None else np.zeros(b, dtype=np.int32)
+        order = longest_first(lens - lo)  # by the keys each program walks
+        parts = [*in_order(order, lens, fb.rows), order, qo_indptr]
+        if pg is not None:
+            parts += [*in_order(order, lo), pg.rows, pg.lens, pg.members.ravel()]
+        dev = torch.from_numpy(np.concatenate(parts)).to(self.shape.device, non_blocking=True)
+        groups = None
+        if pg is not None:
+            at, g = 4 * b + 1, pg.count
+            groups = GroupMetadata(dev[at: at + b], dev[at + b: at + b + g], dev[at + b + g: at + b + 2 * g],
+                                   dev[at + b + 2 * g:].view(g, -1), self._chunks(g))
+        fb.attn_metadata = TritonMetadata(dev[:b], dev[3 * b: 4 * b + 1], max_q, dev[2 * b: 3 * b], dev[b: 2 * b],
+                                          groups)
 
     # ---- captured decode steps: the kernels read lengths, rows and order from static buffers --
+    def _graph_ints(self, bs: int) -> int:
+        """int32 entries of a graph's step block: lengths, request-table rows,
+        the order; with groups, each sequence's `lo`, then room for bs // 2
+        groups (rows, lengths, members)."""
+        return 3 * bs + (bs + (bs // 2) * (2 + self.members) if self._graph_groups(bs) else 0)
+
+    def _graph_groups(self, bs: int) -> bool:
+        return bool(self.members) and bs >= 2 and LONGEST_FIRST and self.orders_decode
+
     def init_graph_buffers(self, max_bs: int, max_context: int) -> None:
         dev = self.shape.device
         # A graph of `bs` rows reads its lengths at [0, bs) and, ordered, its request-table rows at [bs, 2 bs)
-        # and the order at [2 bs, 3 bs): one copy fills them.
-        self.step_buf = torch.ones(3 * max_bs, dtype=torch.int32, device=dev)
+        # and the order at [2 bs, 3 bs), then its groups (`_graph_ints`): one copy fills them.
+        self.step_buf = torch.ones(max(self._graph_ints(b) for b in range(1, max_bs + 1)), dtype=torch.int32,
+                                   device=dev)
         self.qo_indptr_buf = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
 
     def graph_metadata(self, bs: int, fb: "ForwardBatch"):
@@ -81,25 +135,47 @@ class TritonAttentionBackend(AttentionBackend):
         if not (LONGEST_FIRST and self.orders_decode):
             return TritonMetadata(lens, qo_indptr, 1, None, None)
         rows, order = self.step_buf[bs: 2 * bs], self.step_buf[2 * bs: 3 * bs]
-        # until the first replay writes them: the captured batch's rows, in row order
+        # until the first replay writes them: the captured batch's rows, in row order, and no groups
         rows.copy_(fb.rows_device[:bs])
         order.copy_(torch.arange(bs, dtype=torch.int32, device=order.device))
-        return TritonMetadata(lens, qo_indptr, 1, order, rows)
+        groups = None
+        if self._graph_groups(bs):
+            gc, at = bs // 2, 4 * bs
+            block = self.step_buf[3 * bs: self._graph_ints(bs)]
+            block[: bs + 2 * gc].zero_()
+            block[bs + 2 * gc:].fill_(-1)
+            groups = GroupMetadata(block[:bs], block[bs: bs + gc], block[bs + gc: bs + 2 * gc],
+                                   self.step_buf[at + 2 * gc: self._graph_ints(bs)].view(gc, -1),
+                                   self._chunks(max(1, bs // 8)))  # groups of 8 assumed (GRPO's n)
+        return TritonMetadata(lens, qo_indptr, 1, order, rows, groups)
 
     def prepare_replay(self, bs: int, bucket: int, seq_lens: np.ndarray, rows: np.ndarray,
-                       fb: "ForwardBatch") -> None:
+                       fb: "ForwardBatch", shares: tuple | None = None) -> None:
         if fb.attn_metadata is ONE_SEQ:  # the kernel reads the length on the device
             return
         # Padding rows attend over one token (row 0's first slot) and are discarded.
         lens = np.ones(bucket, dtype=np.int32)
         lens[:bs] = seq_lens
-        if fb.attn_metadata.order is None:
+        meta = fb.attn_metadata
+        if meta.order is None:
             host = lens
         else:
             all_rows = np.zeros(bucket, dtype=np.int64)
             all_rows[:bs] = rows
-            order = longest_first(lens)
-            host = np.concatenate([*in_order(order, lens, all_rows), order])
+            lo = np.zeros(bucket, dtype=np.int32)
+            pg = self._groups(shares, rows) if meta.groups is not None else None
+            if pg is not None:
+                lo[:bs] = pg.lo
+            order = longest_first(lens - lo)
+            parts = [*in_order(order, lens, all_rows), order]
+            if meta.groups is not None:  # every group place written: those past the step's groups empty
+                gc = bucket // 2
+                g_rows, g_lens = np.zeros(gc, np.int32), np.zeros(gc, np.int32)
+                members = np.full((gc, self.members), -1, np.int32)
+                if pg is not None:
+                    g_rows[: pg.count], g_lens[: pg.count], members[: pg.count] = pg.rows, pg.lens, pg.members
+                parts += [*in_order(order, lo), g_rows, g_lens, members.ravel()]
+            host = np.concatenate(parts)
         self.step_buf[: host.size].copy_(torch.from_numpy(host).to(self.shape.device, non_blocking=True))
 
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
@@ -111,6 +187,15 @@ class TritonAttentionBackend(AttentionBackend):
         table = fb.table.tensor
         if fb.is_decode:
             rows = fb.rows_device if meta.order is None else meta.rows
-            return decode_attention(q, k_cache, v_cache, table, rows, meta.seq_lens, layer.scaling, meta.order)
+            prefix = None
+            if meta.groups is not None:
+                from rollout_engine.kernels.group_attention import prefix_attention
+
+                g = meta.groups
+                part, ml = prefix_attention(q, k_cache, v_cache, table, g.rows, g.lens, g.members, layer.scaling,
+                                            g.chunks, q.shape[0])
+                prefix = (g.lo, part, ml)
+            return decode_attention(q, k_cache, v_cache, table, rows, meta.seq_lens, layer.scaling, meta.order,
+                                    prefix)
         return extend_attention(q, k_cache, v_cache, table, fb.rows_device, meta.seq_lens, meta.qo_indptr,
                                 meta.max_q_len, layer.scaling)

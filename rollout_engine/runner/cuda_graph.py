@@ -211,7 +211,8 @@ class CudaGraphRunner:
         inp.fill(plan, sampling)
         if input_ids is not None:
             inp.input_ids[:bs].copy_(input_ids)
-        self.backend.prepare_replay(bs, bucket, plan.seq_lens, plan.rows, self.batches[bucket])
+        self.backend.prepare_replay(bs, bucket, plan.seq_lens, plan.rows, self.batches[bucket],
+                                    (plan.share_keys, plan.share_lens))
         self.graphs[bucket].replay()
         return bucket
 

@@ -82,7 +82,23 @@ def build_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None = No
         logit_rows=i64(logit_rows), sample_rows=i64(sample_rows), prompt_rows=i64(prompt_rows),
         prompt_targets=i64(targets), sampling=_sampling(index.sample_reqs),
         is_decode=batch.is_decode, prompt_sampling=_prompt_sampling(prompt_reqs))
+    if batch.is_decode:
+        plan.share_keys, plan.share_lens = shared_prefixes([s.req for s in batch.seqs])
     return plan, index
+
+
+def shared_prefixes(reqs: list[Request]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The plan's `share_keys` and `share_lens` for these sequences: those
+    holding the same prefix-cache node hold the same KV slots over the
+    tokens it covers (their table rows start with the node's path); (None,
+    None) when no two hold the same node."""
+    nodes = [id(r.cache_node) if r.cache_node is not None else -1 for r in reqs]
+    held = [n for n in nodes if n != -1]
+    if len(set(held)) == len(held):
+        return None, None
+    return (np.array(nodes, dtype=np.int64),
+            np.fromiter((r.locked_len if r.cache_node is not None else 0 for r in reqs), dtype=np.int64,
+                        count=len(reqs)))
 
 
 def _prev_rows(batch: Batch, prev: PlanIndex | None) -> np.ndarray | None:
@@ -123,6 +139,7 @@ def _decode_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None) -
         extend_lens=np.ones(n, dtype=i64), seq_lens=positions + 1, rows=np.array(rows, dtype=i64),
         prev_rows=_prev_rows(batch, prev), table_writes=table.drain_writes(), logit_rows=every, sample_rows=every,
         prompt_rows=empty, prompt_targets=empty, sampling=_sampling(reqs), is_decode=True)
+    plan.share_keys, plan.share_lens = shared_prefixes(reqs)
     return plan, PlanIndex(sample_seq=list(range(n)), sample_reqs=reqs)
 
 
