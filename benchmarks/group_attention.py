@@ -126,6 +126,14 @@ def run(model: str, batch: int, group: int, prompt: int, own_max: int, page: int
     return row
 
 
+def tile(text: str) -> tuple[int, int, int]:
+    """keys-per-block,warps,stages, each a positive integer."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"a prefix tile is keys-per-block,warps,stages (three positive integers), got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = ScriptParser("group_attention.py", __doc__)
     p.add_argument("--model", default="qwen2.5-7b", choices=sorted(PRESETS), help="the head layout of this preset")
@@ -136,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--layers", type=positive_int, default=8, help="calls a graph replays")
     p.add_argument("--chunks", type=positive_int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--prefix-tiles", nargs="+", default=[],
+    p.add_argument("--prefix-tiles", nargs="+", type=tile, default=[],
                    help="prefix launch shapes to try, each keys-per-block,warps,stages (default: the module's)")
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_args(argv)
@@ -144,9 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     from rollout_engine.kernels import group_attention
 
-    for tile in args.prefix_tiles or [None]:
-        if tile is not None:
-            group_attention.BLOCK_N, group_attention.WARPS, group_attention.STAGES = map(int, tile.split(","))
+    for shape in args.prefix_tiles or [None]:
+        if shape is not None:
+            group_attention.BLOCK_N, group_attention.WARPS, group_attention.STAGES = shape
         for bs in args.batch_sizes:
             r = run(args.model, bs, args.group, args.prompt, args.own_max, args.page_size, args.layers, args.chunks)
             r["prefix_tile"] = [group_attention.BLOCK_N, group_attention.WARPS, group_attention.STAGES]
@@ -158,4 +166,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_script(main)
+    raise SystemExit(run_script(main))
