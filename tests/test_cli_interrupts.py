@@ -112,7 +112,10 @@ def test_ctrl_c_during_generate_prints_the_samples_so_far(llama, capsys):
     assert captured.err.strip().splitlines()[-1] == "rollout-engine: error: interrupted"
     assert "Traceback" not in captured.err
     assert "128 samples" in captured.out and captured.out.count("--- [") == 128
-    assert "finish=abort" in captured.out and "500 tokens, finish=length" not in captured.out
+    # Samples done before the Ctrl-C (a fast machine finishes a few) print whole, the others as far as they got.
+    lines = [ln for ln in captured.out.splitlines() if ", finish=" in ln]
+    assert len(lines) == 128 and any("finish=abort" in ln for ln in lines)
+    assert all(("finish=abort" in ln) != ln.lstrip().startswith("500 tokens, finish=length") for ln in lines), lines
 
 
 def test_a_ctrl_c_during_the_engines_shutdown_lets_it_finish(llama, capsys):
