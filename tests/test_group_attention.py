@@ -179,7 +179,7 @@ def test_backends_that_must_not_group():
     assert be.members == 0 and fb.attn_metadata.groups is None
 
 
-def _case(hq, hk, d, groups, alone, dtype, seed):
+def _case(hq, hk, d, groups, alone, dtype, seed, e4m3=False):
     """Sequences of `groups` ((members, shared tokens), each member with
     1-150 own tokens) and `alone` (lengths) in a shuffled batch; slots
     scattered. Returns q, k, v, table, table rows, lengths, keys, shared."""
@@ -188,6 +188,8 @@ def _case(hq, hk, d, groups, alone, dtype, seed):
     slots = 8192
     k = torch.randn(slots, hk, d, generator=g).to(dtype)
     v = torch.randn(slots, hk, d, generator=g).to(dtype)
+    if e4m3:  # bf16 queries over an e4m3 cache: both launches multiply in fp16
+        k, v = (x.mul(3).clamp(-448, 448).to(torch.float8_e4m3fn) for x in (k, v))
     free = (torch.randperm(slots - 1, generator=g) + 1).tolist()
     seqs, keys, shared = [], [], []
     for gi, (n, length) in enumerate(groups):
@@ -211,13 +213,15 @@ def _case(hq, hk, d, groups, alone, dtype, seed):
 
 
 @interpreted
-@pytest.mark.parametrize("hq,hk,chunks", [(8, 2, 1), (8, 2, 4), (14, 2, 2), (4, 4, 8), (6, 2, 2)])
-def test_interpreted_kernel_pair_matches_reference(hq, hk, chunks):
+@pytest.mark.parametrize("hq,hk,chunks,e4m3", [(8, 2, 1, False), (8, 2, 4, False), (14, 2, 2, False),
+                                               (4, 4, 8, False), (6, 2, 2, False), (8, 2, 2, True)])
+def test_interpreted_kernel_pair_matches_reference(hq, hk, chunks, e4m3):
     from rollout_engine.kernels.attention import decode_attention, in_order, longest_first, paged_attention_ref
     from rollout_engine.kernels.group_attention import prefix_attention
 
     q, k, v, table, rows, lens, keys, shared = _case(hq, hk, 16, [(6, 300), (2, 140), (3, 128)], [40, 200],
-                                                     torch.float32, seed=hq + chunks)
+                                                     torch.bfloat16 if e4m3 else torch.float32, seed=hq + chunks,
+                                                     e4m3=e4m3)
     pg = prefix_groups(keys, shared, rows, min(members_per_group(hq // hk), 4))  # 6 members: two programs
     assert pg.count == 4 and pg.lens.tolist().count(256) == 2
     i32 = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int32))  # noqa: E731
@@ -225,6 +229,12 @@ def test_interpreted_kernel_pair_matches_reference(hq, hk, chunks):
     order = longest_first(lens - pg.lo)
     r, n, lo = in_order(order, rows, lens, pg.lo)
     out = decode_attention(q, k, v, table, i32(r), i32(n), 0.25, i32(order), prefix=(i32(lo), part, ml))
-    ref = paged_attention_ref(q, k, v, table, rows.tolist(), lens.tolist(), [1] * len(lens), 0.25)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    ref = paged_attention_ref(q.float(), k.float(), v.float(), table, rows.tolist(), lens.tolist(), [1] * len(lens),
+                              0.25)
+    if e4m3:  # against the batch kernel alone too: the same fp16 products, another order of the sums
+        plain = decode_attention(q, k, v, table, i32(rows), i32(lens), 0.25)
+        torch.testing.assert_close(out.float(), plain.float(), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(out.float(), ref, atol=4e-2, rtol=1e-2)
+    else:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     assert ALIGN % 32 == 0  # the batch kernel's own walk starts on a block of any of its tiles

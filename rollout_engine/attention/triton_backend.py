@@ -69,8 +69,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.one_seq = one_seq_shape(shape)
         # sequences a prefix program takes; 0: no groups
         self.members = members_per_group(shape.num_heads // shape.num_kv_heads) if GROUPS and self.shares_prefixes else 0
-        self.sms = (torch.cuda.get_device_properties(shape.device).multi_processor_count
-                    if shape.device.type == "cuda" else 132)
+        self._sms: int | None = None  # the device's multiprocessors, read when groups first need them
 
     def _groups(self, shares: tuple | None, rows: np.ndarray) -> PrefixGroups | None:
         """The step's prefix groups from the plan's (share_keys, share_lens), or None."""
@@ -80,7 +79,10 @@ class TritonAttentionBackend(AttentionBackend):
         return pg if pg.count else None
 
     def _chunks(self, groups: int) -> int:
-        return prefix_chunks(groups, self.shape.num_kv_heads, self.sms)
+        if self._sms is None:
+            cuda = self.shape.device.type == "cuda" and torch.cuda.is_available()
+            self._sms = torch.cuda.get_device_properties(self.shape.device).multi_processor_count if cuda else 132
+        return prefix_chunks(groups, self.shape.num_kv_heads, self._sms)
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         if takes_one_seq(self.one_seq, fb):
