@@ -160,6 +160,7 @@ def test_differential_stress_shared_prompts(model, reference, backend, page_size
     split = backend != "triton"
     monkeypatch.setattr(flashinfer_backend, "TRITON_DECODE_BF16_MIN_ROWS", 2)
     monkeypatch.setattr(flashinfer_backend, "TRITON_DECODE_BF16_MIN_GROUP", 1)
+    monkeypatch.setattr(triton_backend, "GROUPS", True)
     made = []
     group = triton_backend.prefix_groups
     monkeypatch.setattr(triton_backend, "prefix_groups", lambda *a, **k: made.append(group(*a, **k)) or made[-1])

@@ -123,9 +123,11 @@ def _decode_step(lens, rows, keys=None, shared=None):
 
 
 def test_triton_backend_step_blocks_carry_the_groups(monkeypatch):
+    from rollout_engine.attention import triton_backend
     from rollout_engine.attention.base import AttentionShape
     from rollout_engine.attention.triton_backend import TritonAttentionBackend
 
+    monkeypatch.setattr(triton_backend, "GROUPS", True)
     be = TritonAttentionBackend(AttentionShape(8, 2, 16, 1, torch.float32, torch.device("cpu")))
     assert be.members == 16
     lens, rows = [300, 420, 290, 150], [7, 3, 9, 4]
@@ -161,19 +163,16 @@ def test_triton_backend_step_blocks_carry_the_groups(monkeypatch):
     assert g.lens.tolist() == [0] * 4 and g.lo.tolist() == [0] * 8
 
 
-def test_backends_that_must_not_group():
+def test_backends_that_must_not_group(monkeypatch):
     from rollout_engine.attention import triton_backend
     from rollout_engine.attention.base import AttentionShape
     from rollout_engine.attention.invariant_backend import BatchInvariantTritonBackend
 
     shape = AttentionShape(8, 2, 16, 1, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(triton_backend, "GROUPS", True)
     assert BatchInvariantTritonBackend(shape).members == 0  # bits must not depend on the batch
-    prior = triton_backend.GROUPS
-    triton_backend.GROUPS = False
-    try:
-        be = triton_backend.TritonAttentionBackend(shape)
-    finally:
-        triton_backend.GROUPS = prior
+    monkeypatch.setattr(triton_backend, "GROUPS", False)  # the switch off: every sequence its whole context
+    be = triton_backend.TritonAttentionBackend(shape)
     fb = _decode_step([300, 300], [1, 2], keys=[4, 4], shared=[300, 300])
     be.init_forward_metadata(fb)
     assert be.members == 0 and fb.attn_metadata.groups is None

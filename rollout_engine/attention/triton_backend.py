@@ -29,9 +29,11 @@ if TYPE_CHECKING:
 LONGEST_FIRST = True
 # Decode steps whose sequences hold the same prefix (the plan's share_keys: the
 # n samples of a prompt) read its keys once a group (`kernels.group_attention`),
-# where the steps are ordered. Read when the backend is built (A/B runs set it
-# before).
-GROUPS = True
+# where the steps are ordered. Off until an engine run measures it: the kernels
+# alone are 6-19% faster with groups of 8 and cost steps without groups up to
+# 10% in their first version (BENCHMARKS.md, "Shared prompts read once a
+# group"). Read when the backend is built (A/B runs set it before).
+GROUPS = False
 
 
 class GroupMetadata(NamedTuple):
