@@ -8,6 +8,7 @@ Triton's interpreter (TRITON_INTERPRET=1 where Triton is installed). The
 engine on the GPU: tests/test_gpu_differential.py."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from types import SimpleNamespace
@@ -85,8 +86,10 @@ def test_share_keys_name_sequences_holding_the_same_slots(llama, page_size):
     # a pool tight enough for retractions; chunks smaller than the prompts
     engine = RolloutEngine(folder, device="cpu", max_total_tokens=800, max_prefill_tokens=96, page_size=page_size)
     sched = engine.core.scheduler
+    assert not sched.cfg.share_prefixes  # the torch backend reads no prefix once: its plans name none
     checker = PlanChecker(sched.runner, sched.kv.table)
     engine.core.call(lambda: setattr(sched, "runner", checker))
+    engine.core.call(lambda: setattr(sched, "cfg", dataclasses.replace(sched.cfg, share_prefixes=True)))
     rng = np.random.default_rng(page_size)
     prompts = [rng.integers(5, 500, size=int(rng.integers(140, 260))).tolist() for _ in range(3)]
     params = SamplingParams(n=6, temperature=1.0, seed=1, max_new_tokens=40, ignore_eos=True)
@@ -104,6 +107,7 @@ def test_no_share_keys_without_the_prefix_cache(llama):
     _, folder = llama
     engine = RolloutEngine(folder, device="cpu", max_total_tokens=4096, enable_prefix_cache=False)
     sched = engine.core.scheduler
+    engine.core.call(lambda: setattr(sched, "cfg", dataclasses.replace(sched.cfg, share_prefixes=True)))
     seen = []
     inner = sched.runner
     spy = SimpleNamespace(launch=lambda plan, prev=None: seen.append(plan.share_keys) or inner.launch(plan, prev),
@@ -129,7 +133,7 @@ def test_triton_backend_step_blocks_carry_the_groups(monkeypatch):
 
     monkeypatch.setattr(triton_backend, "GROUPS", True)
     be = TritonAttentionBackend(AttentionShape(8, 2, 16, 1, torch.float32, torch.device("cpu")))
-    assert be.members == 16
+    assert be.members == 16 and be.reads_shared_prefixes
     lens, rows = [300, 420, 290, 150], [7, 3, 9, 4]
     fb = _decode_step(lens, rows, keys=[1, 1, -1, 1], shared=[280, 280, 0, 280])
     be.init_forward_metadata(fb)
@@ -175,7 +179,7 @@ def test_backends_that_must_not_group(monkeypatch):
     be = triton_backend.TritonAttentionBackend(shape)
     fb = _decode_step([300, 300], [1, 2], keys=[4, 4], shared=[300, 300])
     be.init_forward_metadata(fb)
-    assert be.members == 0 and fb.attn_metadata.groups is None
+    assert be.members == 0 and not be.reads_shared_prefixes and fb.attn_metadata.groups is None
 
 
 def _case(hq, hk, d, groups, alone, dtype, seed, e4m3=False):

@@ -54,6 +54,9 @@ class AttentionShape:
 class AttentionBackend(ABC):
     needs_device_table = False
     supports_cuda_graph = False
+    # Whether decode steps read a prefix that sequences share once (the
+    # plans then carry `StepPlan.share_keys`).
+    reads_shared_prefixes = False
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         pass

@@ -113,6 +113,11 @@ class FlashInferAttentionBackend(AttentionBackend):
 
             self.triton_decode = TritonAttentionBackend(shape)
 
+    @property
+    def reads_shared_prefixes(self) -> bool:
+        """Its decode steps sent to the Triton kernel read shared prefixes once (`GROUPS`)."""
+        return self.triton_decode is not None and self.triton_decode.reads_shared_prefixes
+
     def delegates(self, batch: int) -> bool:
         """Whether a decode step of `batch` rows goes to the Triton kernel."""
         return self.triton_rows is not None and batch >= self.triton_rows

@@ -73,6 +73,10 @@ class TritonAttentionBackend(AttentionBackend):
         self.members = members_per_group(shape.num_heads // shape.num_kv_heads) if GROUPS and self.shares_prefixes else 0
         self._sms: int | None = None  # the device's multiprocessors, read when groups first need them
 
+    @property
+    def reads_shared_prefixes(self) -> bool:
+        return bool(self.members)
+
     def _groups(self, shares: tuple | None, rows: np.ndarray) -> PrefixGroups | None:
         """The step's prefix groups from the plan's (share_keys, share_lens), or None."""
         if not self.members or shares is None or shares[0] is None:

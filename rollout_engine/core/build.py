@@ -166,7 +166,8 @@ def build_parts(cfg: EngineConfig, comm: TPComm | None = None, channel: TPChanne
     mc = model.config
     stop = StopChecker(mc.eos_token_ids or tokenizer_eos_ids(tokenizer), mc.max_position, tokenizer)
     scheduler = Scheduler(SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens,
-                                          overlap=cfg.overlap_schedule),
+                                          overlap=cfg.overlap_schedule,
+                                          share_prefixes=runner.backend.reads_shared_prefixes),
                           KVManager(allocator, table, prefix_cache),
                           runner if channel is None else TPStepRunner(runner, channel), stop)
     loader = WeightLoader(model)

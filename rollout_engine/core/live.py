@@ -5,7 +5,6 @@ shutdown(), so that the next engine's build finds its memory given back
 from __future__ import annotations
 
 import gc
-import threading
 import weakref
 from typing import Any, Protocol
 

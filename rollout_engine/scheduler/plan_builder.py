@@ -36,11 +36,13 @@ class PlanIndex:
     prompt: list[tuple[int, int]] = field(default_factory=list)  # (batch index, number of prompt rows)
 
 
-def build_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None = None) -> tuple[StepPlan, PlanIndex]:
+def build_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None = None,
+               shares: bool = False) -> tuple[StepPlan, PlanIndex]:
     """The plan of `batch`. With `prev` (the plan of the step still running
     when `batch` was scheduled), the requests that sample in `prev` take the
-    tokens `prev` is sampling as their inputs."""
-    fast = _decode_plan(batch, table, prev)
+    tokens `prev` is sampling as their inputs. `shares`: a decode plan names
+    the sequences holding the same prefix (`shared_prefixes`)."""
+    fast = _decode_plan(batch, table, prev, shares)
     if fast is not None:
         return fast
     index = PlanIndex()
@@ -82,7 +84,7 @@ def build_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None = No
         logit_rows=i64(logit_rows), sample_rows=i64(sample_rows), prompt_rows=i64(prompt_rows),
         prompt_targets=i64(targets), sampling=_sampling(index.sample_reqs),
         is_decode=batch.is_decode, prompt_sampling=_prompt_sampling(prompt_reqs))
-    if batch.is_decode:
+    if shares and batch.is_decode:
         plan.share_keys, plan.share_lens = shared_prefixes([s.req for s in batch.seqs])
     return plan, index
 
@@ -112,7 +114,8 @@ def _prev_rows(batch: Batch, prev: PlanIndex | None) -> np.ndarray | None:
     return rows if (rows >= 0).any() else None
 
 
-def _decode_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None) -> tuple[StepPlan, PlanIndex] | None:
+def _decode_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None,
+                 shares: bool = False) -> tuple[StepPlan, PlanIndex] | None:
     """`build_plan` for the common step, in one pass over the batch: every
     sequence extends by one token and samples the next (no prompt rows, no
     fork siblings). None for any other batch."""
@@ -139,7 +142,8 @@ def _decode_plan(batch: Batch, table: ReqToTokenTable, prev: PlanIndex | None) -
         extend_lens=np.ones(n, dtype=i64), seq_lens=positions + 1, rows=np.array(rows, dtype=i64),
         prev_rows=_prev_rows(batch, prev), table_writes=table.drain_writes(), logit_rows=every, sample_rows=every,
         prompt_rows=empty, prompt_targets=empty, sampling=_sampling(reqs), is_decode=True)
-    plan.share_keys, plan.share_lens = shared_prefixes(reqs)
+    if shares:
+        plan.share_keys, plan.share_lens = shared_prefixes(reqs)
     return plan, PlanIndex(sample_seq=list(range(n)), sample_reqs=reqs)
 
 

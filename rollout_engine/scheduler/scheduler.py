@@ -37,6 +37,10 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.002
     # Schedule step N+1 while step N runs on the device.
     overlap: bool = True
+    # Decode plans name the sequences that hold the same prefix-cache node
+    # (StepPlan.share_keys): on where the attention backend reads a shared
+    # prefix once (`AttentionBackend.reads_shared_prefixes`).
+    share_prefixes: bool = False
 
 
 class Scheduler:
@@ -154,7 +158,8 @@ class Scheduler:
         return finished
 
     def _launch(self, batch: Batch, prev: tuple[Batch, PlanIndex, Any] | None = None) -> tuple[Batch, PlanIndex, Any]:
-        plan, index = build_plan(batch, self.kv.table, prev[1] if prev is not None else None)
+        plan, index = build_plan(batch, self.kv.table, prev[1] if prev is not None else None,
+                                 self.cfg.share_prefixes)
         self.routes.send()  # before a step that may reuse the slots they were read from
         return batch, index, self.runner.launch(plan, prev[2] if prev is not None else None)
 
