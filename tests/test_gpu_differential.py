@@ -165,7 +165,8 @@ def test_differential_stress_shared_prompts(model, reference, backend, page_size
     group = triton_backend.prefix_groups
     monkeypatch.setattr(triton_backend, "prefix_groups", lambda *a, **k: made.append(group(*a, **k)) or made[-1])
     long = [sum((prompts[(i + j) % len(prompts)] for j in range(8)), []) for i in range(6)]
-    engine = RolloutEngine(folder, device="cuda", dtype="bfloat16", attention_backend="flashinfer" if split else backend,
+    engine = RolloutEngine(folder, device="cuda", dtype="bfloat16",
+                           attention_backend="flashinfer" if split else backend,
                            page_size=page_size, max_total_tokens=2560, max_prefill_tokens=512,
                            cuda_graph_max_batch_size=16, max_running_requests=64)
     gen = WorkloadGenerator(seed=20 + page_size, token_range=token_range, base_prompts=long, max_prompt_len=400,

@@ -15,7 +15,8 @@ import torch
 from rollout_engine.attention.base import AttentionBackend, AttentionShape
 from rollout_engine.attention.one_seq import ONE_SEQ, one_seq, one_seq_shape, takes_one_seq
 from rollout_engine.kernels.attention import decode_attention, extend_attention, in_order, longest_first
-from rollout_engine.kernels.group_attention import PrefixGroups, members_per_group, prefix_chunks, prefix_groups
+from rollout_engine.kernels.group_attention import (PrefixGroups, members_per_group, prefix_attention, prefix_chunks,
+                                                    prefix_groups)
 
 if TYPE_CHECKING:
     from rollout_engine.layers.attention import PagedAttention
@@ -70,7 +71,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.shape = shape
         self.one_seq = one_seq_shape(shape)
         # sequences a prefix program takes; 0: no groups
-        self.members = members_per_group(shape.num_heads // shape.num_kv_heads) if GROUPS and self.shares_prefixes else 0
+        group = shape.num_heads // shape.num_kv_heads
+        self.members = members_per_group(group) if GROUPS and self.shares_prefixes else 0
         self._sms: int | None = None  # the device's multiprocessors, read when groups first need them
 
     @property
@@ -197,8 +199,6 @@ class TritonAttentionBackend(AttentionBackend):
             rows = fb.rows_device if meta.order is None else meta.rows
             prefix = None
             if meta.groups is not None:
-                from rollout_engine.kernels.group_attention import prefix_attention
-
                 g = meta.groups
                 part, ml = prefix_attention(q, k_cache, v_cache, table, g.rows, g.lens, g.members, layer.scaling,
                                             g.chunks, q.shape[0])
