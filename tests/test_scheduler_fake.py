@@ -10,7 +10,8 @@ from rollout_engine.request import Request
 from rollout_engine.sampling_params import SamplingParams
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.plan import StepOutput
-from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from rollout_engine.scheduler.config import SchedulerConfig
+from rollout_engine.scheduler.scheduler import Scheduler
 from rollout_engine.scheduler.stop import StopChecker
 
 

@@ -37,7 +37,8 @@ from rollout_engine.core.live import release_dropped_engines
 from rollout_engine.runner.device_lock import DEVICE_WIDE
 from rollout_engine.runner.model_runner import ModelRunner
 from rollout_engine.scheduler.kv_manager import KVManager
-from rollout_engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from rollout_engine.scheduler.config import SchedulerConfig
+from rollout_engine.scheduler.scheduler import Scheduler
 from rollout_engine.scheduler.stop import StopChecker
 from rollout_engine.tokenizer import check_tokenizer_fits, load_tokenizer, tokenizer_eos_ids
 from rollout_engine.validation import ROUTING_OFF, Limits

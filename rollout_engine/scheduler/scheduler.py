@@ -13,34 +13,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from rollout_engine.plan import StepRunner
 from rollout_engine.request import PLACEHOLDER, Request
 from rollout_engine.scheduler.batch import Batch, ScheduledSeq
+from rollout_engine.scheduler.config import SchedulerConfig
 from rollout_engine.scheduler.kv_manager import KVManager
 from rollout_engine.scheduler.plan_builder import PlanIndex, SeqResult, build_plan, seq_results
 from rollout_engine.scheduler.routes_keeper import RoutesKeeper, sends_routes
 from rollout_engine.scheduler.stats import StepStats
 from rollout_engine.scheduler.stop import StopChecker
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_running_requests: int
-    max_prefill_tokens: int
-    # Admission keeps room for this share of the running requests' remaining
-    # new tokens; it rises to 1 after a retraction and decays back.
-    init_new_token_ratio: float = 0.5
-    min_new_token_ratio: float = 0.1
-    new_token_ratio_decay: float = 0.002
-    # Schedule step N+1 while step N runs on the device.
-    overlap: bool = True
-    # Decode plans name the sequences that hold the same prefix-cache node
-    # (StepPlan.share_keys): on where the attention backend reads a shared
-    # prefix once (`AttentionBackend.reads_shared_prefixes`).
-    share_prefixes: bool = False
 
 
 class Scheduler:
