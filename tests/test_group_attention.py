@@ -241,3 +241,66 @@ def test_interpreted_kernel_pair_matches_reference(hq, hk, chunks, e4m3):
     else:
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     assert ALIGN % 32 == 0  # the batch kernel's own walk starts on a block of any of its tiles
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("hq,hk,e4m3", [(28, 4, False), (32, 8, False), (16, 8, False), (28, 4, True)])
+def test_gpu_kernel_pair_replayed_over_other_groups(hq, hk, e4m3):
+    """The pair captured once in a CUDA graph with room for batch // 2
+    groups (as a decode graph holds them), then replayed over other groups,
+    lengths and rows, and over none: each replay matches the reference."""
+    from rollout_engine.kernels.attention import decode_attention, in_order, longest_first, paged_attention_ref
+    from rollout_engine.kernels.group_attention import prefix_attention
+
+    dev = torch.device("cuda")
+    width = members_per_group(hq // hk)
+    cases = [_case(hq, hk, 128, groups, alone, torch.bfloat16, seed=s, e4m3=e4m3)
+             for s, (groups, alone) in enumerate([([(8, 640), (8, 300), (3, 129)], [50, 700]),
+                                                  ([(4, 1000), (2, 128)], [900, 3, 5, 60]),
+                                                  ([], [100] * 12)])]
+    bs = max(len(c[5]) for c in cases)
+    gc = bs // 2
+    slots = max(c[1].shape[0] for c in cases)
+    k = torch.zeros(slots, hk, 128, dtype=cases[0][1].dtype, device=dev)
+    v = torch.zeros_like(k)
+    table = torch.zeros(bs + 1, max(c[3].shape[1] for c in cases), dtype=torch.int32, device=dev)
+    q = torch.zeros(bs, hq, 128, dtype=torch.bfloat16, device=dev)
+    ints = torch.zeros(4 * bs + gc * (2 + width), dtype=torch.int32, device=dev)
+    lens, rows, order, lo = (ints[i * bs: (i + 1) * bs] for i in range(4))
+    g_rows, g_lens = ints[4 * bs: 4 * bs + gc], ints[4 * bs + gc: 4 * bs + 2 * gc]
+    members = ints[4 * bs + 2 * gc:].view(gc, width)
+
+    def step():
+        part, ml = prefix_attention(q, k, v, table, g_rows, g_lens, members, 128 ** -0.5, 2, bs)
+        return decode_attention(q, k, v, table, rows, lens, 128 ** -0.5, order, prefix=(lo, part, ml))
+
+    ints.fill_(0)
+    lens.fill_(1)
+    order.copy_(torch.arange(bs))
+    members.fill_(-1)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for cq, ck, cv, ct, crows, clens, keys, shared in cases:
+        b = len(clens)
+        for x in (k, v, table, q):
+            x.view(torch.uint8).zero_()  # (an e4m3 cache too)
+        k[: ck.shape[0]].copy_(ck)
+        v[: cv.shape[0]].copy_(cv)
+        table[: ct.shape[0], : ct.shape[1]].copy_(ct)
+        q[:b].copy_(cq)
+        pg = prefix_groups(keys, shared, crows, width)
+        all_lens, all_rows, all_lo = np.ones(bs, np.int32), np.zeros(bs, np.int64), np.zeros(bs, np.int32)
+        all_lens[:b], all_rows[:b], all_lo[:b] = clens, crows, pg.lo
+        o = longest_first(all_lens - all_lo)
+        gr, gl, gm = np.zeros(gc, np.int32), np.zeros(gc, np.int32), np.full((gc, width), -1, np.int32)
+        gr[: pg.count], gl[: pg.count], gm[: pg.count] = pg.rows, pg.lens, pg.members
+        host = np.concatenate([*in_order(o, all_lens, all_rows), o, *in_order(o, all_lo), gr, gl, gm.ravel()])
+        ints.copy_(torch.from_numpy(host))
+        graph.replay()
+        ref = paged_attention_ref(cq.float(), ck.float(), cv.float(), ct, crows.tolist(), clens.tolist(), [1] * b,
+                                  128 ** -0.5)
+        torch.testing.assert_close(out[:b].float().cpu(), ref, atol=4e-2 if e4m3 else 2e-2, rtol=1e-2)
