@@ -78,6 +78,12 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         return online_update(q, k, v, allowed, scale, m, l, acc)
 
     @triton.jit
+    def f16_queries(q, scale):
+        """Queries for fp16 products (`decode_kernel`'s F16): scaled by 1/16,
+        clamped to fp16's range, with the scale by 16."""
+        return tl.minimum(tl.maximum(q.to(tl.float32) * 0.0625, -65504.0), 65504.0).to(tl.float16), scale * 16.0
+
+    @triton.jit
     def merge_states(m, l, acc, part_ptr, ml_ptr, b, heads, real, state_rows, HQ: tl.constexpr, D: tl.constexpr,
                      CHUNKS: tl.constexpr):
         """A sequence's state (m, l, acc over its query `heads`, `real` where
@@ -147,8 +153,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
                     other=0.0)
         if F16:
-            q = tl.minimum(tl.maximum(q.to(tl.float32) * 0.0625, -65504.0), 65504.0).to(tl.float16)
-            scale = scale * 16.0
+            q, scale = f16_queries(q, scale)
         m = tl.full([GROUP_P], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, D], tl.float32)
@@ -234,6 +239,12 @@ def _kernels():
     return decode_kernel, extend_kernel
 
 
+def f16_products(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the decode kernels multiply in fp16: bf16 queries over an e4m3
+    cache, with E4M3_IN_F16."""
+    return E4M3_IN_F16 and q.dtype == torch.bfloat16 and k_cache.dtype == torch.float8_e4m3fn
+
+
 def decode_tile(programs: int, e4m3: bool) -> tuple[int, int, int]:
     """(keys per block, warps, stages) for `programs` (sequences x KV heads):
     about 1,024 warps in all, so one warp a program from 1,024 programs (the
@@ -285,8 +296,7 @@ def decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale: float,
                         ml, table.stride(0), scale, part.shape[1] if prefix is not None else 0, q.stride(0),
                         q.stride(1), k_cache.stride(0), k_cache.stride(1),
                         GROUP=group, GROUP_P=max(16, next_pow2(group)), D=d, BLOCK_N=block_n,
-                        F16=E4M3_IN_F16 and q.dtype == torch.bfloat16 and k_cache.dtype == torch.float8_e4m3fn,
-                        ORDERED=order is not None, HQ=hq, CHUNKS=part.shape[0] if prefix is not None else 0,
+                        F16=f16_products(q, k_cache), ORDERED=order is not None, HQ=hq, CHUNKS=part.shape[0] if prefix is not None else 0,
                         num_warps=warps, num_stages=stages)
     return out
 

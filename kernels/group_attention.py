@@ -30,7 +30,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args
+from rollout_engine.kernels._triton import next_pow2, pdl_args
+from rollout_engine.kernels.attention import f16_products
 
 ROWS = 64  # queries of one prefix program at most (members x query heads of a KV head)
 BLOCK_N = 64  # keys per block of a prefix program
@@ -120,7 +121,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     import triton
     import triton.language as tl
 
-    from rollout_engine.kernels.attention import attend_block
+    from rollout_engine.kernels.attention import attend_block, f16_queries
 
     @triton.jit
     def prefix_kernel(q_ptr, k_ptr, v_ptr, table_ptr, grp_rows_ptr, grp_lens_ptr, members_ptr, part_ptr, ml_ptr,
@@ -149,8 +150,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             q = tl.load(q_ptr + bq[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=real[:, None],
                         other=0.0)
             if F16:  # as decode_kernel: bf16 queries over an e4m3 cache, fp16 products
-                q = tl.minimum(tl.maximum(q.to(tl.float32) * 0.0625, -65504.0), 65504.0).to(tl.float16)
-                scale = scale * 16.0
+                q, scale = f16_queries(q, scale)
             m = tl.full([R_P], float("-inf"), tl.float32)
             l = tl.zeros([R_P], tl.float32)
             acc = tl.zeros([R_P, D], tl.float32)
@@ -171,8 +171,6 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Hq, 2]) fp32, indexed by batch index (rows outside a group left
     unwritten). `grp_lens` 0: no group in that place (a graph's spare ones).
     q: [B, Hq, D]; members: [G, m] int32 device tensors."""
-    from rollout_engine.kernels.attention import E4M3_IN_F16
-
     _, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
@@ -185,6 +183,6 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q, k_cache, v_cache, table, grp_rows, grp_lens, members, part, ml, table.stride(0),
             scale, state_rows, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             GROUP=group, HQ=hq, D=d, MEMBERS=width, R_P=max(16, next_pow2(width * group)), BLOCK_N=BLOCK_N,
-            CHUNKS=chunks, F16=E4M3_IN_F16 and q.dtype == torch.bfloat16 and k_cache.dtype == torch.float8_e4m3fn,
+            CHUNKS=chunks, F16=f16_products(q, k_cache),
             num_warps=WARPS, num_stages=STAGES, **pdl_args(q))
     return part, ml

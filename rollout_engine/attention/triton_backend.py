@@ -106,19 +106,38 @@ class TritonAttentionBackend(AttentionBackend):
             fb.attn_metadata = TritonMetadata(dev[:b], dev[b:], max_q, None, None)
             return
         pg = self._groups((fb.share_keys, fb.share_lens), fb.rows)
-        lo = pg.lo if pg is not None else np.zeros(b, dtype=np.int32)
+        cap = pg.count if pg is not None else 0
+        block = self._ordered_block(lens, fb.rows, pg, cap)
+        dev = torch.from_numpy(np.concatenate([block, qo_indptr])).to(self.shape.device, non_blocking=True)
+        groups = self._group_views(dev, b, cap, self._chunks(cap)) if cap else None
+        fb.attn_metadata = TritonMetadata(dev[:b], dev[block.size:], max_q, dev[2 * b: 3 * b], dev[b: 2 * b], groups)
+
+    def _ordered_block(self, lens: np.ndarray, rows: np.ndarray, pg: PrefixGroups | None, cap: int) -> np.ndarray:
+        """The int32 block an ordered decode step reads: lengths and
+        request-table rows in the order, the order (longest own walk first);
+        with room for `cap` groups, each sequence's `lo` in the order, then
+        the groups' rows, lengths and members (places past the step's groups
+        empty). `pg` covers the first len(pg.lo) of the rows (a graph's
+        padding rows after them)."""
+        lo = np.zeros(len(lens), dtype=np.int32)
+        if pg is not None:
+            lo[: len(pg.lo)] = pg.lo
         order = longest_first(lens - lo)  # by the keys each program walks
-        parts = [*in_order(order, lens, fb.rows), order, qo_indptr]
-        if pg is not None:
-            parts += [*in_order(order, lo), pg.rows, pg.lens, pg.members.ravel()]
-        dev = torch.from_numpy(np.concatenate(parts)).to(self.shape.device, non_blocking=True)
-        groups = None
-        if pg is not None:
-            at, g = 4 * b + 1, pg.count
-            groups = GroupMetadata(dev[at: at + b], dev[at + b: at + b + g], dev[at + b + g: at + b + 2 * g],
-                                   dev[at + b + 2 * g:].view(g, -1), self._chunks(g))
-        fb.attn_metadata = TritonMetadata(dev[:b], dev[3 * b: 4 * b + 1], max_q, dev[2 * b: 3 * b], dev[b: 2 * b],
-                                          groups)
+        parts = [*in_order(order, lens, rows), order]
+        if cap:
+            g_rows, g_lens = np.zeros(cap, np.int32), np.zeros(cap, np.int32)
+            members = np.full((cap, self.members), -1, np.int32)
+            if pg is not None:
+                g_rows[: pg.count], g_lens[: pg.count], members[: pg.count] = pg.rows, pg.lens, pg.members
+            parts += [*in_order(order, lo), g_rows, g_lens, members.ravel()]
+        return np.concatenate(parts)
+
+    def _group_views(self, buf: torch.Tensor, b: int, cap: int, chunks: int) -> GroupMetadata:
+        """The groups' part of a device block laid out by `_ordered_block` for
+        b sequences and `cap` groups."""
+        at = 4 * b + 2 * cap
+        return GroupMetadata(buf[3 * b: 4 * b], buf[4 * b: 4 * b + cap], buf[4 * b + cap: at],
+                             buf[at: at + cap * self.members].view(cap, self.members), chunks)
 
     # ---- captured decode steps: the kernels read lengths, rows and order from static buffers --
     def _graph_ints(self, bs: int) -> int:
@@ -150,13 +169,10 @@ class TritonAttentionBackend(AttentionBackend):
         order.copy_(torch.arange(bs, dtype=torch.int32, device=order.device))
         groups = None
         if self._graph_groups(bs):
-            gc, at = bs // 2, 4 * bs
-            block = self.step_buf[3 * bs: self._graph_ints(bs)]
-            block[: bs + 2 * gc].zero_()
-            block[bs + 2 * gc:].fill_(-1)
-            groups = GroupMetadata(block[:bs], block[bs: bs + gc], block[bs + gc: bs + 2 * gc],
-                                   self.step_buf[at + 2 * gc: self._graph_ints(bs)].view(gc, -1),
-                                   self._chunks(max(1, bs // 8)))  # groups of 8 assumed (GRPO's n)
+            gc = bs // 2
+            self.step_buf[3 * bs: 4 * bs + 2 * gc].zero_()
+            self.step_buf[4 * bs + 2 * gc: self._graph_ints(bs)].fill_(-1)
+            groups = self._group_views(self.step_buf, bs, gc, self._chunks(max(1, bs // 8)))  # groups of 8 assumed
         return TritonMetadata(lens, qo_indptr, 1, order, rows, groups)
 
     def prepare_replay(self, bs: int, bucket: int, seq_lens: np.ndarray, rows: np.ndarray,
@@ -172,20 +188,9 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             all_rows = np.zeros(bucket, dtype=np.int64)
             all_rows[:bs] = rows
-            lo = np.zeros(bucket, dtype=np.int32)
             pg = self._groups(shares, rows) if meta.groups is not None else None
-            if pg is not None:
-                lo[:bs] = pg.lo
-            order = longest_first(lens - lo)
-            parts = [*in_order(order, lens, all_rows), order]
-            if meta.groups is not None:  # every group place written: those past the step's groups empty
-                gc = bucket // 2
-                g_rows, g_lens = np.zeros(gc, np.int32), np.zeros(gc, np.int32)
-                members = np.full((gc, self.members), -1, np.int32)
-                if pg is not None:
-                    g_rows[: pg.count], g_lens[: pg.count], members[: pg.count] = pg.rows, pg.lens, pg.members
-                parts += [*in_order(order, lo), g_rows, g_lens, members.ravel()]
-            host = np.concatenate(parts)
+            # every group place written: those past the step's groups empty
+            host = self._ordered_block(lens, all_rows, pg, bucket // 2 if meta.groups is not None else 0)
         self.step_buf[: host.size].copy_(torch.from_numpy(host).to(self.shape.device, non_blocking=True))
 
     def forward(self, q, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
