@@ -95,26 +95,24 @@ def prefix_groups(keys: np.ndarray, shared: np.ndarray, table_rows: np.ndarray, 
         return empty
     order = cand[np.argsort(keys[cand], kind="stable")]
     k = keys[order]
-    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
-    ends = np.r_[starts[1:], len(order)]
-    out_rows, out_lens, out_members = [], [], []
-    for s, e in zip(starts, ends):
-        for c in range(s, e, members):
-            part = order[c: min(e, c + members)]
-            if part.size < 2:
-                continue
-            length = int(np.min(shared[part])) // align * align
-            if length < max(min_shared, 1):
-                continue
-            out_rows.append(int(table_rows[part[0]]))
-            out_lens.append(length)
-            row = np.full(members, -1, dtype=np.int32)
-            row[: part.size] = part
-            out_members.append(row)
-            lo[part] = length
-    if not out_rows:
+    new_run = np.r_[True, k[1:] != k[:-1]]
+    starts = np.flatnonzero(new_run)
+    run = np.cumsum(new_run) - 1  # each sorted sequence's run of equal keys
+    piece_of = (np.arange(len(order)) - starts[run]) // members  # a run cut into pieces of `members`
+    first = np.flatnonzero(np.r_[True, (run[1:] != run[:-1]) | (piece_of[1:] != piece_of[:-1])])
+    sizes = np.diff(np.r_[first, len(order)])
+    lengths = np.minimum.reduceat(np.asarray(shared, dtype=np.int64)[order], first) // align * align
+    keep = (sizes >= 2) & (lengths >= max(min_shared, 1))
+    if not keep.any():
         return empty
-    return PrefixGroups(np.asarray(out_rows, np.int32), np.asarray(out_lens, np.int32), np.stack(out_members), lo)
+    first, sizes, lengths = first[keep], sizes[keep], lengths[keep]
+    col = np.arange(members)
+    place = first[:, None] + col[None, :]
+    held = col[None, :] < sizes[:, None]
+    out_members = np.where(held, order[np.minimum(place, len(order) - 1)], -1).astype(np.int32)
+    lo[out_members[held]] = np.repeat(lengths, sizes)
+    return PrefixGroups(np.asarray(table_rows, dtype=np.int64)[order[first]].astype(np.int32),
+                        lengths.astype(np.int32), out_members, lo)
 
 
 if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the helpers

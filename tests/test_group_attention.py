@@ -46,6 +46,37 @@ def test_no_groups_where_nothing_is_shared_enough():
     assert one.count == 0 and one.lo.tolist() == [0]
 
 
+def _groups_one_by_one(keys, shared, table_rows, members, min_shared, align):
+    """prefix_groups written as a loop over each key's sequences, in batch
+    order, cut into pieces of `members`."""
+    lo = np.zeros(len(keys), np.int32)
+    out = []
+    if members >= 2:
+        for key in sorted({int(k) for k in keys if k >= 0}):
+            seqs = [i for i in range(len(keys)) if keys[i] == key and shared[i] >= min_shared]
+            for c in range(0, len(seqs), members):
+                part = seqs[c: c + members]
+                length = min(int(shared[i]) for i in part) // align * align
+                if len(part) >= 2 and length >= max(min_shared, 1):
+                    out.append((int(table_rows[part[0]]), length, part + [-1] * (members - len(part))))
+                    lo[part] = length
+    return out, lo
+
+
+def test_groups_equal_a_loop_over_each_key_on_random_steps():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        b = int(rng.integers(1, 60))
+        keys, shared = rng.integers(-1, 6, size=b), rng.integers(0, 700, size=b)
+        rows = rng.permutation(200)[:b]
+        members, min_shared, align = int(rng.integers(0, 10)), int(rng.choice([1, 128])), int(rng.choice([1, 16, 128]))
+        pg = prefix_groups(keys, shared, rows, members, min_shared, align)
+        want, lo = _groups_one_by_one(keys, shared, rows, members, min_shared, align)
+        got = list(zip(pg.rows.tolist(), pg.lens.tolist(), pg.members.tolist()))
+        assert got == want and pg.lo.tolist() == lo.tolist()
+        assert pg.rows.dtype == pg.lens.dtype == pg.members.dtype == pg.lo.dtype == np.int32
+
+
 def test_members_and_chunks():
     assert members_per_group(7) == 9 and members_per_group(4) == 16 and members_per_group(1) == 32
     assert members_per_group(40) == 0  # two sequences' heads would not fit a program
