@@ -292,11 +292,11 @@ def decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale: float,
     block_n, warps, stages = decode_tile(bsz * hk, k_cache.dtype == torch.float8_e4m3fn)
     grid = (bsz, hk) if order is None else (hk, bsz)
     lo, part, ml = prefix if prefix is not None else (seq_lens, out, out)
+    chunks, state_rows = part.shape[:2] if prefix is not None else (0, 0)
     _kernels()[0][grid](q, k_cache, v_cache, out, table, rows, seq_lens, rows if order is None else order, lo, part,
-                        ml, table.stride(0), scale, part.shape[1] if prefix is not None else 0, q.stride(0),
-                        q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                        GROUP=group, GROUP_P=max(16, next_pow2(group)), D=d, BLOCK_N=block_n,
-                        F16=f16_products(q, k_cache), ORDERED=order is not None, HQ=hq, CHUNKS=part.shape[0] if prefix is not None else 0,
+                        ml, table.stride(0), scale, state_rows, q.stride(0), q.stride(1), k_cache.stride(0),
+                        k_cache.stride(1), GROUP=group, GROUP_P=max(16, next_pow2(group)), D=d, BLOCK_N=block_n,
+                        F16=f16_products(q, k_cache), ORDERED=order is not None, HQ=hq, CHUNKS=chunks,
                         num_warps=warps, num_stages=stages)
     return out
 

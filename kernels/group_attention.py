@@ -111,8 +111,8 @@ def prefix_groups(keys: np.ndarray, shared: np.ndarray, table_rows: np.ndarray, 
     held = col[None, :] < sizes[:, None]
     out_members = np.where(held, order[np.minimum(place, len(order) - 1)], -1).astype(np.int32)
     lo[out_members[held]] = np.repeat(lengths, sizes)
-    return PrefixGroups(np.asarray(table_rows, dtype=np.int64)[order[first]].astype(np.int32),
-                        lengths.astype(np.int32), out_members, lo)
+    rows = np.asarray(table_rows)[order[first]].astype(np.int32)
+    return PrefixGroups(rows, lengths.astype(np.int32), out_members, lo)
 
 
 if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the helpers
