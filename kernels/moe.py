@@ -24,7 +24,9 @@ the same bits in any batch. Otherwise the shape follows the rows per expert
 tensor-parallel slice of the intermediate size)."""
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 from typing import NamedTuple
 
 import torch
@@ -145,6 +147,34 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     return _fused_moe_triton(x, w13, w2, weights, ids, pick(x.shape[0], ids.shape[1], w13.shape[0], invariant))
 
 
+# The products read their weight tiles through tensor descriptors (Hopper's
+# copy engine, staged in shared memory) instead of pointer loads.
+TMA_WEIGHTS = False
+
+
+@functools.cache
+def _tma_device(index: int) -> bool:
+    return (importlib.util.find_spec("triton.tools.tensor_descriptor") is not None and torch.version.hip is None
+            and torch.cuda.get_device_capability(index)[0] >= 9)
+
+
+def weight_tiles(w: torch.Tensor, t: Tiles):
+    """What a product's launch reads expert weights w [E, N, K] through: a
+    tensor descriptor of (1, block_n, block_k) tiles where TMA_WEIGHTS is on
+    and the copy engine can take w (Hopper on, 16-byte aligned rows; and
+    under Triton's interpreter), else w itself (pointer loads). Returns
+    (descriptor or w, whether it is a descriptor)."""
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    on = TMA_WEIGHTS and (interpreting or (w.is_cuda and _tma_device(
+        w.device.index if w.device.index is not None else torch.cuda.current_device())))
+    size = w.element_size()
+    if not on or w.stride(2) != 1 or w.data_ptr() % 16 or (w.stride(0) * size) % 16 or (w.stride(1) * size) % 16:
+        return w, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w, [1, t.block_n, t.block_k]), True
+
+
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -167,12 +197,13 @@ def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, blo
     t = _fit(t, x.dtype)
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     blocks = block_expert.numel()
+    wd, tma = weight_tiles(w13, t)
     moe_up_kernel[(blocks * cdiv(inter, t.block_n),)](
-        x, w13, act, sorted_ids, block_expert, total, pairs, blocks, hidden, inter, x.stride(0), w13.stride(0),
+        x, w13, wd, act, sorted_ids, block_expert, total, pairs, blocks, hidden, inter, x.stride(0), w13.stride(0),
         w13.stride(1), TOPK=top_k, GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, EVEN_N=inter % t.block_n == 0, IEEE=x.dtype == torch.float32,
         num_warps=t.warps, num_stages=t.stages, ONE=one, COUNTS=total.numel() if one else 1, TAILS=tails,
-        **pdl_args(x))
+        TMA=tma, **pdl_args(x))
     return act
 
 
@@ -186,12 +217,13 @@ def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_
     t = _fit(t, act.dtype)
     y = torch.empty((pairs, hidden), dtype=act.dtype, device=act.device)
     blocks = block_expert.numel()
+    wd, tma = weight_tiles(w2, t)
     moe_down_kernel[(blocks * cdiv(hidden, t.block_n),)](
-        act, w2, y, out if out is not None else y, rw, sorted_ids, block_expert, total, pairs, blocks, hidden, inter,
-        w2.stride(0), w2.stride(1),
+        act, w2, wd, y, out if out is not None else y, rw, sorted_ids, block_expert, total, pairs, blocks, hidden,
+        inter, w2.stride(0), w2.stride(1),
         GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
         EVEN_N=hidden % t.block_n == 0, IEEE=act.dtype == torch.float32, num_warps=t.warps,
-        num_stages=t.stages, ONE=out is not None, TAILS=tails, **pdl_args(act))
+        num_stages=t.stages, ONE=out is not None, TAILS=tails, TMA=tma, **pdl_args(act))
     return y
 
 

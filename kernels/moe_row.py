@@ -24,7 +24,7 @@ import torch
 
 from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args
 from rollout_engine.kernels.gemv import norm_gemv
-from rollout_engine.kernels.moe import DECODE, MoeLaunch, _down, _fit, _unit_last
+from rollout_engine.kernels.moe import DECODE, MoeLaunch, _down, _fit, _unit_last, weight_tiles
 
 if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the kernels
     import triton
@@ -35,12 +35,12 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     from rollout_engine.kernels.row_parts import row_inv_rms
 
     @triton.jit
-    def moe_row_up_kernel(logits_ptr, r_ptr, g_ptr, eps, w_ptr, act_ptr, rw_ptr, id_ptr, count_ptr, loc_ptr,
+    def moe_row_up_kernel(logits_ptr, r_ptr, g_ptr, eps, w_ptr, wd, act_ptr, rw_ptr, id_ptr, count_ptr, loc_ptr,
                           rec_ptr, E, H, I, stride_we, stride_wn, stride_rec, TOPK: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, RENORM: tl.constexpr,
                           RECORD: tl.constexpr, COUNTS: tl.constexpr, H_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                          EVEN_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                          EVEN_N: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
         """Slot j = pid // tiles, column tile pid % tiles of I: the token's
         top k from its logits, expert ids[j]'s gate and up rows times
         RMSNorm(r) (r: the residual stream after the attention)."""
@@ -67,8 +67,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         inv = row_inv_rms(r_ptr, r_ptr, r_ptr, H, eps, pid, False, H_P2)
         first = tl.arange(0, BLOCK_M) == 0
         pair = tl.where(first, j, TOPK).to(tl.int32)
-        gate_up_tile(r_ptr, g_ptr, inv, w_ptr, act_ptr, pair, first, e, nt, H, I, 0, stride_we, stride_wn,
-                     TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, True)
+        gate_up_tile(r_ptr, g_ptr, inv, w_ptr, wd, act_ptr, pair, first, e, nt, H, I, 0, stride_we, stride_wn,
+                     TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, True, TMA)
 
 
 Record = tuple[torch.Tensor, torch.Tensor]  # as moe_route.Record
@@ -92,15 +92,16 @@ def moe_row(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, 
     counts = torch.empty(next_pow2(cdiv(hidden, down.block_n)), dtype=torch.int32, device=dev)
     act = torch.empty((top_k, inter), dtype=h.dtype, device=dev)
     dest, loc = record if record is not None else (ids, ids)
+    wd, tma = weight_tiles(w13, up)
     if record is not None:
         assert dest.stride(1) == 1 and dest.shape[1] == top_k, "the record's rows hold a token's k ids"
     moe_row_up_kernel[(top_k * cdiv(inter, up.block_n),)](
-        logits, r, norm_weight, eps, w13, act, rw, ids, counts, loc, dest, experts, hidden, inter, w13.stride(0),
+        logits, r, norm_weight, eps, w13, wd, act, rw, ids, counts, loc, dest, experts, hidden, inter, w13.stride(0),
         w13.stride(1), dest.stride(0), TOPK=top_k, BLOCK_E=next_pow2(experts), BLOCK_J=next_pow2(top_k),
         RENORM=renormalize, RECORD=record is not None, COUNTS=counts.numel(), H_P2=next_pow2(hidden),
         BLOCK_M=config.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, EVEN_K=hidden % up.block_k == 0,
-        EVEN_N=inter % up.block_n == 0, IEEE=h.dtype == torch.float32, num_warps=up.warps, num_stages=up.stages,
-        **pdl_args(h))
+        EVEN_N=inter % up.block_n == 0, IEEE=h.dtype == torch.float32, TMA=tma, num_warps=up.warps,
+        num_stages=up.stages, **pdl_args(h))
     out = torch.empty((1, hidden), dtype=h.dtype, device=dev)
     _down(act, w2, rw, (ids, ids, counts), config.block_m, config.down, out=out)
     return out, r

@@ -46,6 +46,14 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         return tl.load(base + BLOCK_M // 2) < P, tl.load(base + BLOCK_M // 4) < P
 
     @triton.jit
+    def _weight_tile(wd, e, row, col, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Rows [row, row + BLOCK_N) and columns [col, col + BLOCK_K) of expert
+        e's weight through a tensor descriptor over the weights [E, N, K]
+        (the copy engine's load, staged in shared memory): zeros past N and
+        K; a gate tile past I reads up rows, whose columns are not stored."""
+        return wd.load([e.to(tl.int32), row, col]).reshape([BLOCK_N, BLOCK_K])
+
+    @triton.jit
     def _mma(a, b, acc, IEEE: tl.constexpr):
         """acc += a b^T."""
         if IEEE:
@@ -53,15 +61,16 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         return tl.dot(a, tl.trans(b), acc)
 
     @triton.jit(do_not_specialize=["P", "NB"])
-    def moe_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H, I,
+    def moe_up_kernel(x_ptr, w_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H, I,
                       stride_x, stride_we, stride_wn, TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                       IEEE: tl.constexpr, ONE: tl.constexpr = False, COUNTS: tl.constexpr = 1,
-                      TAILS: tl.constexpr = False, PDL: tl.constexpr = False):
+                      TAILS: tl.constexpr = False, TMA: tl.constexpr = False, PDL: tl.constexpr = False):
         """One block of sorted pairs and one column tile of I: gate and up
         tiles over K = H, act = silu(gate) * up. ONE: `_block_rows`, and
         program 0 zeroes the down launch's COUNTS tile counters (total_ptr).
-        TAILS: a block of few real pairs runs fewer rows (`_tails`).
+        TAILS: a block of few real pairs runs fewer rows (`_tails`). TMA:
+        the weight tiles through wd (`gate_up_tile`).
         PDL (here and in the other MoE kernels): launched early, it waits
         first (the experts it reads depend on the routing before it)."""
         if PDL:  # launched early: nothing read or written before the kernel before has finished
@@ -77,39 +86,41 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         if TAILS:  # a block of few real pairs runs a half or a quarter of its rows
             past_half, past_quarter = _tails(sorted_ptr, block, P, BLOCK_M)
             if past_half:
-                _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
-                         stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
+                _up_rows(x_ptr, w_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
+                         stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA)
             elif past_quarter:
-                _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
+                _up_rows(x_ptr, w_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
                          stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE,
-                         ONE)
+                         ONE, TMA)
             else:
-                _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
+                _up_rows(x_ptr, w_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
                          stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE,
-                         ONE)
+                         ONE, TMA)
         else:
-            _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x, stride_we,
-                     stride_wn, TOPK, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
+            _up_rows(x_ptr, w_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x, stride_we,
+                     stride_wn, TOPK, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA)
 
     @triton.jit
-    def _up_rows(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x, stride_we,
+    def _up_rows(x_ptr, w_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x, stride_we,
                  stride_wn, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
-                 ONE: tl.constexpr):
+                 ONE: tl.constexpr, TMA: tl.constexpr):
         """The gate/up product of a block's first ROWS rows."""
         pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE, ROWS)
-        gate_up_tile(x_ptr, x_ptr, 1.0, w_ptr, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we, stride_wn,
-                     TOPK, ROWS, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, False)
+        gate_up_tile(x_ptr, x_ptr, 1.0, w_ptr, wd, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we, stride_wn,
+                     TOPK, ROWS, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, False, TMA)
 
     @triton.jit
-    def gate_up_tile(x_ptr, g_ptr, inv, w_ptr, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we, stride_wn,
+    def gate_up_tile(x_ptr, g_ptr, inv, w_ptr, wd, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we, stride_wn,
                      TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr):
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
+                     TMA: tl.constexpr):
         """act[pair] for column tile nt of I: the pairs' rows of x (token pair
         // TOPK; real rows m_ok) times expert e's gate and up rows over K = H,
         then silu(gate) * up. NORM (one token, kernels/moe_row.py): x's row
         0 is RMSNorm'd on the fly (norm weight at g_ptr, `inv` = 1 / rms),
-        rounded as the norm kernel rounds it."""
+        rounded as the norm kernel rounds it. TMA: the weight tiles come
+        through wd, a tensor descriptor over w [E, 2I, H] (`_weight_tile`)."""
         rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < I
         rk = tl.arange(0, BLOCK_K)
@@ -128,7 +139,10 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                 a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
-            if EVEN_K:
+            if TMA:
+                g = _weight_tile(wd, e, nt * BLOCK_N, i * BLOCK_K, BLOCK_N, BLOCK_K)
+                u = _weight_tile(wd, e, I + nt * BLOCK_N, i * BLOCK_K, BLOCK_N, BLOCK_K)
+            elif EVEN_K:
                 if EVEN_N:
                     g = tl.load(g_ptrs)
                     u = tl.load(u_ptrs)
@@ -150,16 +164,18 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                  mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit(do_not_specialize=["P", "NB"])
-    def moe_down_kernel(act_ptr, w_ptr, y_ptr, out_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H,
+    def moe_down_kernel(act_ptr, w_ptr, wd, y_ptr, out_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H,
                         I, stride_we, stride_wn, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
-                        ONE: tl.constexpr = False, TAILS: tl.constexpr = False, PDL: tl.constexpr = False):
+                        ONE: tl.constexpr = False, TAILS: tl.constexpr = False, TMA: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
         """One block of sorted pairs and one column tile of H: act @ w2[e]^T
         over K = I, times the routing weight, to y[pair]. TAILS: as the
         gate/up launch. ONE: `_block_rows`, and the slot sum too: total_ptr
         counts the tile's finished slots (zeroed by the gate/up launch), and
         the slot that finishes last adds the tile's rows of y in slot order
-        into out, as moe_sum_kernel does."""
+        into out, as moe_sum_kernel does. TMA: the weight tiles through wd,
+        a tensor descriptor over w [E, H, I] (`_weight_tile`)."""
         if PDL:  # launched early: nothing read or written before the kernel before has finished
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -170,17 +186,19 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         if TAILS:  # a block of few real pairs runs a half or a quarter of its rows
             past_half, past_quarter = _tails(sorted_ptr, block, P, BLOCK_M)
             if past_half:
-                _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
-                           stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
+                _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
+                           stride_we, stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA)
             elif past_quarter:
-                _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
-                           stride_wn, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
+                _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
+                           stride_we, stride_wn, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE,
+                           TMA)
             else:
-                _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
-                           stride_wn, BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
+                _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
+                           stride_we, stride_wn, BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE,
+                           TMA)
         else:
-            _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
-                       stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE)
+            _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
+                       stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA)
         if ONE:
             # Every thread's stores before one thread's release; the last slot's acquire before its reads,
             # which skip the L1 cache (other programs wrote those rows).
@@ -194,9 +212,10 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                 tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
-    def _down_rows(act_ptr, w_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
+    def _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
                    stride_wn, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr):
+                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr,
+                   TMA: tl.constexpr):
         """The down product of a block's first ROWS rows, times the routing weights, to y."""
         pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE, ROWS)
         rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -206,7 +225,13 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         w_ptrs = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
         for i in range(0, tl.cdiv(I, BLOCK_K)):
-            if EVEN_K:
+            if TMA:
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=m_ok[:, None] & (i * BLOCK_K + rk < I)[None, :], other=0.0)
+                w = _weight_tile(wd, e, nt * BLOCK_N, i * BLOCK_K, BLOCK_N, BLOCK_K)
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
                 if EVEN_N:
                     w = tl.load(w_ptrs)

@@ -225,3 +225,62 @@ def test_interpreted_moe_row(experts, top_k, hidden, inter, renormalize, monkeyp
         untouched = torch.ones(dest.shape[:2], dtype=torch.bool)
         untouched[6, 1] = False
         assert (dest[untouched] == 99).all()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interpreted_tma_weights_equal_pointer_loads(dtype, monkeypatch):
+    """The weight tiles read through tensor descriptors (TMA_WEIGHTS): the
+    same products as the pointer loads, bit for bit, in every path that
+    reads expert weights: blocks with and without short tails, a tile of
+    I or H past the weights' end (a gate tile past I reads up rows, whose
+    columns are not stored), one token, and the three-launch sparse MLP."""
+    def both(fn):
+        monkeypatch.setattr(moe, "TMA_WEIGHTS", False)
+        before = fn()
+        monkeypatch.setattr(moe, "TMA_WEIGHTS", True)
+        return before, fn()
+
+    x, w13, w2, weights, ids = problem(20, 4, 3, 48, 40, dtype)
+    monkeypatch.setattr(moe, "TMA_WEIGHTS", True)
+    assert moe.weight_tiles(w13, TINY[1].up)[1]  # the descriptor path is the one taken
+    for config in TINY:
+        off, on = both(lambda: moe._fused_moe_triton(x, w13, w2, weights, ids.long(), config))
+        assert torch.equal(off, on)
+        off, on = both(lambda: moe._fused_moe_one(x[:1], w13, w2, weights[:1], ids[:1].long(), config))
+        assert torch.equal(off, on)
+    counts = [5, 20, 40, 65, 0, 17]
+    tail_ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])[torch.randperm(sum(counts))][:, None]
+    tx, tw13, tw2, _, _ = problem(tail_ids.shape[0], len(counts), 1, 48, 40, dtype)
+    launch = MoeLaunch(64, Tiles(16, 16, 4, 2, group=3), Tiles(32, 16, 4, 2), tails=True)
+    tail_weights = torch.rand(tail_ids.shape)
+    off, on = both(lambda: moe._fused_moe_triton(tx, tw13, tw2, tail_weights, tail_ids, launch))
+    assert torch.equal(off, on)
+
+    def norm_product(h, residual, norm_w, eps, router):
+        normed, r = rmsnorm_ref(h, norm_w, eps, residual)
+        return F.linear(normed, router), r
+
+    monkeypatch.setattr(moe_row, "norm_gemv", norm_product)
+    rx, residual, norm_w, router, rw13, rw2 = row_problem(8, 2, 32, 24, dtype)
+    off, on = both(lambda: moe_row.moe_row(rx, residual, norm_w, 1e-6, router, rw13, rw2, 2, True, None, TINY[1]))
+    assert torch.equal(off[0], on[0]) and torch.equal(off[1], on[1])
+
+
+def test_tma_weights_only_where_the_copy_engine_can_read_them(monkeypatch):
+    """Pointer loads (the weights themselves) with the switch off, off a
+    GPU outside the interpreter, and where a row of the weights is not a
+    multiple of 16 bytes."""
+    w = torch.zeros(4, 32, 64, dtype=torch.float16)
+    tiles = Tiles(16, 32, 4, 2)
+    monkeypatch.setattr(moe, "TMA_WEIGHTS", False)
+    assert moe.weight_tiles(w, tiles) == (w, False)
+    monkeypatch.setattr(moe, "TMA_WEIGHTS", True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert moe.weight_tiles(w, tiles) == (w, False)  # a CPU tensor, not interpreted
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    odd = torch.zeros(4, 32, 36, dtype=torch.float16)  # rows of 72 bytes
+    assert moe.weight_tiles(odd, tiles) == (odd, False)
+    if importlib.util.find_spec("triton") is not None:
+        desc, on = moe.weight_tiles(w, tiles)
+        assert on and list(desc.block_shape) == [1, 16, 32]
