@@ -42,29 +42,24 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    from rollout_engine.kernels.row_parts import finish_rows, paired_rows, prefetch_rows, row_input, row_inv_rms
+    from rollout_engine.kernels.row_parts import finish_rows, paired_rows, row_input, row_inv_rms
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, N, K, stride_w, eps,
                     pos_ptr, loc_ptr, cos_ptr, sin_ptr, cs_stride, kc_ptr, vc_ptr,
                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, K_P2: tl.constexpr,
                     GATED: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, NQ: tl.constexpr,
-                    NK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COUNT: tl.constexpr,
-                    LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
+                    NK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """y = x W^T (+ b). NORM: y = RMSNorm(x (+ r)) W^T (+ b), the norm's
         weight at g; with HAS_RES, x + r is the new residual stream, written
         to r_out by the first program. GATED / ROPE: `row_parts.finish_rows`.
         PDL: the first weight block is read before waiting for the kernel
-        before (no kernel writes weights), and with COUNT > 0 the first
-        COUNT lines of each of its rows are asked of the L2 cache
-        (`prefetch_rows`); x and r only after."""
+        before (no kernel writes weights); x and r only after."""
         pid = tl.program_id(0)
         n = paired_rows(pid, BLOCK_N, ROPE or GATED, HALF)
         n_mask = n < N
         k = tl.arange(0, BLOCK_K)
         w0 = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
-        if PDL and COUNT > 0:
-            prefetch_rows(w_ptr, n, n_mask, K, stride_w, COUNT, LINES, LINE)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -120,36 +115,9 @@ def _launch(x, weight, bias=None, out_dtype=None, config=None, norm=None, residu
                               *ep.pointers, HAS_BIAS=bias is not None, NORM=norm is not None,
                               HAS_RES=residual is not None, K_P2=next_pow2(k) if norm is not None else 1,
                               GATED=gated, ROPE=rope is not None, HALF=ep.half, NQ=ep.nq, NK=ep.nk, BLOCK_N=bn,
-                              BLOCK_K=bk, **_prefetch(weight, bk), num_warps=warps, **pdl_args(x),
+                              BLOCK_K=bk, num_warps=warps, **pdl_args(x),
                               **({"num_stages": stages[0]} if stages else {}))
     return y, r_out
-
-
-# A one-row product launched early (programmatic dependent launch) asks the
-# L2 cache for its weight slice before its wait, not only its first block:
-# a kernel before it that leaves the memory idle (attention at one
-# sequence, a norm) then overlaps the weight's read. Up to PREFETCH_BYTES of
-# a weight, the first lines of every row: more would push out of the cache
-# what was fetched before it is read.
-PREFETCH_L2 = False
-PREFETCH_BYTES = 24 << 20  # half the L2 cache of an H100 / H200
-
-
-def prefetch_lines(n: int, k: int, element_size: int, block_k: int) -> int:
-    """The 128-byte lines of each row of an [n, k] weight that a one-row
-    product asks of the L2 cache before its wait: the whole row while the
-    weight fits PREFETCH_BYTES, else the first lines of every row within
-    it; 0 where PREFETCH_L2 is off or a row is no longer than the first
-    block the program reads anyway."""
-    if not PREFETCH_L2 or k <= block_k:
-        return 0
-    return min(-(-k * element_size // 128), PREFETCH_BYTES // (128 * n))
-
-
-def _prefetch(weight: torch.Tensor, block_k: int) -> dict:
-    """The launch's COUNT / LINES / LINE constants (`prefetch_lines`)."""
-    count = prefetch_lines(*weight.shape, weight.element_size(), block_k) if weight.is_cuda else 0
-    return {"COUNT": count, "LINES": next_pow2(max(count, 1)), "LINE": 128 // weight.element_size()}
 
 
 class Epilogue(NamedTuple):

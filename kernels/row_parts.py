@@ -30,20 +30,6 @@ if importlib.util.find_spec("triton") is not None:  # module level: kernels in o
         return tl.rsqrt(tl.sum(rf * rf, axis=0) / K + eps)
 
     @triton.jit
-    def prefetch_rows(w_ptr, n, n_mask, K, stride_w, COUNT: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
-        """Asks the L2 cache for the first COUNT 128-byte lines (LINE
-        elements each; LINES a power of two >= COUNT) of rows n of w (K
-        elements a row), kept there before other lines (evict_last).
-        Nothing comes into registers, so a product launched early fetches
-        its slice of the weight while the kernel before it still runs, and
-        its own loads later hit the cache. Rows past n_mask ask for row 0."""
-        col = tl.minimum(tl.minimum(tl.arange(0, LINES), COUNT - 1) * LINE, K - 1)
-        row = tl.where(n_mask, n, 0).to(tl.int64)
-        lines = w_ptr + row[:, None] * stride_w + col[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def row_input(x_ptr, r_ptr, g_ptr, k, k_mask, inv, NORM: tl.constexpr, HAS_RES: tl.constexpr):
         """A block of the product's input in fp32: x, or with NORM the RMSNorm of
         x (+ the residual), rounded as the RMSNorm kernel rounds (`inv`: 1 / rms)."""

@@ -1,6 +1,6 @@
 """The small-batch product's launch shapes (kernels/batch_gemm.py), chosen on
 the host: measured choices kept, splits only with counters, and the products
-that take it at all; the one-row product's L2 prefetch (kernels/gemv.py)."""
+that take it at all."""
 from __future__ import annotations
 
 import torch
@@ -58,24 +58,3 @@ def test_only_small_gpu_batches_take_it():
     w = torch.zeros(64, 32, dtype=torch.bfloat16)
     assert not small_batch(torch.zeros(4, 32, dtype=torch.bfloat16), w)  # on the CPU: F.linear
     assert MAX_ROWS == 32
-
-
-def test_one_row_products_prefetch_what_the_cache_holds(monkeypatch):
-    """The one-row product's lines asked of the L2 cache before its wait
-    (`gemv.prefetch_lines`): whole rows while the weight fits the budget,
-    the same prefix of every row past it, none with the switch off or where
-    a row is no longer than the first block read anyway."""
-    from rollout_engine.kernels import gemv
-
-    monkeypatch.setattr(gemv, "PREFETCH_L2", True)
-    monkeypatch.setattr(gemv, "PREFETCH_BYTES", 24 << 20)
-    assert gemv.prefetch_lines(5120, 2048, 2, 512) == 32  # qwen3-30b-a3b's qkv, 21 MB: every line
-    assert gemv.prefetch_lines(2048, 4096, 2, 1024) == 64  # its o product
-    assert gemv.prefetch_lines(6144, 4096, 2, 512) == 32  # llama-3.1-8b's qkv, 50 MB: half of each row
-    assert gemv.prefetch_lines(128256, 4096, 2, 256) == 1
-    assert gemv.prefetch_lines(4096, 14336, 1, 1024) == 48  # e4m3 rows: 112 lines each
-    for n, k in ((28672, 4096), (37888, 3584), (4096, 14336)):  # never more than the budget
-        assert 0 < n * gemv.prefetch_lines(n, k, 2, 256) * 128 <= 24 << 20
-    assert gemv.prefetch_lines(64, 512, 2, 512) == 0  # the first block is the whole row
-    monkeypatch.setattr(gemv, "PREFETCH_L2", False)
-    assert gemv.prefetch_lines(5120, 2048, 2, 512) == 0
