@@ -9,6 +9,7 @@ engine picks (`kernels.batch_gemm.pick`, up to 32 rows). On a CUDA GPU:
 
     python3 benchmarks/batch_gemm_configs.py --model qwen3-0.6b --rows 64 128 256 --out /tmp/gemm.json
     python3 benchmarks/batch_gemm_configs.py --model llama-3.1-8b --rows 2 8 32 --pick-only
+    python3 benchmarks/batch_gemm_configs.py --model qwen3-0.6b --rows 256 --shapes o down --tma both
 """
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ from rollout_engine.models.presets import PRESETS, PresetConfig
 SPILL_BYTES = 256 << 20  # weight copies per shape: past the L2 cache
 
 
-def grid(m: int) -> list[GemmConfig]:
+def grid(m: int, tma: str = "off") -> list[GemmConfig]:
+    """The launch shapes timed at m rows; `tma`: with the x and W tiles
+    through the copy engine's tensor descriptors ("on"), through pointer
+    loads ("off"), or each shape both ways ("both")."""
     out = []
     if m > 32:
         for bm, bn, bk, split in itertools.product((64, 128), (32, 64, 128), (64, 128), (1, 2, 4, 8)):
@@ -42,7 +46,8 @@ def grid(m: int) -> list[GemmConfig]:
         for bn, bk, split, stages in itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16), (3, 4)):
             if bk * bn <= 128 * 128:
                 out.append(GemmConfig(bm, bn, bk, split, 4, stages, swap=True))
-    return out
+    ways = {"off": (False,), "on": (True,), "both": (False, True)}[tma]
+    return [cfg._replace(tma=way) for cfg in out for way in ways]
 
 
 def time_us(fn, copies: int) -> float:
@@ -51,7 +56,7 @@ def time_us(fn, copies: int) -> float:
     return graph_time_us(fn, reps=1) / copies
 
 
-def run(model: str, rows: list[int], only: list[str] | None, pick_only: bool = False) -> dict:
+def run(model: str, rows: list[int], only: list[str] | None, pick_only: bool = False, tma: str = "off") -> dict:
     mc = ModelConfig.from_hf(PresetConfig(**PRESETS[model]))
     limits = measure_device()
     out = {"model": model, "device": torch.cuda.get_device_name(), "rows": []}
@@ -70,7 +75,8 @@ def run(model: str, rows: list[int], only: list[str] | None, pick_only: bool = F
                    "floor_us": round(max(2 * m * n * k / limits.flops, 2 * n * k / limits.bandwidth) * 1e6, 2),
                    "configs": {}}
             engine = pick(m, n, k, True) if m <= 32 else None
-            configs = [engine] if pick_only else grid(m) + ([engine] if engine and engine not in grid(m) else [])
+            shapes_m = grid(m, tma)
+            configs = [engine] if pick_only else shapes_m + ([engine] if engine and engine not in shapes_m else [])
             for cfg in configs:
                 try:
                     got = batch_gemm(x, ws[0], b, cfg)
@@ -104,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pick-only", action="store_true",
                    help="time only the shape the engine picks against F.linear (rows up to 32): a quick check "
                         "of the rule on another GPU")
+    p.add_argument("--tma", choices=["off", "on", "both"], default="off",
+                   help="the grid's x and W tiles through pointer loads (off), the copy engine's tensor "
+                        "descriptors (on), or each shape both ways")
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_args(argv)
     if args.pick_only and max(args.rows) > 32:
@@ -111,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"(got {max(args.rows)})")
     needs_cuda(p, "the products are timed on the GPU")
     with use_counters(new_counters(torch.device("cuda", torch.cuda.current_device()))):
-        write_out(args.out, run(args.model, args.rows, args.shapes, args.pick_only))
+        write_out(args.out, run(args.model, args.rows, args.shapes, args.pick_only, args.tma))
     return 0
 
 

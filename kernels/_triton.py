@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
@@ -46,6 +47,26 @@ def pdl_args(x: torch.Tensor) -> dict:
     (the option is left out where it is off: older Triton does not know it)."""
     on = use_pdl(x)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@functools.cache
+def _copy_engine_device(index: int) -> bool:
+    return (importlib.util.find_spec("triton.tools.tensor_descriptor") is not None and torch.version.hip is None
+            and torch.cuda.get_device_capability(index)[0] >= 9)
+
+
+def copy_engine_reads(t: torch.Tensor) -> bool:
+    """Whether a kernel can read t through Triton tensor descriptors (the
+    copy engine, TMA): unit last stride, a 16-byte aligned start and
+    strides, on an NVIDIA GPU of compute capability 9 or more, or under
+    Triton's interpreter (which runs them on the CPU)."""
+    size = t.element_size()
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return importlib.util.find_spec("triton") is not None
+    return t.is_cuda and _copy_engine_device(t.device.index if t.device.index is not None
+                                             else torch.cuda.current_device())
 
 
 def cdiv(a: int, b: int) -> int:

@@ -24,7 +24,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from rollout_engine.kernels._triton import cdiv, half_rows_on_gpu, next_pow2, pdl_args
+from rollout_engine.kernels._triton import cdiv, copy_engine_reads, half_rows_on_gpu, next_pow2, pdl_args
 
 
 class GemmConfig(NamedTuple):
@@ -35,6 +35,7 @@ class GemmConfig(NamedTuple):
     warps: int
     stages: int
     swap: bool = False  # tiles computed as W x^T
+    tma: bool = False  # x and W tiles through tensor descriptors (the copy engine), where it can read them
 
 
 MAX_ROWS = 32  # from 64 rows on cuBLAS is as fast on some shapes, faster on others (batch_gemm_configs.py)
@@ -55,14 +56,17 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         return acc * sx[:, None] * sw[None, :]
 
     @triton.jit(do_not_specialize=["M", "K_PER"])
-    def batch_gemm_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, K_PER, stride_xm,
-                          stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
-                          FP8: tl.constexpr, PDL: tl.constexpr):
+    def batch_gemm_kernel(x_ptr, w_ptr, xd, wd, sx_ptr, sw_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, K_PER,
+                          stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
+                          EVEN_K: tl.constexpr, FP8: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
         """Program (tile, s): output tile `tile` summed over K in
         [s * K_PER, (s + 1) * K_PER) (K_PER a multiple of BLOCK_K). FP8: x and
         W in e4m3, their fp32 multipliers per row at sx and sw; the sum is
-        scaled by both before the bias (y = (q_x . q_w) s_x s_w + b)."""
+        scaled by both before the bias (y = (q_x . q_w) s_x s_w + b). TMA:
+        the x and W tiles through the tensor descriptors xd ([BLOCK_M,
+        BLOCK_K] tiles of x) and wd ([BLOCK_N, BLOCK_K] of W), zeros past
+        M, N and K."""
         tile = tl.program_id(0)
         s = tl.program_id(1)
         tiles_n = tl.cdiv(N, BLOCK_N)
@@ -84,7 +88,10 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         for i in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
             # a slice ends at a multiple of BLOCK_K or at K: only K masks a block
             k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K)
-            if EVEN_K:
+            if TMA:
+                a = xd.load([(tile // tiles_n) * BLOCK_M, k_lo + i * BLOCK_K])
+                b = wd.load([(tile % tiles_n) * BLOCK_N, k_lo + i * BLOCK_K])
+            elif EVEN_K:
                 a = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
                 b = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
             else:
@@ -212,7 +219,8 @@ def _launch(x, weight, bias, config, out_dtype, scales=None):
     m, k = x.shape
     n = weight.shape[0]
     counters = current_counters()
-    bm, bn, bk, split, warps, stages, swap = config or pick(m, n, k, counters is not None, fp8=scales is not None)
+    bm, bn, bk, split, warps, stages, swap, tma = config or pick(m, n, k, counters is not None,
+                                                                 fp8=scales is not None)
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     tiles = cdiv(m, bm) * cdiv(n, bn)
     if not tiles:
@@ -227,8 +235,17 @@ def _launch(x, weight, bias, config, out_dtype, scales=None):
             raise ValueError(f"batch_gemm: {tiles} output tiles with a split of K, at most {MAX_TILES}")
         part, cnt = torch.empty(tiles * split * bm * bn, dtype=torch.float32, device=x.device), counters
     sx, sw = scales if scales is not None else (y, y)
-    batch_gemm_kernel[(tiles, split)](x, weight, sx, sw, bias if bias is not None else y, y, part, cnt, m, n, k,
-                                      k_per, x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, SWAP=swap, EVEN_K=k % bk == 0,
-                                      FP8=scales is not None, num_warps=warps, num_stages=stages, **pdl_args(y))
+    xd = wd = x
+    if tma and copy_engine_reads(x) and copy_engine_reads(weight):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xd, wd = TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk])
+    else:
+        tma = False
+    batch_gemm_kernel[(tiles, split)](x, weight, xd, wd, sx, sw, bias if bias is not None else y, y, part, cnt, m, n,
+                                      k, k_per, x.stride(0), weight.stride(0), y.stride(0),
+                                      HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
+                                      SWAP=swap, EVEN_K=k % bk == 0, FP8=scales is not None, TMA=tma,
+                                      num_warps=warps, num_stages=stages, **pdl_args(y))
     return y
+

@@ -193,7 +193,7 @@ def fp8_row(x: torch.Tensor, weight: torch.Tensor, scale_w: torch.Tensor, bias: 
     one). `rope` / `gated`: as `kernels.gemv.norm_gemv`. `launch`: the launch
     shape (default `config`'s)."""
     n, k = weight.shape
-    bm, bn, bk, split, warps, stages, _ = launch or config(n, k)
+    bm, bn, bk, split, warps, stages, *_ = launch or config(n, k)
     if norm is not None and k > NORM_MAX_K:
         raise ValueError(f"fp8_row: a norm inside the product takes rows of at most {NORM_MAX_K}, got {k}")
     ep = epilogue(weight, rope, gated, bn)

@@ -24,15 +24,13 @@ the same bits in any batch. Otherwise the shape follows the rows per expert
 tensor-parallel slice of the intermediate size)."""
 from __future__ import annotations
 
-import functools
 import importlib.util
-import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args, use_kernel
+from rollout_engine.kernels._triton import cdiv, copy_engine_reads, next_pow2, pdl_args, use_kernel
 from rollout_engine.kernels.moe_align import _align
 
 
@@ -155,23 +153,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
 TMA_WEIGHTS = True
 
 
-@functools.cache
-def _tma_device(index: int) -> bool:
-    return (importlib.util.find_spec("triton.tools.tensor_descriptor") is not None and torch.version.hip is None
-            and torch.cuda.get_device_capability(index)[0] >= 9)
-
-
 def weight_tiles(w: torch.Tensor, t: Tiles):
     """What a product's launch reads expert weights w [E, N, K] through: a
     tensor descriptor of (1, block_n, block_k) tiles where TMA_WEIGHTS is on
     and the copy engine can take w (Hopper on, 16-byte aligned rows; and
     under Triton's interpreter), else w itself (pointer loads). Returns
     (descriptor or w, whether it is a descriptor)."""
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    on = TMA_WEIGHTS and (interpreting or (w.is_cuda and _tma_device(
-        w.device.index if w.device.index is not None else torch.cuda.current_device())))
-    size = w.element_size()
-    if not on or w.stride(2) != 1 or w.data_ptr() % 16 or (w.stride(0) * size) % 16 or (w.stride(1) * size) % 16:
+    if not TMA_WEIGHTS or not copy_engine_reads(w):
         return w, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -3,6 +3,10 @@ the host: measured choices kept, splits only with counters, and the products
 that take it at all."""
 from __future__ import annotations
 
+import importlib.util
+import os
+
+import pytest
 import torch
 
 from rollout_engine.kernels.batch_gemm import MAX_ROWS, SMS, new_counters, pick, small_batch, use_counters
@@ -23,7 +27,7 @@ def test_narrow_products_split_the_reduction_and_wide_ones_do_not():
 def test_fp8_products_take_the_measured_shapes():
     # qwen2.5-7b at 1 to 64 rows (benchmarks/fp8_gemm_configs.py, H200): blocks of 256 columns; qkv and
     # gate_up unsplit, down (K = 18944) in four, o (56 tiles) split; the grid's best within 0.3-1.2 us
-    assert pick(1, 4608, 3584, True, fp8=True) == (16, 64, 256, 1, 4, 4, True)
+    assert pick(1, 4608, 3584, True, fp8=True) == (16, 64, 256, 1, 4, 4, True, False)
     assert pick(1, 37888, 3584, True, fp8=True).split == 1
     assert pick(1, 3584, 18944, True, fp8=True).split == 4
     assert pick(64, 3584, 18944, True, fp8=True).block_m == 64
@@ -58,3 +62,28 @@ def test_only_small_gpu_batches_take_it():
     w = torch.zeros(64, 32, dtype=torch.bfloat16)
     assert not small_batch(torch.zeros(4, 32, dtype=torch.bfloat16), w)  # on the CPU: F.linear
     assert MAX_ROWS == 32
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                    reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_interpreted_copy_engine_tiles_equal_pointer_loads(dtype):
+    """x and W tiles through tensor descriptors (GemmConfig.tma): the same
+    bits as the pointer loads, with rows, columns and K past the tiles,
+    split or not, swapped or not; a tensor the copy engine cannot read (a
+    row of 36 bytes) keeps the pointer loads."""
+    from rollout_engine.kernels._triton import copy_engine_reads
+    from rollout_engine.kernels.batch_gemm import GemmConfig, batch_gemm
+
+    torch.manual_seed(0)
+    configs = (GemmConfig(16, 16, 32, 1, 4, 2), GemmConfig(16, 32, 32, 2, 4, 2),
+               GemmConfig(16, 16, 16, 4, 4, 2, swap=True))
+    with use_counters(new_counters(torch.device("cpu"))):
+        for m, n, k in ((5, 40, 72), (70, 48, 136), (3, 24, 18)):
+            x, w, b = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+            assert copy_engine_reads(x) == ((k * x.element_size()) % 16 == 0)
+            ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+            for cfg in configs:
+                out = batch_gemm(x, w, b, cfg._replace(tma=True))
+                assert torch.equal(out, batch_gemm(x, w, b, cfg))
+                assert (out.double() - ref).abs().max() < (2e-2 if dtype == torch.float16 else 1e-4)
