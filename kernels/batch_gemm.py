@@ -248,4 +248,3 @@ def _launch(x, weight, bias, config, out_dtype, scales=None):
                                       SWAP=swap, EVEN_K=k % bk == 0, FP8=scales is not None, TMA=tma,
                                       num_warps=warps, num_stages=stages, **pdl_args(y))
     return y
-
