@@ -69,6 +69,17 @@ def copy_engine_reads(t: torch.Tensor) -> bool:
                                              else torch.cuda.current_device())
 
 
+def tile_descriptor(t: torch.Tensor, block: list[int]):
+    """A Triton tensor descriptor of `block`-shaped tiles over t where the
+    copy engine can read t (`copy_engine_reads`), else None (the caller
+    keeps its pointer loads)."""
+    if not copy_engine_reads(t):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rollout_engine.kernels._triton import cdiv, copy_engine_reads, next_pow2, pdl_args, use_kernel
+from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args, tile_descriptor, use_kernel
 from rollout_engine.kernels.moe_align import _align
 
 
@@ -159,11 +159,8 @@ def weight_tiles(w: torch.Tensor, t: Tiles):
     and the copy engine can take w (Hopper on, 16-byte aligned rows; and
     under Triton's interpreter), else w itself (pointer loads). Returns
     (descriptor or w, whether it is a descriptor)."""
-    if not TMA_WEIGHTS or not copy_engine_reads(w):
-        return w, False
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(w, [1, t.block_n, t.block_k]), True
+    desc = tile_descriptor(w, [1, t.block_n, t.block_k]) if TMA_WEIGHTS else None
+    return (w, False) if desc is None else (desc, True)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
