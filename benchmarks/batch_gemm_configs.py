@@ -10,9 +10,17 @@ engine picks (`kernels.batch_gemm.pick`, up to 32 rows). On a CUDA GPU:
     python3 benchmarks/batch_gemm_configs.py --model qwen3-0.6b --rows 64 128 256 --out /tmp/gemm.json
     python3 benchmarks/batch_gemm_configs.py --model llama-3.1-8b --rows 2 8 32 --pick-only
     python3 benchmarks/batch_gemm_configs.py --model qwen3-0.6b --rows 256 --shapes o down --tma both
+    python3 benchmarks/batch_gemm_configs.py --rows 128 256 --configs 64,32,64,2,4,4 64,64,128,1,4,3 --tma both
+
+Beyond 32 rows it prints the table kernels.batch_gemm.WIDE takes (`WIDE=...`,
+`WIDE_ROWS=...`, for benchmarks/ab_switch.py): per weight shape, the launch
+shape of least total time over the rows, where it beats F.linear by 5% at
+each.
 """
 from __future__ import annotations
 
+import argparse
+import ast
 import itertools
 import json
 
@@ -22,26 +30,27 @@ import torch.nn.functional as F
 from gemm_shapes import graph_time_us, shapes, write_out  # benchmarks/, the script's own folder
 from rollout_engine.bench.roofline import measure_device
 from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int, run_script
-from rollout_engine.kernels.batch_gemm import GemmConfig, batch_gemm, new_counters, pick, use_counters
+from rollout_engine.kernels.batch_gemm import MAX_ROWS, GemmConfig, batch_gemm, new_counters, pick, use_counters
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS, PresetConfig
 
 SPILL_BYTES = 256 << 20  # weight copies per shape: past the L2 cache
 
 
-def grid(m: int, tma: str = "off") -> list[GemmConfig]:
-    """The launch shapes timed at m rows; `tma`: with the x and W tiles
-    through the copy engine's tensor descriptors ("on"), through pointer
-    loads ("off"), or each shape both ways ("both")."""
-    out = []
-    if m > 32:
+def grid(m: int, tma: str = "off", only: list[GemmConfig] | None = None) -> list[GemmConfig]:
+    """The launch shapes timed at m rows (`only`: these instead of the
+    grid's); `tma`: with the x and W tiles through the copy engine's tensor
+    descriptors ("on"), through pointer loads ("off"), or each shape both
+    ways ("both")."""
+    out = list(only or [])
+    if m > 32 and not only:
         for bm, bn, bk, split in itertools.product((64, 128), (32, 64, 128), (64, 128), (1, 2, 4, 8)):
             if bm > max(64, m):
                 continue
             for warps in (4, 8) if bm * bn >= 128 * 64 else (4,):
                 for stages in (3, 4) if bk == 64 else (3,):
                     out.append(GemmConfig(bm, bn, bk, split, warps, stages))
-    if m <= 64:  # the weight's rows on the tensor cores' long side, x's rows on the short one
+    if m <= 64 and not only:  # the weight's rows on the tensor cores' long side, x's rows on the short one
         bm = max(16, 1 << (m - 1).bit_length())
         for bn, bk, split, stages in itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16), (3, 4)):
             if bk * bn <= 128 * 128:
@@ -56,7 +65,8 @@ def time_us(fn, copies: int) -> float:
     return graph_time_us(fn, reps=1) / copies
 
 
-def run(model: str, rows: list[int], only: list[str] | None, pick_only: bool = False, tma: str = "off") -> dict:
+def run(model: str, rows: list[int], only: list[str] | None, pick_only: bool = False, tma: str = "off",
+        configs: list[GemmConfig] | None = None) -> dict:
     mc = ModelConfig.from_hf(PresetConfig(**PRESETS[model]))
     limits = measure_device()
     out = {"model": model, "device": torch.cuda.get_device_name(), "rows": []}
@@ -75,7 +85,7 @@ def run(model: str, rows: list[int], only: list[str] | None, pick_only: bool = F
                    "floor_us": round(max(2 * m * n * k / limits.flops, 2 * n * k / limits.bandwidth) * 1e6, 2),
                    "configs": {}}
             engine = pick(m, n, k, True) if m <= 32 else None
-            shapes_m = grid(m, tma)
+            shapes_m = grid(m, tma, configs)
             configs = [engine] if pick_only else shapes_m + ([engine] if engine and engine not in shapes_m else [])
             for cfg in configs:
                 try:
@@ -102,6 +112,36 @@ def run(model: str, rows: list[int], only: list[str] | None, pick_only: bool = F
     return out
 
 
+def launch_shape(text: str) -> GemmConfig:
+    """`--configs`' "64,32,128,2,4,3" or "16,32,128,4,4,4,1" -> GemmConfig."""
+    try:
+        fields = [int(v) for v in text.split(",")]
+    except ValueError:
+        fields = []
+    if not 6 <= len(fields) <= 7 or min(fields[:6]) < 1 or (len(fields) == 7 and fields[6] not in (0, 1)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not BM,BN,BK,SPLIT,WARPS,STAGES[,SWAP] "
+                                         "(positive integers, SWAP 0 or 1)")
+    return GemmConfig(*fields[:6], swap=bool(fields[6]) if len(fields) == 7 else False)
+
+
+def wide_table(rows: list[dict], margin: float = 0.05) -> dict:
+    """kernels.batch_gemm.WIDE from a sweep's rows beyond MAX_ROWS: per
+    weight shape (n, k), the launch shape of least total time over the
+    swept row counts, listed where it beats F.linear by `margin` at every
+    one of them."""
+    table = {}
+    for nk in sorted({(r["n"], r["k"]) for r in rows if r["m"] > MAX_ROWS}):
+        mine = [r for r in rows if (r["n"], r["k"]) == nk and r["m"] > MAX_ROWS]
+        timed = [{c: v["us"] for c, v in r["configs"].items() if isinstance(v, dict)} for r in mine]
+        common = set.intersection(*(set(t) for t in timed))
+        if not common:
+            continue
+        best = min(common, key=lambda c: sum(t[c] for t in timed))
+        if all(t[best] * (1 + margin) <= r["linear_us"] for t, r in zip(timed, mine)):
+            table[nk] = tuple(ast.literal_eval(v) for v in best.split(","))
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ScriptParser("batch_gemm_configs.py", __doc__)
     p.add_argument("--model", choices=sorted(PRESETS), default="qwen3-0.6b", help="preset whose shapes to time")
@@ -113,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tma", choices=["off", "on", "both"], default="off",
                    help="the grid's x and W tiles through pointer loads (off), the copy engine's tensor "
                         "descriptors (on), or each shape both ways")
+    p.add_argument("--configs", type=launch_shape, nargs="+", metavar="BM,BN,BK,SPLIT,WARPS,STAGES[,SWAP]",
+                   help="time only these launch shapes (SWAP 0 or 1, default 0), not the grid")
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_args(argv)
     if args.pick_only and max(args.rows) > 32:
@@ -120,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"(got {max(args.rows)})")
     needs_cuda(p, "the products are timed on the GPU")
     with use_counters(new_counters(torch.device("cuda", torch.cuda.current_device()))):
-        write_out(args.out, run(args.model, args.rows, args.shapes, args.pick_only, args.tma))
+        out = run(args.model, args.rows, args.shapes, args.pick_only, args.tma, args.configs)
+    wide = wide_table(out["rows"])
+    out["wide"] = [[n, k, list(cfg)] for (n, k), cfg in wide.items()]
+    if wide:  # ready for benchmarks/ab_switch.py rollout_engine.kernels.batch_gemm.WIDE=...
+        print(f"WIDE={wide!r}")
+        print(f"WIDE_ROWS={(min(r for r in args.rows if r > MAX_ROWS), max(args.rows))!r}")
+    write_out(args.out, out)
     return 0
 
 
