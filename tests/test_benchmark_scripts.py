@@ -125,6 +125,8 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
     ("ab_switch", ["rollout_engine.layers.fp8_linear.FAST_ACCUM", "rollout-engine"], "module.NAME=value"),
     ("ab_switch", ["rollout_engine.attention.flashinfer_backend.TRITON_DECODE_BF16_MIN_ROWS=many", "rollout-engine"],
      "module.NAME=value"),
+    ("batch_gemm_configs", ["--configs", "64,32,128,2,4"], "--configs"),
+    ("batch_gemm_configs", ["--configs", "64,32,128,2,4,3,2"], "--configs"),
     ("decode_attention", ["--backends", "cuda"], "--backends"),
     ("decode_attention", ["--layouts", "NDH"], "--layouts"), ("moe_kernel", ["--tokens", "8,0"], "--tokens"),
 ])
