@@ -24,10 +24,12 @@ works; an e4m3 cache is widened as it loads."""
 from __future__ import annotations
 
 import importlib.util
+from typing import NamedTuple
 
 import torch
 
 from rollout_engine.kernels._triton import next_pow2, pdl_args
+from rollout_engine.kernels.rope import QKNorm
 
 BLOCK_N = 64  # keys per block
 # Programs per KV head (a power of two: the merge adds the splits unrolled). On
@@ -59,12 +61,44 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     import triton.language as tl
 
     from rollout_engine.kernels.attention import attend_block, online_update
+    from rollout_engine.kernels.e4m3 import kv_value
+    from rollout_engine.kernels.rope import cos_sin, rotated_halves
+
+    @triton.jit
+    def _rotated_q(q_ptr, heads, real, c, sn, qw_ptr, eps, stride_qh, dt, GROUP_P: tl.constexpr, D: tl.constexpr,
+                   NORM: tl.constexpr):
+        """The group's query heads normalised and rotated as the rotary
+        kernel writes them (rounded to `dt`): [GROUP_P, D]."""
+        q1, q2 = rotated_halves(q_ptr + heads[:, None] * stride_qh, real[:, None], c, sn, qw_ptr, eps, dt, D // 2, NORM)
+        return tl.reshape(tl.permute(tl.join(q1.to(dt), q2.to(dt)), (0, 2, 1)), (GROUP_P, D))
+
+    @triton.jit
+    def _store_new_entry(kn_ptr, vn_ptr, k_ptr, v_ptr, loc_ptr, kvh, c, sn, kw_ptr, eps, stride_ks, stride_kh, dt,
+                         GROUP_P: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+        """This step's K (normalised and rotated) and V of KV head `kvh`
+        into the caches at slot loc[0], as the rotary kernel stores them;
+        computed on GROUP_P rows, row 0 stored."""
+        g = tl.arange(0, GROUP_P)[:, None]
+        first = g == 0
+        h = tl.arange(0, D // 2)[None, :]
+        k1, k2 = rotated_halves(kn_ptr + kvh * D + g * 0, first, c, sn, kw_ptr, eps, dt, D // 2, NORM)
+        at = tl.load(loc_ptr).to(tl.int64) * stride_ks + kvh * stride_kh
+        tl.store(k_ptr + at + g * 0 + h, kv_value(k1, dt, k_ptr.dtype.element_ty), mask=first)
+        tl.store(k_ptr + at + g * 0 + D // 2 + h, kv_value(k2, dt, k_ptr.dtype.element_ty), mask=first)
+        d = tl.arange(0, D)
+        tl.store(v_ptr + at + d, kv_value(tl.load(vn_ptr + kvh * D + d), dt, v_ptr.dtype.element_ty))
 
     @triton.jit
     def one_seq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, pos_ptr, part_ptr, ml_ptr, cnt_ptr,
+                       kn_ptr, vn_ptr, loc_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, cs_stride,
                        table_stride, scale, stride_qh, stride_ks, stride_kh,
                        GROUP: tl.constexpr, GROUP_P: tl.constexpr, GROUP_S: tl.constexpr, D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
+                       PDL: tl.constexpr):
+        """ROPE: q is the qkv product's unrotated query, kn/vn its new K and
+        V rows [Hk, D]: each program rotates (NORM: after the per-head
+        RMSNorm) its group's queries, and the program whose keys end at the
+        new token rotates K and stores K and V at loc[0] before it reads them."""
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         row = tl.load(rows_ptr).to(tl.int64)
@@ -86,8 +120,16 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                 tl.extra.cuda.gdc_launch_dependents()
             g = tl.arange(0, GROUP_P)
             heads = kvh * GROUP + g
-            q = tl.load(q_ptr + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
-            new = (n == newest)[:, None]  # this step's entry, written by the kernel before
+            if ROPE:
+                c, sn = cos_sin(cos_ptr, sin_ptr, newest, cs_stride, dt, D // 2)
+                q = _rotated_q(q_ptr, heads, g < GROUP, c, sn, qw_ptr, eps, stride_qh, dt, GROUP_P, D, NORM)
+                if s == (newest // BLOCK_N) % SPLITS:  # the program whose blocks hold the new token
+                    _store_new_entry(kn_ptr, vn_ptr, k_ptr, v_ptr, loc_ptr, kvh, c, sn, kw_ptr, eps, stride_ks,
+                                     stride_kh, dt, GROUP_P, D, NORM)
+                    tl.debug_barrier()  # stored before any thread of the program reads it back
+            else:
+                q = tl.load(q_ptr + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+            new = (n == newest)[:, None]  # this step's entry, written by the kernel before (ROPE: just above)
             k = tl.where(new, tl.load(k_ptr + off, mask=new, other=0.0).to(dt), k)
             v = tl.where(new, tl.load(v_ptr + off, mask=new, other=0.0).to(dt), v)
             m = tl.full([GROUP_P], float("-inf"), tl.float32)
@@ -130,15 +172,39 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                 tl.store(cnt_ptr + kvh, 0)  # back to zero for the next launch or replay
 
 
+class NewEntry(NamedTuple):
+    """This step's K and V as the qkv product leaves them, for
+    `one_seq_attention` to rotate and store itself: k and v [1, Hk, D]
+    (each head contiguous), the rotation's cos/sin tables [positions, D]
+    (`RotaryEmbedding`), the slot loc [1], and Qwen3's per-head q/k RMSNorm
+    (`kernels.rope.QKNorm`) or None."""
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    loc: torch.Tensor
+    qk_norm: QKNorm | None
+
+
+def takes_new_entry(q: torch.Tensor, entry: NewEntry, k_cache: torch.Tensor) -> bool:
+    """Whether `one_seq_attention` can rotate and store `entry` itself: q
+    and the new K/V rows with contiguous heads, a contiguous cache."""
+    return (q.stride(-1) == 1 and q.stride(1) == q.shape[-1] and k_cache.is_contiguous()
+            and all(t.dim() == 3 and t.stride(-1) == 1 and t.stride(1) == t.shape[-1] for t in (entry.k, entry.v))
+            and entry.cos.stride(-1) == 1 and entry.sin.stride() == entry.cos.stride())
+
+
 def one_seq_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                       rows: torch.Tensor, positions: torch.Tensor, scale: float,
-                      counters: torch.Tensor) -> torch.Tensor:
+                      counters: torch.Tensor, new: NewEntry | None = None) -> torch.Tensor:
     """Attention of one new query token over its sequence: q [1, Hq, D];
     caches [slots, Hk, D]; the sequence is table[rows[0], :positions[0] + 1]
     (device tensors: `rows` int32/int64, `positions` the new token's
     position). `counters`: at least Hk int32 zeros, left zero (launches in
-    stream order, as `kernels.batch_gemm.use_counters`). Returns [1, Hq, D]
-    in q's dtype (`supported` shapes)."""
+    stream order, as `kernels.batch_gemm.use_counters`). `new`: q is not
+    yet rotated and the new token's K/V not yet stored; the launch does
+    both, as `kernels.rope.rope_and_store` would (`takes_new_entry`).
+    Returns [1, Hq, D] in q's dtype (`supported` shapes)."""
     _, hq, d = q.shape
     hk = k_cache.shape[1]
     group = hq // hk
@@ -146,12 +212,20 @@ def one_seq_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     group_p = max(16, group_s)  # the tensor cores' smallest tile
     if counters.numel() < hk:
         raise ValueError(f"one_seq_attention: {counters.numel()} counters for {hk} KV heads")
-    q = q.contiguous()  # the output takes its strides
-    out = torch.empty_like(q)
+    if new is None:
+        q = q.contiguous()  # the output takes its strides
+        kn = vn = loc = cos = sin = qw = kw = q
+        eps = 0.0
+    else:
+        kn, vn, cos, sin, loc, qk_norm = new
+        qw, kw, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
+    out = torch.empty((1, hq, d), dtype=q.dtype, device=q.device)
     part = torch.empty(hk * SPLITS * group_s * d, dtype=torch.float32, device=q.device)
     ml = torch.empty(hk * SPLITS * 2 * group_s, dtype=torch.float32, device=q.device)
     one_seq_kernel[(SPLITS, hk)](q, k_cache, v_cache, out, table, rows, positions, part, ml, counters,
+                                 kn, vn, loc, cos, sin, qw, kw, eps, cos.stride(0),
                                  table.stride(0), scale, q.stride(1), k_cache.stride(0), k_cache.stride(1),
                                  GROUP=group, GROUP_P=group_p, GROUP_S=group_s, D=d, BLOCK_N=BLOCK_N, SPLITS=SPLITS,
+                                 ROPE=new is not None, NORM=new is not None and new.qk_norm is not None,
                                  num_warps=4, **pdl_args(q))
     return out

@@ -7,7 +7,7 @@ the separate norm would. `rope` returns rotated q and k instead, for callers
 that keep K/V themselves."""
 from __future__ import annotations
 
-import functools
+import importlib.util
 
 import torch
 
@@ -44,8 +44,7 @@ def rope_and_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, loc,
     return qo
 
 
-@functools.cache
-def _kernel():
+if importlib.util.find_spec("triton") is not None:  # module level: the one-sequence attention calls these
     import triton
     import triton.language as tl
 
@@ -58,6 +57,31 @@ def _kernel():
         return ((x * inv).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
 
     @triton.jit
+    def cos_sin(cos_ptr, sin_ptr, pos, cs_stride, dt, HALF: tl.constexpr):
+        """The rotation's [1, HALF] cos and sin at position `pos`, rounded to
+        the model's dtype `dt` first, as the reference does."""
+        offs = tl.arange(0, HALF)[None, :]
+        c = tl.load(cos_ptr + pos * cs_stride + offs).to(dt).to(tl.float32)
+        s = tl.load(sin_ptr + pos * cs_stride + offs).to(dt).to(tl.float32)
+        return c, s
+
+    @triton.jit
+    def rotated_halves(base, mask, c, s, w_ptr, eps, dt, HALF: tl.constexpr, NORM: tl.constexpr):
+        """Heads at `base` ([H, 1] pointers to each head's first element;
+        `mask` [H, 1]) per-head RMS-normalised (NORM, weight at w_ptr) and
+        rotated: their first and second halves [H, HALF] in fp32, not yet
+        rounded."""
+        offs = tl.arange(0, HALF)[None, :]
+        x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+            inv = tl.rsqrt(ss / (2 * HALF) + eps)[:, None]
+            x1 = _normed(x1, w_ptr, offs, inv, dt)
+            x2 = _normed(x2, w_ptr + HALF, offs, inv, dt)
+        return x1 * c - x2 * s, x2 * c + x1 * s
+
+    @triton.jit
     def _rotate(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, c, s, w_ptr, eps, dt, NUM_HEADS: tl.constexpr,
                 HEADS_P2: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
         """Heads of token t rotated (`dt`: the model's dtype, which every step
@@ -66,17 +90,10 @@ def _kernel():
         heads = tl.arange(0, HEADS_P2)[:, None]
         offs = tl.arange(0, HALF)[None, :]
         mask = heads < NUM_HEADS
-        base = src_ptr + t * stride_t + heads * stride_h
-        x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        if NORM:
-            ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-            inv = tl.rsqrt(ss / (2 * HALF) + eps)[:, None]
-            x1 = _normed(x1, w_ptr, offs, inv, dt)
-            x2 = _normed(x2, w_ptr + HALF, offs, inv, dt)
+        r1, r2 = rotated_halves(src_ptr + t * stride_t + heads * stride_h, mask, c, s, w_ptr, eps, dt, HALF, NORM)
         out = dst_ptr + (dst_row * NUM_HEADS + heads) * (2 * HALF)
-        tl.store(out + offs, kv_value(x1 * c - x2 * s, dt, dst_ptr.dtype.element_ty), mask=mask)
-        tl.store(out + HALF + offs, kv_value(x2 * c + x1 * s, dt, dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + offs, kv_value(r1, dt, dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + HALF + offs, kv_value(r2, dt, dst_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotate_k_store_v(k_ptr, v_ptr, ko_ptr, vo_ptr, loc_ptr, k_st, k_sh, v_st, v_sh, t, c, s, kw_ptr, eps, dt,
@@ -104,19 +121,14 @@ def _kernel():
             tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0)
         pos = tl.load(pos_ptr + t)
-        offs = tl.arange(0, HALF)[None, :]
         dt = qo_ptr.dtype.element_ty  # the model's dtype (the caches may hold e4m3)
-        # cos/sin rounded to the model dtype first, as the reference does
-        c = tl.load(cos_ptr + pos * cs_stride + offs).to(dt).to(tl.float32)
-        s = tl.load(sin_ptr + pos * cs_stride + offs).to(dt).to(tl.float32)
+        c, s = cos_sin(cos_ptr, sin_ptr, pos, cs_stride, dt, HALF)
         part = tl.program_id(1)  # KV_PART 1: two programs per token, q in one, k (and v) in the other
         if part == 0:
             _rotate(q_ptr, qo_ptr, q_st, q_sh, t, t, c, s, qw_ptr, eps, dt, NQ, NQ_P2, HALF, NORM)
         if part == KV_PART:
             _rotate_k_store_v(k_ptr, v_ptr, ko_ptr, vo_ptr, loc_ptr, k_st, k_sh, v_st, v_sh, t, c, s, kw_ptr, eps, dt,
                               NK, NK_P2, HALF, STORE, NORM)
-
-    return rope_kernel
 
 
 # q and k of a token rotated by two programs: faster at every size measured
@@ -134,7 +146,7 @@ def _launch(positions, q, k, v, qo, ko, vo, loc, cos, sin, store: bool, qk_norm=
     v_strides = (v.stride(0), v.stride(1)) if store else (0, 0)
     qw, kw, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     split = TWO_PROGRAMS_PER_TOKEN if split is None else split
-    _kernel()[(tokens, 2 if split else 1)](
+    rope_kernel[(tokens, 2 if split else 1)](
         q, k, v if store else k, qo, ko, vo if store else ko, loc if store else positions, cos, sin, positions, qw, kw,
         eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_strides, cos.stride(0), NQ=nq,
         NQ_P2=next_pow2(nq), NK=nk, NK_P2=next_pow2(nk), HALF=d // 2, STORE=store, NORM=qk_norm is not None,

@@ -80,6 +80,70 @@ def test_interpreted_e4m3_cache():
 
 
 # ---------------------------------------------------------------- GPU
+def _rotating_case(hq, hk, d, length, dtype, device, norm, kv_dtype=None, seed=0):
+    """A step whose attention rotates q and stores the new K/V itself: the
+    raw qkv row's views, the caches, and the rotation's tables."""
+    from rollout_engine.kernels.one_seq_attention import NewEntry
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    _, k, v, table = _case(hq, hk, d, [length], dtype, device, kv_dtype, seed)
+    qkv = torch.randn(1, (hq + 2 * hk) * d, generator=g).to(device, dtype)
+    q, kn, vn = (t.view(1, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+    freqs = torch.outer(torch.arange(length + 8).float(), 10000.0 ** (-torch.arange(0, d, 2).float() / d))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(device), emb.sin().to(device)
+    qk_norm = None
+    if norm:
+        qw, kw = ((torch.rand(d, generator=g) + 0.5).to(device, dtype) for _ in range(2))
+        qk_norm = (qw, kw, 1e-6)
+    row = 1
+    loc = table[row, length - 1:length].long()
+    pos = torch.tensor([length - 1], dtype=torch.int64, device=device)
+    return q, k, v, table, row, pos, NewEntry(kn, vn, cos, sin, loc, qk_norm)
+
+
+def _check_rotating(hq, hk, d, length, dtype, device, norm, kv_dtype=None, seed=0):
+    """The launch that rotates and stores equals the rotary kernel then the
+    attention, bit for bit: the caches it leaves and its output."""
+    from rollout_engine.kernels.one_seq_attention import one_seq_attention
+    from rollout_engine.kernels.rope import rope_and_store
+
+    q, k, v, table, row, pos, new = _rotating_case(hq, hk, d, length, dtype, device, norm, kv_dtype, seed)
+    k2, v2 = k.clone(), v.clone()
+    counters = torch.zeros(hk, dtype=torch.int32, device=device)
+    rows = torch.tensor([row], dtype=torch.int32, device=device)
+    scale = d ** -0.5
+    got = one_seq_attention(q, k, v, table, rows, pos, scale, counters, new)
+    qo = rope_and_store(pos, q, new.k, new.v, new.cos, new.sin, k2, v2, new.loc, new.qk_norm)
+    want = one_seq_attention(qo, k2, v2, table, rows, pos, scale, counters)
+    for mine, theirs in ((k, k2), (v, v2)):  # bytes: an e4m3 cache has no torch.equal
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+    assert torch.equal(got, want)
+    assert int(counters.abs().sum()) == 0
+
+
+@interpreted
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("length", [1, BLOCK_N, BLOCK_N + 1, 5 * BLOCK_N + 3, (SPLITS + 3) * BLOCK_N + 5])
+def test_interpreted_rotating_launch_equals_the_rotary_kernel_then_attention(norm, dtype, length):
+    _check_rotating(8, 2, 16, length, dtype, "cpu", norm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hk,d", [(32, 4, 128), (16, 8, 128), (14, 2, 64)])
+@pytest.mark.parametrize("length", [1, 64, 65, 1100, 9000])
+def test_gpu_rotating_launch_equals_the_rotary_kernel_then_attention(norm, dtype, hq, hk, d, length):
+    _check_rotating(hq, hk, d, length, dtype, "cuda", norm)
+
+
+@pytest.mark.gpu
+def test_gpu_rotating_launch_into_an_e4m3_cache():
+    _check_rotating(32, 4, 128, 700, torch.bfloat16, "cuda", True, kv_dtype=torch.float8_e4m3fn)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hk,d", [(32, 8, 128), (32, 4, 128), (16, 16, 64), (14, 2, 64)])
@@ -184,3 +248,38 @@ def test_engine_batch_1_decode_takes_the_kernel_and_matches_hf(one_seq_models, m
         engine.check_integrity()
         engine.shutdown()
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_engine_rotating_in_the_attention_launch_changes_no_bit(one_seq_models, monkeypatch, backend, cuda_graph):
+    """Qwen3's per-head q/k norms keep the rotation out of the qkv product;
+    at batch 1 the attention launch rotates q and stores the new K/V
+    (`attention.one_seq.ROTATE_IN_ONE_SEQ`). Its greedy tokens and raw
+    logprobs equal those of the rotary kernel then the attention, bit for
+    bit, over calls on one engine with a prefix-cache hit, and its later
+    batched steps read the K/V it stored."""
+    from rollout_engine import RolloutEngine, SamplingParams
+    from rollout_engine.attention import one_seq
+
+    _, folder = one_seq_models["qwen3"]
+    system = [3 + (i * 11) % 500 for i in range(2200)]
+    greedy = SamplingParams(max_new_tokens=40, temperature=0, logprob_mode="raw", ignore_eos=True)
+    seen = {}
+    for rotate in (True, False):
+        monkeypatch.setattr(one_seq, "ROTATE_IN_ONE_SEQ", rotate)
+        engine = RolloutEngine(folder, device="cuda", attention_backend=backend, cuda_graph=cuda_graph,
+                               cuda_graph_max_batch_size=8, max_total_tokens=16384)
+        outs = []
+        for prompts in ([[1, 2, 3, 4, 5]], [system + [5, 6]], [system + [9]], [[7, 8, 9], system + [4]]):
+            outs += [(o.output_token_ids, o.output_logprobs)
+                     for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
+        # after a two-row call (the batch kernels), one request whose prompt extends that call's second output:
+        # a prefix-cache hit over K/V that batched steps stored
+        outs += [(o.output_token_ids, o.output_logprobs)
+                 for o in engine.generate(input_ids=[system + [4] + outs[-1][0][:10]], sampling_params=greedy)]
+        engine.check_integrity()
+        engine.shutdown()
+        seen[rotate] = outs
+    assert seen[True] == seen[False]

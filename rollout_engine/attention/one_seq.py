@@ -13,6 +13,7 @@ from rollout_engine.kernels.one_seq_attention import takes_heads
 
 if TYPE_CHECKING:
     from rollout_engine.forward_batch import ForwardBatch
+    from rollout_engine.kernels.one_seq_attention import NewEntry
     from rollout_engine.layers.attention import PagedAttention
 
 ONE_SEQ = "one sequence"  # a step's attn_metadata when it takes the kernel
@@ -32,13 +33,26 @@ def one_seq_shape(shape: AttentionShape) -> bool:
             and takes_heads(shape.dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim))
 
 
+# With per-head q/k norms (Qwen3, Qwen3-MoE) the rotation and K/V store cannot go into the qkv product (the norms
+# need whole heads); in a one-sequence step the attention launch does them (`NewEntry`): one launch fewer a layer.
+ROTATE_IN_ONE_SEQ = True
+
+
+def rotates_in_one_seq(fb: "ForwardBatch") -> bool:
+    """Whether this step's attention launch may rotate q and store the new
+    K/V itself (`ROTATE_IN_ONE_SEQ`): a step that takes the kernel, no padding."""
+    return ROTATE_IN_ONE_SEQ and fb.attn_metadata is ONE_SEQ and not fb.pad
+
+
 def takes_one_seq(enabled: bool, fb: "ForwardBatch") -> bool:
     """A decode step of one sequence, on a backend whose shape takes the kernel (`enabled`)."""
     return enabled and fb.is_decode and fb.batch_size == 1
 
 
-def one_seq(q: torch.Tensor, layer: "PagedAttention", fb: "ForwardBatch") -> torch.Tensor:
-    """The layer's attention for a step that takes the kernel: q [1, heads, d]."""
+def one_seq(q: torch.Tensor, layer: "PagedAttention", fb: "ForwardBatch",
+            new: "NewEntry | None" = None) -> torch.Tensor:
+    """The layer's attention for a step that takes the kernel: q [1, heads,
+    d] (`new`: not yet rotated, the new K/V not yet stored)."""
     from rollout_engine.kernels.batch_gemm import current_counters
     from rollout_engine.kernels.one_seq_attention import one_seq_attention
 
@@ -48,4 +62,4 @@ def one_seq(q: torch.Tensor, layer: "PagedAttention", fb: "ForwardBatch") -> tor
     if counters is None:  # outside a model runner: zeros of the launch's own
         counters = torch.zeros(k_cache.shape[1], dtype=torch.int32, device=q.device)
     return one_seq_attention(q, k_cache, v_cache, fb.table.tensor, fb.rows_device, fb.positions, layer.scaling,
-                             counters)
+                             counters, new)

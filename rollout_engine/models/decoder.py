@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from rollout_engine.attention.one_seq import one_seq, rotates_in_one_seq
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rollout_engine.kernels.gemv import NORM_MAX_K, RopeStore
+from rollout_engine.kernels.one_seq_attention import NewEntry, takes_new_entry
 from rollout_engine.layers.attention import PagedAttention
 from rollout_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -91,6 +93,26 @@ class DecoderAttention(nn.Module):
             return p.norm_product(x, residual, norm, p.bias, rope=rope)
         qkv, residual = p.norm_product(x, residual, norm, p.bias)
         return self._rotate_and_store(positions, qkv, fb), residual
+
+    def one_row_attention(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                          norm: RMSNorm | None, fb: "ForwardBatch",
+                          reduce: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row: `one_row_q`, the attention and the o product (`reduce`:
+        as `attend`). Returns (o's output, residual). With per-head q/k
+        norms (or none) and the rotation not in the product, a step that
+        takes the one-sequence kernel has that kernel rotate q and store the
+        new K/V too (`attention.one_seq.rotates_in_one_seq`)."""
+        p = self.qkv_proj
+        if self.rope_in_product or self.norms_whole or not rotates_in_one_seq(fb):
+            q, residual = self.one_row_q(positions, x, residual, norm, fb)
+            return self.attend(q, fb, reduce), residual
+        qkv, residual = p.norm_product(x, residual, norm, p.bias)
+        q, k, v = (t.view(1, -1, p.head_dim) for t in qkv.split([p.q_size, p.kv_size, p.kv_size], dim=-1))
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else None
+        new = NewEntry(k, v, self.rotary.cos, self.rotary.sin, fb.out_cache_loc, qk_norm)
+        if not takes_new_entry(q, new, fb.kv_pool.k[self.attn.layer_id]):
+            return self.attend(self._rotate_and_store(positions, qkv, fb), fb, reduce), residual
+        return self.o_proj(one_seq(q, self.attn, fb, new).view(1, -1), reduce), residual
 
     def rope_store(self, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    loc: torch.Tensor) -> RopeStore:
@@ -219,10 +241,10 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         if fused and residual is not None:  # the norm took the all-reduce: the product has none to do
             h, residual = self.comm.all_reduce_norm(x, residual, self.input_layernorm)
-            q = attn.one_row_q(positions, h, None, None, fb)[0]
+            h = attn.one_row_attention(positions, h, None, None, fb, reduce=False)[0]
         else:
-            q, residual = attn.one_row_q(positions, x, residual, self.input_layernorm, fb)
-        h = attn.attend(q, fb, reduce=not fused).contiguous()
+            h, residual = attn.one_row_attention(positions, x, residual, self.input_layernorm, fb, reduce=not fused)
+        h = h.contiguous()
         if not isinstance(mlp, DecoderMLP):  # the sparse MLP: its router and experts take the normed rows
             if mlp.fuses_one_row(h, self.post_attention_layernorm):  # the norm inside its launches
                 return mlp.one_row(h, residual, self.post_attention_layernorm, fb)
