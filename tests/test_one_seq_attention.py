@@ -103,8 +103,12 @@ def _rotating_case(hq, hk, d, length, dtype, device, norm, kv_dtype=None, seed=0
 
 
 def _check_rotating(hq, hk, d, length, dtype, device, norm, kv_dtype=None, seed=0):
-    """The launch that rotates and stores equals the rotary kernel then the
-    attention, bit for bit: the caches it leaves and its output."""
+    """The launch that rotates and stores against the rotary kernel then the
+    attention: the V it stores is the same bytes; under the interpreter
+    (the same sums in the same order) K and the output too. On the GPU the
+    per-head norm's sum of squares may add in another order (its own tile
+    shape), so K may differ by a rounding of the cache's type, the output
+    within the attention's tolerance."""
     from rollout_engine.kernels.one_seq_attention import one_seq_attention
     from rollout_engine.kernels.rope import rope_and_store
 
@@ -116,10 +120,16 @@ def _check_rotating(hq, hk, d, length, dtype, device, norm, kv_dtype=None, seed=
     got = one_seq_attention(q, k, v, table, rows, pos, scale, counters, new)
     qo = rope_and_store(pos, q, new.k, new.v, new.cos, new.sin, k2, v2, new.loc, new.qk_norm)
     want = one_seq_attention(qo, k2, v2, table, rows, pos, scale, counters)
-    for mine, theirs in ((k, k2), (v, v2)):  # bytes: an e4m3 cache has no torch.equal
-        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
-    assert torch.equal(got, want)
+    assert torch.equal(v.view(torch.uint8), v2.view(torch.uint8))  # bytes: an e4m3 cache has no torch.equal
     assert int(counters.abs().sum()) == 0
+    if device == "cpu":
+        assert torch.equal(k.view(torch.uint8), k2.view(torch.uint8)) and torch.equal(got, want)
+        return
+    one_rounding = 0.13 if kv_dtype is not None else 1e-2  # e4m3 keeps 3 mantissa bits, bf16 8
+    torch.testing.assert_close(k.float(), k2.float(), rtol=one_rounding, atol=one_rounding)
+    others = torch.arange(k.shape[0], device=device) != new.loc  # every other slot untouched
+    assert torch.equal(k[others].view(torch.uint8), k2[others].view(torch.uint8))
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 @interpreted
@@ -253,33 +263,35 @@ def test_engine_batch_1_decode_takes_the_kernel_and_matches_hf(one_seq_models, m
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["flashinfer", "triton"])
 @pytest.mark.parametrize("cuda_graph", [False, True])
-def test_engine_rotating_in_the_attention_launch_changes_no_bit(one_seq_models, monkeypatch, backend, cuda_graph):
+def test_engine_rotating_in_the_attention_launch_matches_hf(one_seq_models, monkeypatch, backend, cuda_graph):
     """Qwen3's per-head q/k norms keep the rotation out of the qkv product;
-    at batch 1 the attention launch rotates q and stores the new K/V
-    (`attention.one_seq.ROTATE_IN_ONE_SEQ`). Its greedy tokens and raw
-    logprobs equal those of the rotary kernel then the attention, bit for
-    bit, over calls on one engine with a prefix-cache hit, and its later
-    batched steps read the K/V it stored."""
-    from rollout_engine import RolloutEngine, SamplingParams
+    with `attention.one_seq.ROTATE_IN_ONE_SEQ` the batch-1 attention launch
+    rotates q and stores the new K/V itself. Both ways the greedy outputs'
+    logprobs stay at HF's, over calls on one engine: a prefix-cache hit, a
+    two-row call between (the batch kernels), and a request whose prompt
+    extends a batch-1 output, so that its prefix hit reads K/V the launch
+    stored."""
+    from rollout_engine import RolloutEngine
     from rollout_engine.attention import one_seq
+    from rollout_engine.kernels import one_seq_attention as kernel
+    from gpu_parity import gaps_vs_hf
 
-    _, folder = one_seq_models["qwen3"]
+    hf, folder = one_seq_models["qwen3"]
+    real = kernel.one_seq_attention
+    rotating = []
+    monkeypatch.setattr(kernel, "one_seq_attention",
+                        lambda *a: rotating.append(len(a) > 8 and a[8] is not None) or real(*a))
     system = [3 + (i * 11) % 500 for i in range(2200)]
-    greedy = SamplingParams(max_new_tokens=40, temperature=0, logprob_mode="raw", ignore_eos=True)
-    seen = {}
     for rotate in (True, False):
         monkeypatch.setattr(one_seq, "ROTATE_IN_ONE_SEQ", rotate)
+        rotating.clear()
         engine = RolloutEngine(folder, device="cuda", attention_backend=backend, cuda_graph=cuda_graph,
                                cuda_graph_max_batch_size=8, max_total_tokens=16384)
-        outs = []
-        for prompts in ([[1, 2, 3, 4, 5]], [system + [5, 6]], [system + [9]], [[7, 8, 9], system + [4]]):
-            outs += [(o.output_token_ids, o.output_logprobs)
-                     for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
-        # after a two-row call (the batch kernels), one request whose prompt extends that call's second output:
-        # a prefix-cache hit over K/V that batched steps stored
-        outs += [(o.output_token_ids, o.output_logprobs)
-                 for o in engine.generate(input_ids=[system + [4] + outs[-1][0][:10]], sampling_params=greedy)]
+        gaps, outs = gaps_vs_hf(engine, hf, [[1, 2, 3, 4, 5]])
+        for prompts in ([system + [5, 6]], [system + [9]], [[7, 8, 9], system + [4]],
+                        [[1, 2, 3, 4, 5] + outs[0].output_token_ids[:30]]):
+            gaps += gaps_vs_hf(engine, hf, prompts)[0]
+        assert max(gaps) < 2e-2, (rotate, gaps)
+        assert rotating and all(r == rotate for r in rotating), rotate  # every batch-1 launch, or none, rotates
         engine.check_integrity()
         engine.shutdown()
-        seen[rotate] = outs
-    assert seen[True] == seen[False]

@@ -34,8 +34,10 @@ def one_seq_shape(shape: AttentionShape) -> bool:
 
 
 # With per-head q/k norms (Qwen3, Qwen3-MoE) the rotation and K/V store cannot go into the qkv product (the norms
-# need whole heads); in a one-sequence step the attention launch does them (`NewEntry`): one launch fewer a layer.
-ROTATE_IN_ONE_SEQ = True
+# need whole heads); with this on, in a one-sequence step the attention launch does them (`NewEntry`): one launch
+# fewer a layer. Off until a decode A/B measures it; the same sums but the norm's in another order, so K may
+# differ from the rotary kernel's by a rounding.
+ROTATE_IN_ONE_SEQ = False
 
 
 def rotates_in_one_seq(fb: "ForwardBatch") -> bool:
