@@ -297,16 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     p = ScriptParser("moe_kernel.py", __doc__)
     p.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=["qwen3-30b-a3b"],
                    help="expert shapes of these models")
-    p.add_argument("--tokens", default="1,8,64,256,2048", help="token counts, comma-separated")
+    p.add_argument("--tokens", nargs="+", default=["1,8,64,256,2048"],
+                   help="token counts, separated by commas or spaces")
     p.add_argument("--sweep", action="store_true", help="also time every candidate launch shape")
     p.add_argument("--out", help="write the report here (JSON)")
     args = p.parse_checked(argv)
     try:
-        tokens = [int(v) for v in args.tokens.split(",")]
+        tokens = [int(v) for text in args.tokens for v in text.split(",")]
     except ValueError:
         tokens = []
     if not tokens or any(v <= 0 for v in tokens):
-        p.error(f"argument --tokens: positive integers separated by commas, not {args.tokens!r}")
+        p.error(f"argument --tokens: positive integers separated by commas or spaces, not {' '.join(args.tokens)!r}")
     needs_cuda(p, "the kernels are timed on the GPU")
     limits = measure_device()
     result = {"device": torch.cuda.get_device_name(), "copy_TBps": round(limits.bandwidth / 1e12, 3),

@@ -129,6 +129,7 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
     ("batch_gemm_configs", ["--configs", "64,32,128,2,4,3,2"], "--configs"),
     ("decode_attention", ["--backends", "cuda"], "--backends"),
     ("decode_attention", ["--layouts", "NDH"], "--layouts"), ("moe_kernel", ["--tokens", "8,0"], "--tokens"),
+    ("moe_kernel", ["--tokens", "8", "x"], "--tokens"),
 ])
 def test_benchmark_scripts_name_a_bad_flag_before_looking_for_a_gpu(name, argv, flag, capsys, monkeypatch):
     import torch
@@ -295,3 +296,13 @@ def test_ab_switch_says_a_bool_takes_0_or_1(capsys):
     with pytest.raises(SystemExit):
         _benchmark("ab_switch").main(["rollout_engine.layers.fp8_linear.FAST_ACCUM=true", "rollout-engine"])
     assert "FAST_ACCUM is a bool, not 'true' (0 or 1)" in capsys.readouterr().err
+
+
+def test_moe_kernel_takes_token_counts_with_commas_or_spaces(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["--tokens", "8,64"], ["--tokens", "8", "64,256"]):
+        with pytest.raises(SystemExit):
+            _benchmark("moe_kernel").main(argv)
+        assert "needs a CUDA GPU" in capsys.readouterr().err  # past the flags: only the GPU is missing

@@ -51,10 +51,15 @@ def gather(refs: dict[int, Any], what: str, timeout_s: float,
 
 
 def _why(error) -> str:
-    """The useful line of an actor's death (its constructor's exception)."""
+    """The useful line of an actor's death (its constructor's exception),
+    with the first exception of its chain where that one differs: a
+    wrapper's message ("Could not import module ...") names the cause only
+    there."""
     lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
     raised = [ln for ln in lines if ("Error:" in ln or "Exception:" in ln) and not ln.startswith("ray.")]
-    return raised[-1] if raised else (lines[0] if lines else type(error).__name__)
+    if not raised:
+        return lines[0] if lines else type(error).__name__
+    return raised[-1] if raised[0] == raised[-1] else f"{raised[-1]} (caused by {raised[0]})"
 
 
 class PoolCall:
