@@ -17,7 +17,10 @@ With programmatic dependent launch the program loads its first block of
 keys and values before waiting for the kernel before it: the cache entries
 of earlier tokens were written by earlier steps. The new token's entry,
 which this step's rotary kernel (or qkv product) writes, is read after the
-wait.
+wait. Given the qkv product's raw row instead (`NewEntry`: models whose
+per-head q/k norms keep the rotation out of the product), the launch
+rotates its queries itself, and the one program whose keys end at the new
+token rotates and stores that token's K and V, then reads them back.
 
 K/V are read through the request table (token -> slot), so any page size
 works; an e4m3 cache is widened as it loads."""
@@ -74,19 +77,22 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 
     @triton.jit
     def _store_new_entry(kn_ptr, vn_ptr, k_ptr, v_ptr, loc_ptr, kvh, c, sn, kw_ptr, eps, stride_ks, stride_kh, dt,
-                         GROUP_P: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+                         NK_P2: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
         """This step's K (normalised and rotated) and V of KV head `kvh`
-        into the caches at slot loc[0], as the rotary kernel stores them;
-        computed on GROUP_P rows, row 0 stored."""
-        g = tl.arange(0, GROUP_P)[:, None]
-        first = g == 0
+        into the caches at slot loc[0], as the rotary kernel stores them.
+        K is computed on the rotary kernel's own tile (every KV head's row,
+        all but `kvh`'s masked), so that its norm sums in the same order and
+        the cache gets the same bytes."""
+        heads = tl.arange(0, NK_P2)[:, None]
+        mine = heads == kvh
         h = tl.arange(0, D // 2)[None, :]
-        k1, k2 = rotated_halves(kn_ptr + kvh * D + g * 0, first, c, sn, kw_ptr, eps, dt, D // 2, NORM)
-        at = tl.load(loc_ptr).to(tl.int64) * stride_ks + kvh * stride_kh
-        tl.store(k_ptr + at + g * 0 + h, kv_value(k1, dt, k_ptr.dtype.element_ty), mask=first)
-        tl.store(k_ptr + at + g * 0 + D // 2 + h, kv_value(k2, dt, k_ptr.dtype.element_ty), mask=first)
+        k1, k2 = rotated_halves(kn_ptr + heads * D, mine, c, sn, kw_ptr, eps, dt, D // 2, NORM)
+        at = tl.load(loc_ptr).to(tl.int64) * stride_ks + heads * stride_kh
+        tl.store(k_ptr + at + h, kv_value(k1, dt, k_ptr.dtype.element_ty), mask=mine)
+        tl.store(k_ptr + at + D // 2 + h, kv_value(k2, dt, k_ptr.dtype.element_ty), mask=mine)
         d = tl.arange(0, D)
-        tl.store(v_ptr + at + d, kv_value(tl.load(vn_ptr + kvh * D + d), dt, v_ptr.dtype.element_ty))
+        v_at = tl.load(loc_ptr).to(tl.int64) * stride_ks + kvh * stride_kh
+        tl.store(v_ptr + v_at + d, kv_value(tl.load(vn_ptr + kvh * D + d), dt, v_ptr.dtype.element_ty))
 
     @triton.jit
     def one_seq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, pos_ptr, part_ptr, ml_ptr, cnt_ptr,
@@ -94,7 +100,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                        table_stride, scale, stride_qh, stride_ks, stride_kh,
                        GROUP: tl.constexpr, GROUP_P: tl.constexpr, GROUP_S: tl.constexpr, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-                       PDL: tl.constexpr):
+                       NK_P2: tl.constexpr, PDL: tl.constexpr):
         """ROPE: q is the qkv product's unrotated query, kn/vn its new K and
         V rows [Hk, D]: each program rotates (NORM: after the per-head
         RMSNorm) its group's queries, and the program whose keys end at the
@@ -125,7 +131,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                 q = _rotated_q(q_ptr, heads, g < GROUP, c, sn, qw_ptr, eps, stride_qh, dt, GROUP_P, D, NORM)
                 if s == (newest // BLOCK_N) % SPLITS:  # the program whose blocks hold the new token
                     _store_new_entry(kn_ptr, vn_ptr, k_ptr, v_ptr, loc_ptr, kvh, c, sn, kw_ptr, eps, stride_ks,
-                                     stride_kh, dt, GROUP_P, D, NORM)
+                                     stride_kh, dt, NK_P2, D, NORM)
                     tl.debug_barrier()  # stored before any thread of the program reads it back
             else:
                 q = tl.load(q_ptr + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
@@ -186,11 +192,14 @@ class NewEntry(NamedTuple):
     qk_norm: QKNorm | None
 
 
-def takes_new_entry(q: torch.Tensor, entry: NewEntry, k_cache: torch.Tensor) -> bool:
-    """Whether `one_seq_attention` can rotate and store `entry` itself: q
-    and the new K/V rows with contiguous heads, a contiguous cache."""
-    return (q.stride(-1) == 1 and q.stride(1) == q.shape[-1] and k_cache.is_contiguous()
-            and all(t.dim() == 3 and t.stride(-1) == 1 and t.stride(1) == t.shape[-1] for t in (entry.k, entry.v))
+def takes_new_entry(q: torch.Tensor, entry: NewEntry, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `one_seq_attention` can rotate and store `entry` itself:
+    shapes it takes (`supported`), contiguous caches, q and the new K/V
+    rows [1, Hk, D] with contiguous heads, one slot."""
+    return (supported(q, k_cache, v_cache) and k_cache.is_contiguous() and q.stride(1) == q.shape[-1]
+            and entry.loc.numel() == 1
+            and all(t.shape == (1, k_cache.shape[1], q.shape[-1]) and t.stride(-1) == 1 and t.stride(1) == t.shape[-1]
+                    for t in (entry.k, entry.v))
             and entry.cos.stride(-1) == 1 and entry.sin.stride() == entry.cos.stride())
 
 
@@ -227,5 +236,5 @@ def one_seq_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                  table.stride(0), scale, q.stride(1), k_cache.stride(0), k_cache.stride(1),
                                  GROUP=group, GROUP_P=group_p, GROUP_S=group_s, D=d, BLOCK_N=BLOCK_N, SPLITS=SPLITS,
                                  ROPE=new is not None, NORM=new is not None and new.qk_norm is not None,
-                                 num_warps=4, **pdl_args(q))
+                                 NK_P2=next_pow2(hk), num_warps=4, **pdl_args(q))
     return out

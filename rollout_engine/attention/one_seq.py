@@ -35,8 +35,8 @@ def one_seq_shape(shape: AttentionShape) -> bool:
 
 # With per-head q/k norms (Qwen3, Qwen3-MoE) the rotation and K/V store cannot go into the qkv product (the norms
 # need whole heads); with this on, in a one-sequence step the attention launch does them (`NewEntry`): one launch
-# fewer a layer. Off until a decode A/B measures it; the same sums but the norm's in another order, so K may
-# differ from the rotary kernel's by a rounding.
+# fewer a layer. Off until a decode A/B measures it. Read as each step runs: a batch-1 CUDA graph keeps the way it
+# was captured with (set it before building the engine).
 ROTATE_IN_ONE_SEQ = False
 
 

@@ -110,7 +110,8 @@ class DecoderAttention(nn.Module):
         q, k, v = (t.view(1, -1, p.head_dim) for t in qkv.split([p.q_size, p.kv_size, p.kv_size], dim=-1))
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else None
         new = NewEntry(k, v, self.rotary.cos, self.rotary.sin, fb.out_cache_loc, qk_norm)
-        if not takes_new_entry(q, new, fb.kv_pool.k[self.attn.layer_id]):
+        layer = self.attn.layer_id
+        if not takes_new_entry(q, new, fb.kv_pool.k[layer], fb.kv_pool.v[layer]):
             return self.attend(self._rotate_and_store(positions, qkv, fb), fb, reduce), residual
         return self.o_proj(one_seq(q, self.attn, fb, new).view(1, -1), reduce), residual
 
