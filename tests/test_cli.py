@@ -259,3 +259,33 @@ def test_every_command_but_run_takes_a_log_level_and_refuses_a_wrong_one(command
     assert main([command, *extra, "--log-level", "loud"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "argument --log-level: invalid choice: 'loud'" in err
+
+
+def test_a_zoo_models_download_comes_before_the_engines_start_lines(monkeypatch, no_model_load):
+    """The first run's download and conversion show their own progress
+    bars; the engine's start ("starting the engine ... so far" lines) is
+    timed only after them, so the two do not interleave."""
+    from rollout_engine import cli, model_zoo
+
+    seen = []
+
+    class Noting:
+        def __init__(self, log, what, **kw):
+            self.what = what
+
+        def __enter__(self):
+            seen.append("start")
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    def fetched(name, quiet=False):
+        seen.append(f"fetch {name}")
+        raise KeyboardInterrupt  # enough: what came first is known
+
+    monkeypatch.setattr(cli, "Ticking", Noting)
+    monkeypatch.setattr(model_zoo, "ensure_model", fetched)
+    with pytest.raises(KeyboardInterrupt):
+        cli.cmd_generate(cli.build_parser().parse_args(["generate", "--model", DEFAULT_MODEL, "hello"]))
+    assert seen == [f"fetch {DEFAULT_MODEL}"]
