@@ -127,6 +127,30 @@ def embedded_rank(rank: int, world: int, port: int, folder: str, second_folder: 
         dist.destroy_process_group()
 
 
+def exit_when_done(target, rank: int, port: int, out_queue) -> None:
+    """Runs `target(rank, port, out_queue)` in a spawned worker, then ends
+    the process at once (os._exit) once what it put has gone through the
+    queue: no C++ teardown at interpreter exit, where gloo's and the
+    store's threads could still abort a rank that had answered ("terminate
+    called without an active exception"). Exit status 1 if it raised."""
+    import os
+    import sys
+    import traceback
+
+    code = 0
+    try:
+        target(rank, port, out_queue)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        out_queue.close()
+        out_queue.join_thread()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(code)
+
+
 def _leave_together(rank: int) -> None:
     """Both ranks of a gloo world tear down, rank 1 first: rank 0 serves the
     store, and a rank 0 that left early aborted rank 1 at its exit

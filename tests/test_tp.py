@@ -371,12 +371,13 @@ def test_ranks_reading_different_all_reduce_paths_are_refused_together():
 def _on_two_ranks(target, timeout_s: float = 240.0) -> list:
     """`target(rank, port, out_queue)` in two spawned processes: what each
     put, sorted (a worker that dies or hangs fails the test)."""
+    import sync_workers
     from test_weight_sync import _free_port, _gather
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=sync_workers.exit_when_done, args=(target, r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
     return sorted(_gather(procs, out, 2, timeout_s=timeout_s))
