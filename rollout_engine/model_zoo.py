@@ -2,6 +2,7 @@
 model hub) and convert once into a cached safetensors folder."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -10,6 +11,7 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from typing import Iterator
 
 from rollout_engine.interrupts import ctrl_c_ignored
 
@@ -67,7 +69,8 @@ def ensure_model(name: str, quiet: bool = False) -> str:
         staging = None
         try:
             staging = tempfile.mkdtemp(dir=os.path.dirname(folder))
-            convert_gguf(gguf, staging)
+            with _progress_bars(not quiet and sys.stderr.isatty()):
+                convert_gguf(gguf, staging)
             with ctrl_c_ignored():  # published whole or not at all
                 _readable(staging)
                 if os.path.exists(folder):
@@ -79,6 +82,24 @@ def ensure_model(name: str, quiet: bool = False) -> str:
                     shutil.rmtree(staging, ignore_errors=True)
             raise
     return folder
+
+
+@contextlib.contextmanager
+def _progress_bars(shown: bool) -> Iterator[None]:
+    """transformers' progress bars (the conversion's) on or off inside the
+    block, as they were after it: off when quiet, and where stderr is not a
+    terminal (a log file would get each bar as one long line of carriage
+    returns)."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    if not shown and before:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if before != hf_logging.is_progress_bar_enabled():
+            (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
 
 
 def _readable(folder: str) -> None:

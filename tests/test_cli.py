@@ -202,6 +202,41 @@ def test_an_interrupted_conversion_leaves_nothing_in_the_model_cache(fake_zoo_do
     assert not model_zoo.is_ready(model_zoo.model_dir(DEFAULT_MODEL))
 
 
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_conversions_progress_bars_show_only_on_a_terminal(fake_zoo_download, monkeypatch, terminal):
+    """transformers' bars during a zoo model's conversion: shown where stderr
+    is a terminal, off where it is a file or pipe (each bar would be one long
+    line of carriage returns there) and when quiet; as they were afterwards."""
+    import io
+    import os
+
+    from transformers.utils import logging as hf_logging
+
+    from rollout_engine import model_zoo
+
+    class Stderr(io.StringIO):
+        def isatty(self):
+            return terminal
+
+    seen = []
+
+    def convert(gguf, out):
+        seen.append(hf_logging.is_progress_bar_enabled())
+        open(os.path.join(out, "config.json"), "w").write("{}")
+
+    monkeypatch.setattr(model_zoo, "convert_gguf", convert)
+    monkeypatch.setattr(model_zoo, "is_ready", lambda folder: False)
+    monkeypatch.setattr(model_zoo.sys, "stderr", Stderr())
+    hf_logging.enable_progress_bar()
+    try:
+        model_zoo.ensure_model(DEFAULT_MODEL)
+        model_zoo.ensure_model(DEFAULT_MODEL, quiet=True)
+        assert seen == [terminal, False]
+        assert hf_logging.is_progress_bar_enabled()  # as before
+    finally:
+        hf_logging.enable_progress_bar()
+
+
 def test_a_converted_model_folder_is_readable_as_one_made_by_hand(fake_zoo_download, monkeypatch):
     """The cached folder and its files take the umask's modes (mkdtemp's
     0700 folder and a writer's 0600 file would shut other users of a shared
