@@ -69,15 +69,16 @@ def copy_engine_reads(t: torch.Tensor) -> bool:
                                              else torch.cuda.current_device())
 
 
-def tile_descriptor(t: torch.Tensor, block: list[int]):
-    """A Triton tensor descriptor of `block`-shaped tiles over t where the
-    copy engine can read t (`copy_engine_reads`), else None (the caller
-    keeps its pointer loads)."""
-    if not copy_engine_reads(t):
-        return None
+def tile_reader(t: torch.Tensor, block: list[int], wanted: bool = True):
+    """What a kernel reads t through: (a Triton tensor descriptor of
+    `block`-shaped tiles over t, True) where `wanted` and the copy engine
+    can read t (`copy_engine_reads`), else (t, False): the kernel keeps its
+    pointer loads."""
+    if not (wanted and copy_engine_reads(t)):
+        return t, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor.from_tensor(t, block)
+    return TensorDescriptor.from_tensor(t, block), True
 
 
 def cdiv(a: int, b: int) -> int:

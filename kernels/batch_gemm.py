@@ -24,7 +24,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from rollout_engine.kernels._triton import cdiv, half_rows_on_gpu, next_pow2, pdl_args, tile_descriptor
+from rollout_engine.kernels._triton import cdiv, half_rows_on_gpu, next_pow2, pdl_args, tile_reader
 
 
 class GemmConfig(NamedTuple):
@@ -235,13 +235,11 @@ def _launch(x, weight, bias, config, out_dtype, scales=None):
             raise ValueError(f"batch_gemm: {tiles} output tiles with a split of K, at most {MAX_TILES}")
         part, cnt = torch.empty(tiles * split * bm * bn, dtype=torch.float32, device=x.device), counters
     sx, sw = scales if scales is not None else (y, y)
-    xd, wd = (tile_descriptor(x, [bm, bk]), tile_descriptor(weight, [bn, bk])) if tma else (None, None)
-    tma = xd is not None and wd is not None
-    if not tma:
-        xd = wd = x  # placeholders: pointer loads
+    xd, x_tiles = tile_reader(x, [bm, bk], tma)
+    wd, w_tiles = tile_reader(weight, [bn, bk], tma)
     batch_gemm_kernel[(tiles, split)](x, weight, xd, wd, sx, sw, bias if bias is not None else y, y, part, cnt, m, n,
                                       k, k_per, x.stride(0), weight.stride(0), y.stride(0),
                                       HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
-                                      SWAP=swap, EVEN_K=k % bk == 0, FP8=scales is not None, TMA=tma,
+                                      SWAP=swap, EVEN_K=k % bk == 0, FP8=scales is not None, TMA=x_tiles and w_tiles,
                                       num_warps=warps, num_stages=stages, **pdl_args(y))
     return y

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args, tile_descriptor, use_kernel
+from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args, tile_reader, use_kernel
 from rollout_engine.kernels.moe_align import _align
 
 
@@ -159,8 +159,7 @@ def weight_tiles(w: torch.Tensor, t: Tiles):
     and the copy engine can take w (Hopper on, 16-byte aligned rows; and
     under Triton's interpreter), else w itself (pointer loads). Returns
     (descriptor or w, whether it is a descriptor)."""
-    desc = tile_descriptor(w, [1, t.block_n, t.block_k]) if TMA_WEIGHTS else None
-    return (w, False) if desc is None else (desc, True)
+    return tile_reader(w, [1, t.block_n, t.block_k], TMA_WEIGHTS)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:

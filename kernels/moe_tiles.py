@@ -225,22 +225,19 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         w_ptrs = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
         for i in range(0, tl.cdiv(I, BLOCK_K)):
-            if TMA:
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-                else:
-                    a = tl.load(a_ptrs, mask=m_ok[:, None] & (i * BLOCK_K + rk < I)[None, :], other=0.0)
-                w = _weight_tile(wd, e, nt * BLOCK_N, i * BLOCK_K, BLOCK_N, BLOCK_K)
-            elif EVEN_K:
+            k_ok = (i * BLOCK_K + rk < I)[None, :]
+            if EVEN_K:
                 a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-                if EVEN_N:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             else:
-                k_ok = (i * BLOCK_K + rk < I)[None, :]
                 a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+            if TMA:
+                w = _weight_tile(wd, e, nt * BLOCK_N, i * BLOCK_K, BLOCK_N, BLOCK_K)
+            elif not EVEN_K:
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
+            elif EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             acc = _mma(a, w, acc, IEEE=IEEE)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K

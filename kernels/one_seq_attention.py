@@ -65,7 +65,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 
     from rollout_engine.kernels.attention import attend_block, online_update
     from rollout_engine.kernels.e4m3 import kv_value
-    from rollout_engine.kernels.rope import cos_sin, rotated_halves
+    from rollout_engine.kernels.rope import cos_sin, rotate_heads, rotated_halves
 
     @triton.jit
     def _rotated_q(q_ptr, heads, real, c, sn, qw_ptr, eps, stride_qh, dt, GROUP_P: tl.constexpr, D: tl.constexpr,
@@ -77,22 +77,16 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 
     @triton.jit
     def _store_new_entry(kn_ptr, vn_ptr, k_ptr, v_ptr, loc_ptr, kvh, c, sn, kw_ptr, eps, stride_ks, stride_kh, dt,
-                         NK_P2: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+                         NK: tl.constexpr, NK_P2: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
         """This step's K (normalised and rotated) and V of KV head `kvh`
-        into the caches at slot loc[0], as the rotary kernel stores them.
-        K is computed on the rotary kernel's own tile (every KV head's row,
-        all but `kvh`'s masked), so that its norm sums in the same order and
-        the cache gets the same bytes."""
-        heads = tl.arange(0, NK_P2)[:, None]
-        mine = heads == kvh
-        h = tl.arange(0, D // 2)[None, :]
-        k1, k2 = rotated_halves(kn_ptr + heads * D, mine, c, sn, kw_ptr, eps, dt, D // 2, NORM)
-        at = tl.load(loc_ptr).to(tl.int64) * stride_ks + heads * stride_kh
-        tl.store(k_ptr + at + h, kv_value(k1, dt, k_ptr.dtype.element_ty), mask=mine)
-        tl.store(k_ptr + at + D // 2 + h, kv_value(k2, dt, k_ptr.dtype.element_ty), mask=mine)
+        into the caches at slot loc[0]: K through the rotary kernel's own
+        code and tile (`rope.rotate_heads`, this head only), so its norm sums
+        in the same order and the cache gets the same bytes."""
+        slot = tl.load(loc_ptr).to(tl.int64)
+        rotate_heads(kn_ptr, k_ptr, 0, D, 0, slot, c, sn, kw_ptr, eps, dt, NK, NK_P2, D // 2, NORM, True, kvh)
         d = tl.arange(0, D)
-        v_at = tl.load(loc_ptr).to(tl.int64) * stride_ks + kvh * stride_kh
-        tl.store(v_ptr + v_at + d, kv_value(tl.load(vn_ptr + kvh * D + d), dt, v_ptr.dtype.element_ty))
+        tl.store(v_ptr + slot * stride_ks + kvh * stride_kh + d,
+                 kv_value(tl.load(vn_ptr + kvh * D + d), dt, v_ptr.dtype.element_ty))
 
     @triton.jit
     def one_seq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, rows_ptr, pos_ptr, part_ptr, ml_ptr, cnt_ptr,
@@ -100,7 +94,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                        table_stride, scale, stride_qh, stride_ks, stride_kh,
                        GROUP: tl.constexpr, GROUP_P: tl.constexpr, GROUP_S: tl.constexpr, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-                       NK_P2: tl.constexpr, PDL: tl.constexpr):
+                       NK: tl.constexpr, NK_P2: tl.constexpr, PDL: tl.constexpr):
         """ROPE: q is the qkv product's unrotated query, kn/vn its new K and
         V rows [Hk, D]: each program rotates (NORM: after the per-head
         RMSNorm) its group's queries, and the program whose keys end at the
@@ -131,7 +125,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                 q = _rotated_q(q_ptr, heads, g < GROUP, c, sn, qw_ptr, eps, stride_qh, dt, GROUP_P, D, NORM)
                 if s == (newest // BLOCK_N) % SPLITS:  # the program whose blocks hold the new token
                     _store_new_entry(kn_ptr, vn_ptr, k_ptr, v_ptr, loc_ptr, kvh, c, sn, kw_ptr, eps, stride_ks,
-                                     stride_kh, dt, NK_P2, D, NORM)
+                                     stride_kh, dt, NK, NK_P2, D, NORM)
                     tl.debug_barrier()  # stored before any thread of the program reads it back
             else:
                 q = tl.load(q_ptr + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
@@ -236,5 +230,5 @@ def one_seq_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                  table.stride(0), scale, q.stride(1), k_cache.stride(0), k_cache.stride(1),
                                  GROUP=group, GROUP_P=group_p, GROUP_S=group_s, D=d, BLOCK_N=BLOCK_N, SPLITS=SPLITS,
                                  ROPE=new is not None, NORM=new is not None and new.qk_norm is not None,
-                                 NK_P2=next_pow2(hk), num_warps=4, **pdl_args(q))
+                                 NK=hk, NK_P2=next_pow2(hk), num_warps=4, **pdl_args(q))
     return out

@@ -82,14 +82,18 @@ if importlib.util.find_spec("triton") is not None:  # module level: the one-sequ
         return x1 * c - x2 * s, x2 * c + x1 * s
 
     @triton.jit
-    def _rotate(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, c, s, w_ptr, eps, dt, NUM_HEADS: tl.constexpr,
-                HEADS_P2: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    def rotate_heads(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, c, s, w_ptr, eps, dt, NUM_HEADS: tl.constexpr,
+                HEADS_P2: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, ONE_HEAD: tl.constexpr = False,
+                head=0):
         """Heads of token t rotated (`dt`: the model's dtype, which every step
         rounds to) into row `dst_row` of dst, as the KV cache holds them
-        when dst is a cache (`kv_value`)."""
+        when dst is a cache (`kv_value`). ONE_HEAD: only head `head` (read
+        and stored; the others masked, the tile the same)."""
         heads = tl.arange(0, HEADS_P2)[:, None]
         offs = tl.arange(0, HALF)[None, :]
         mask = heads < NUM_HEADS
+        if ONE_HEAD:
+            mask = heads == head
         r1, r2 = rotated_halves(src_ptr + t * stride_t + heads * stride_h, mask, c, s, w_ptr, eps, dt, HALF, NORM)
         out = dst_ptr + (dst_row * NUM_HEADS + heads) * (2 * HALF)
         tl.store(out + offs, kv_value(r1, dt, dst_ptr.dtype.element_ty), mask=mask)
@@ -101,7 +105,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: the one-sequ
                           NORM: tl.constexpr):
         if STORE:  # k and v go to the cache slot of token t
             slot = tl.load(loc_ptr + t).to(tl.int64)
-            _rotate(k_ptr, ko_ptr, k_st, k_sh, t, slot, c, s, kw_ptr, eps, dt, NK, NK_P2, HALF, NORM)
+            rotate_heads(k_ptr, ko_ptr, k_st, k_sh, t, slot, c, s, kw_ptr, eps, dt, NK, NK_P2, HALF, NORM)
             heads = tl.arange(0, NK_P2)[:, None]
             d = tl.arange(0, 2 * HALF)[None, :]
             mask = heads < NK
@@ -109,7 +113,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: the one-sequ
             tl.store(vo_ptr + (slot * NK + heads) * (2 * HALF) + d, kv_value(val, dt, vo_ptr.dtype.element_ty),
                      mask=mask)
         else:
-            _rotate(k_ptr, ko_ptr, k_st, k_sh, t, t, c, s, kw_ptr, eps, dt, NK, NK_P2, HALF, NORM)
+            rotate_heads(k_ptr, ko_ptr, k_st, k_sh, t, t, c, s, kw_ptr, eps, dt, NK, NK_P2, HALF, NORM)
 
     @triton.jit
     def rope_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, loc_ptr, cos_ptr, sin_ptr, pos_ptr, qw_ptr, kw_ptr,
@@ -125,7 +129,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: the one-sequ
         c, s = cos_sin(cos_ptr, sin_ptr, pos, cs_stride, dt, HALF)
         part = tl.program_id(1)  # KV_PART 1: two programs per token, q in one, k (and v) in the other
         if part == 0:
-            _rotate(q_ptr, qo_ptr, q_st, q_sh, t, t, c, s, qw_ptr, eps, dt, NQ, NQ_P2, HALF, NORM)
+            rotate_heads(q_ptr, qo_ptr, q_st, q_sh, t, t, c, s, qw_ptr, eps, dt, NQ, NQ_P2, HALF, NORM)
         if part == KV_PART:
             _rotate_k_store_v(k_ptr, v_ptr, ko_ptr, vo_ptr, loc_ptr, k_st, k_sh, v_st, v_sh, t, c, s, kw_ptr, eps, dt,
                               NK, NK_P2, HALF, STORE, NORM)

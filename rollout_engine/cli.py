@@ -93,10 +93,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if config.enable_return_routed_experts:  # the flag asks for the routes: every sample carries them
         params = dataclasses.replace(params, return_routed_experts=True)
     check_engine_args(config)
-    if config.model in ZOO and config.load_format != "dummy" and not os.path.isdir(config.model):
-        from rollout_engine.model_zoo import ensure_model
+    from rollout_engine.model_zoo import resolve_model_path
 
-        ensure_model(config.model)  # a first run's download and conversion: its own progress, before the ticks
+    resolve_model_path(config.model, config.load_format)  # a zoo model's first download: its own progress first
     # From here on the work takes seconds (torch, transformers, the model's config, the weights): a slow
     # start (a loaded machine, a large model) shows a line every STARTING_TICK_S seconds.
     with Ticking(log, f"starting the engine ({config.model})", every_s=STARTING_TICK_S, quiet_if_quick=True):

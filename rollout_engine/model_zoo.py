@@ -101,14 +101,14 @@ def _progress_bars(shown: bool) -> Iterator[None]:
     returns)."""
     from transformers.utils import logging as hf_logging
 
-    before = hf_logging.is_progress_bar_enabled()
-    if not shown and before:
+    hide = not shown and hf_logging.is_progress_bar_enabled()
+    if hide:
         hf_logging.disable_progress_bar()
     try:
         yield
     finally:
-        if before != hf_logging.is_progress_bar_enabled():
-            (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
+        if hide:
+            hf_logging.enable_progress_bar()
 
 
 def _readable(folder: str) -> None:

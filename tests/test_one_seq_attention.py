@@ -84,14 +84,14 @@ def _rotating_case(hq, hk, d, length, dtype, device, norm, kv_dtype=None, seed=0
     """A step whose attention rotates q and stores the new K/V itself: the
     raw qkv row's views, the caches, and the rotation's tables."""
     from rollout_engine.kernels.one_seq_attention import NewEntry
+    from rollout_engine.layers.rotary import RotaryEmbedding
+    from rollout_engine.models.config import RopeConfig
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     _, k, v, table = _case(hq, hk, d, [length], dtype, device, kv_dtype, seed)
     qkv = torch.randn(1, (hq + 2 * hk) * d, generator=g).to(device, dtype)
     q, kn, vn = (t.view(1, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], dim=-1))
-    freqs = torch.outer(torch.arange(length + 8).float(), 10000.0 ** (-torch.arange(0, d, 2).float() / d))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(device), emb.sin().to(device)
+    rotary = RotaryEmbedding(d, length + 8, RopeConfig(theta=1e4)).to(device)
     qk_norm = None
     if norm:
         qw, kw = ((torch.rand(d, generator=g) + 0.5).to(device, dtype) for _ in range(2))
@@ -99,7 +99,7 @@ def _rotating_case(hq, hk, d, length, dtype, device, norm, kv_dtype=None, seed=0
     row = 1
     loc = table[row, length - 1:length].long()
     pos = torch.tensor([length - 1], dtype=torch.int64, device=device)
-    return q, k, v, table, row, pos, NewEntry(kn, vn, cos, sin, loc, qk_norm)
+    return q, k, v, table, row, pos, NewEntry(kn, vn, rotary.cos, rotary.sin, loc, qk_norm)
 
 
 def _check_rotating(hq, hk, d, length, dtype, device, norm, kv_dtype=None, seed=0):

@@ -16,6 +16,7 @@ from rollout_engine.kernels._triton import use_kernel
 from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rollout_engine.kernels.gemv import NORM_MAX_K, RopeStore
 from rollout_engine.kernels.one_seq_attention import NewEntry, takes_new_entry
+from rollout_engine.kernels.rope import QKNorm
 from rollout_engine.layers.attention import PagedAttention
 from rollout_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rollout_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -72,14 +73,18 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, p.num_heads, p.head_dim)
         k = k.view(-1, p.num_kv_heads, p.head_dim)
         v = v.view(-1, p.num_kv_heads, p.head_dim)
-        qk_norm = None
-        if self.q_norm is not None and not self.norms_whole:
-            if use_kernel(q):  # normalised inside the rotary kernel
-                qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            else:
-                q, k = self.q_norm(q), self.k_norm(k)
+        qk_norm = self._head_norms()
+        if qk_norm is not None and not use_kernel(q):  # on the GPU normalised inside the rotary kernel
+            q, k, qk_norm = self.q_norm(q), self.k_norm(k), None
         return self.rotary.rotate_and_store(positions, q, k, v, fb.kv_pool.k[self.attn.layer_id],
                                             fb.kv_pool.v[self.attn.layer_id], fb.out_cache_loc, qk_norm)
+
+    def _head_norms(self) -> QKNorm | None:
+        """Per-head q/k RMSNorm as the rotary kernels take it, or None (no
+        q/k norms, or OLMoE's over the whole projections)."""
+        if self.q_norm is None or self.norms_whole:
+            return None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
     def one_row_q(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm | None,
                   fb: "ForwardBatch") -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,8 +113,7 @@ class DecoderAttention(nn.Module):
             return self.attend(q, fb, reduce), residual
         qkv, residual = p.norm_product(x, residual, norm, p.bias)
         q, k, v = (t.view(1, -1, p.head_dim) for t in qkv.split([p.q_size, p.kv_size, p.kv_size], dim=-1))
-        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else None
-        new = NewEntry(k, v, self.rotary.cos, self.rotary.sin, fb.out_cache_loc, qk_norm)
+        new = NewEntry(k, v, self.rotary.cos, self.rotary.sin, fb.out_cache_loc, self._head_norms())
         layer = self.attn.layer_id
         if not takes_new_entry(q, new, fb.kv_pool.k[layer], fb.kv_pool.v[layer]):
             return self.attend(self._rotate_and_store(positions, qkv, fb), fb, reduce), residual
