@@ -3,6 +3,7 @@ model hub) and convert once into a cached safetensors folder."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import logging
 import os
@@ -95,20 +96,30 @@ def ensure_model(name: str, quiet: bool = False) -> str:
 
 @contextlib.contextmanager
 def _progress_bars(shown: bool) -> Iterator[None]:
-    """transformers' progress bars (the conversion's) on or off inside the
-    block, as they were after it: off when quiet, and where stderr is not a
-    terminal (a log file would get each bar as one long line of carriage
-    returns)."""
+    """The conversion's progress bars on or off inside the block, as they
+    were after it: off when quiet, and where stderr is not a terminal (a
+    log file would get each bar as one long line of carriage returns).
+    transformers draws its loading and writing bars behind its own switch,
+    and the GGUF reader's with tqdm directly: both are turned off."""
+    if shown:
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
     from transformers.utils import logging as hf_logging
 
-    hide = not shown and hf_logging.is_progress_bar_enabled()
+    hide = hf_logging.is_progress_bar_enabled()
+    reader_bar = getattr(gguf_reader, "tqdm", None)
     if hide:
         hf_logging.disable_progress_bar()
+    if reader_bar is not None:
+        gguf_reader.tqdm = functools.partial(reader_bar, disable=True)
     try:
         yield
     finally:
         if hide:
             hf_logging.enable_progress_bar()
+        if reader_bar is not None:
+            gguf_reader.tqdm = reader_bar
 
 
 def _readable(folder: str) -> None:

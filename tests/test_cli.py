@@ -208,6 +208,7 @@ def test_the_conversions_progress_bars_show_only_on_a_terminal(fake_zoo_download
     """transformers' bars during a zoo model's conversion: shown where stderr
     is a terminal, off where it is a file or pipe (each bar would be one long
     line of carriage returns there) and when quiet; as they were afterwards."""
+    import functools
     import io
     import os
 
@@ -219,10 +220,15 @@ def test_the_conversions_progress_bars_show_only_on_a_terminal(fake_zoo_download
         def isatty(self):
             return terminal
 
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
+
     seen = []
 
     def convert(gguf, out):
-        seen.append(hf_logging.is_progress_bar_enabled())
+        drawn = io.StringIO()
+        for _ in gguf_reader.tqdm(range(3), file=drawn):  # the GGUF reader's own bar
+            pass
+        seen.append((hf_logging.is_progress_bar_enabled(), bool(drawn.getvalue())))
         open(os.path.join(out, "config.json"), "w").write("{}")
 
     monkeypatch.setattr(model_zoo, "convert_gguf", convert)
@@ -232,8 +238,8 @@ def test_the_conversions_progress_bars_show_only_on_a_terminal(fake_zoo_download
     try:
         model_zoo.ensure_model(DEFAULT_MODEL)
         model_zoo.ensure_model(DEFAULT_MODEL, quiet=True)
-        assert seen == [terminal, False]
-        assert hf_logging.is_progress_bar_enabled()  # as before
+        assert seen == [(terminal, terminal), (False, False)]
+        assert hf_logging.is_progress_bar_enabled() and not isinstance(gguf_reader.tqdm, functools.partial)  # as before
     finally:
         hf_logging.enable_progress_bar()
 
