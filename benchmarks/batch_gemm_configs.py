@@ -11,10 +11,16 @@ engine picks (`kernels.batch_gemm.pick`, up to 32 rows). On a CUDA GPU:
     python3 benchmarks/batch_gemm_configs.py --model llama-3.1-8b --rows 2 8 32 --pick-only
     python3 benchmarks/batch_gemm_configs.py --model qwen3-0.6b --rows 256 --shapes o down --tma both
     python3 benchmarks/batch_gemm_configs.py --rows 128 256 --configs 64,32,64,2,4,4 64,64,128,1,4,3 --tma both
+
+Beyond 32 rows it prints the table kernels.batch_gemm.WIDE takes (`WIDE=...`,
+`WIDE_ROWS=...`, for benchmarks/ab_switch.py): per weight shape, the launch
+shape of least total time over the rows, where it beats F.linear by 5% at
+each.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import itertools
 import json
 
@@ -24,7 +30,7 @@ import torch.nn.functional as F
 from gemm_shapes import graph_time_us, shapes, write_out  # benchmarks/, the script's own folder
 from rollout_engine.bench.roofline import measure_device
 from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int, run_script
-from rollout_engine.kernels.batch_gemm import GemmConfig, batch_gemm, new_counters, pick, use_counters
+from rollout_engine.kernels.batch_gemm import MAX_ROWS, GemmConfig, batch_gemm, new_counters, pick, use_counters
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS, PresetConfig
 
@@ -118,6 +124,24 @@ def launch_shape(text: str) -> GemmConfig:
     return GemmConfig(*fields[:6], swap=bool(fields[6]) if len(fields) == 7 else False)
 
 
+def wide_table(rows: list[dict], margin: float = 0.05) -> dict:
+    """kernels.batch_gemm.WIDE from a sweep's rows beyond MAX_ROWS: per
+    weight shape (n, k), the launch shape of least total time over the
+    swept row counts, listed where it beats F.linear by `margin` at every
+    one of them."""
+    table = {}
+    for nk in sorted({(r["n"], r["k"]) for r in rows if r["m"] > MAX_ROWS}):
+        mine = [r for r in rows if (r["n"], r["k"]) == nk and r["m"] > MAX_ROWS]
+        timed = [{c: v["us"] for c, v in r["configs"].items() if isinstance(v, dict)} for r in mine]
+        common = set.intersection(*(set(t) for t in timed))
+        if not common:
+            continue
+        best = min(common, key=lambda c: sum(t[c] for t in timed))
+        if all(t[best] * (1 + margin) <= r["linear_us"] for t, r in zip(timed, mine)):
+            table[nk] = tuple(ast.literal_eval(v) for v in best.split(","))
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ScriptParser("batch_gemm_configs.py", __doc__)
     p.add_argument("--model", choices=sorted(PRESETS), default="qwen3-0.6b", help="preset whose shapes to time")
@@ -138,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"(got {max(args.rows)})")
     needs_cuda(p, "the products are timed on the GPU")
     with use_counters(new_counters(torch.device("cuda", torch.cuda.current_device()))):
-        write_out(args.out, run(args.model, args.rows, args.shapes, args.pick_only, args.tma, args.configs))
+        out = run(args.model, args.rows, args.shapes, args.pick_only, args.tma, args.configs)
+    wide = wide_table(out["rows"])
+    out["wide"] = [[n, k, list(cfg)] for (n, k), cfg in wide.items()]
+    if wide:  # ready for benchmarks/ab_switch.py rollout_engine.kernels.batch_gemm.WIDE=...
+        print(f"WIDE={wide!r}")
+        print(f"WIDE_ROWS={(min(r for r in args.rows if r > MAX_ROWS), max(args.rows))!r}")
+    write_out(args.out, out)
     return 0
 
 

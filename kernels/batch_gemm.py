@@ -191,11 +191,38 @@ def pick(m: int, n: int, k: int, can_split: bool, fp8: bool = False) -> GemmConf
 
 MAX_FP8_ROWS = 64  # fp8 from 1 row to 64; more rows: cuBLAS's row-scaled fp8 products are as fast or faster
 
+# Products of WIDE_ROWS[0] to WIDE_ROWS[1] rows whose weight shape (N, K) is listed here take `batch_gemm` with
+# the listed launch shape (GemmConfig's fields in order) instead of cuBLAS: the shapes a sweep
+# (benchmarks/batch_gemm_configs.py) measured faster than cuBLAS at those rows. Empty: cuBLAS for all of them.
+# On an H100 at 128 rows of llama-3.1-8b the copy-engine tiles beat cuBLAS on qkv (1.10x) and down (1.07x), not
+# o; at 256 rows of qwen2.5-7b and of qwen3-0.6b's o and down nothing did (BENCHMARKS.md). Empty until an engine
+# A/B (decode 8B batch 128) measures the listed shapes.
+WIDE: dict = {}
+WIDE_ROWS = (128, 256)
+
+
+def wide_pick(m: int, n: int, k: int, can_split: bool) -> GemmConfig | None:
+    """The launch shape WIDE lists for x [m, K] W [n, K]^T, or None (a
+    split of K only with counters)."""
+    listed = WIDE.get((n, k)) if WIDE_ROWS[0] <= m <= WIDE_ROWS[1] else None
+    if listed is None:
+        return None
+    config = GemmConfig(*listed)
+    return config if can_split or config.split == 1 else None
+
 
 def small_batch(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x W^T takes `batch_gemm`: 2 to MAX_ROWS contiguous
     half-precision rows on the GPU, a weight with unit column stride."""
     return half_rows_on_gpu(x, weight) and 2 <= x.shape[0] <= MAX_ROWS
+
+
+def wide_batch(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
+    """The launch shape `batch_gemm` takes x W^T with beyond MAX_ROWS rows
+    (`wide_pick`), or None: cuBLAS's."""
+    if not WIDE or not half_rows_on_gpu(x, weight):
+        return None
+    return wide_pick(x.shape[0], weight.shape[0], x.shape[1], current_counters() is not None)
 
 
 def batch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

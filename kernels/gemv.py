@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout_engine.kernels._triton import half_rows_on_gpu, next_pow2, pdl_args
-from rollout_engine.kernels.batch_gemm import batch_gemm, small_batch
+from rollout_engine.kernels.batch_gemm import batch_gemm, small_batch, wide_batch
 
 
 def _config(n: int, k: int) -> tuple[int, int, int]:
@@ -201,6 +201,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return gemv(x, weight, bias)
     if small_batch(x, weight):
         return batch_gemm(x, weight, bias)
+    wide = wide_batch(x, weight)
+    if wide is not None:
+        return batch_gemm(x, weight, bias, wide)
     return F.linear(x, weight, bias)
 
 

@@ -87,3 +87,47 @@ def test_interpreted_copy_engine_tiles_equal_pointer_loads(dtype):
                 out = batch_gemm(x, w, b, cfg._replace(tma=True))
                 assert torch.equal(out, batch_gemm(x, w, b, cfg))
                 assert (out.double() - ref).abs().max() < (2e-2 if dtype == torch.float16 else 1e-4)
+
+
+def test_wide_products_take_only_the_listed_shapes_at_the_listed_rows(monkeypatch):
+    from rollout_engine.kernels import batch_gemm as bg
+
+    assert bg.WIDE == {}  # cuBLAS beyond MAX_ROWS unless a sweep's table is set
+    assert bg.wide_pick(128, 1024, 2048, True) is None
+    monkeypatch.setattr(bg, "WIDE", {(1024, 2048): (64, 32, 64, 2, 4, 4, False, True),
+                                     (1024, 3072): (64, 64, 128, 1, 4, 3, False, True)})
+    monkeypatch.setattr(bg, "WIDE_ROWS", (128, 256))
+    assert bg.wide_pick(128, 1024, 2048, True) == bg.GemmConfig(64, 32, 64, 2, 4, 4, False, True)
+    assert bg.wide_pick(256, 1024, 3072, False).split == 1
+    assert bg.wide_pick(200, 1024, 2048, False) is None  # a split of K only with counters
+    assert bg.wide_pick(127, 1024, 2048, True) is None and bg.wide_pick(257, 1024, 2048, True) is None
+    assert bg.wide_pick(128, 2048, 1024, True) is None  # not listed
+    # on the CPU no product takes a kernel
+    assert bg.wide_batch(torch.zeros(128, 2048), torch.zeros(1024, 2048)) is None
+
+
+def test_a_sweep_lists_the_shape_of_least_total_time_where_it_beats_cublas_at_every_row():
+    import importlib.util
+    import sys
+
+    folder = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    spec = importlib.util.spec_from_file_location("batch_gemm_configs", os.path.join(folder, "batch_gemm_configs.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+
+    def row(n, k, m, linear, configs):
+        return {"n": n, "k": k, "m": m, "linear_us": linear,
+                "configs": {c: ({"us": us} if us is not None else "out of shared memory") for c, us in configs.items()}}
+
+    a, b, c = "64,32,64,2,4,4,False,True", "64,64,128,1,4,3,False,False", "128,64,64,1,8,3,False,True"
+    rows = [row(1024, 2048, 16, 1.0, {a: 9.0}),  # at most MAX_ROWS: not this table's
+            row(1024, 2048, 128, 6.0, {a: 5.0, b: 4.0, c: None}),
+            row(1024, 2048, 256, 7.0, {a: 5.0, b: 6.5, c: 1.0}),  # c fails at 128 rows: not a candidate
+            row(1024, 3072, 128, 6.0, {a: 5.0, b: 4.0}),
+            row(1024, 3072, 256, 6.0, {a: 5.8, b: 6.2})]  # b least in total, a and b too slow at 256
+    assert module.wide_table(rows) == {(1024, 2048): (64, 32, 64, 2, 4, 4, False, True)}
+    assert module.wide_table(rows, margin=0.5) == {}

@@ -147,3 +147,21 @@ def test_copy_engine_tiles_match_the_fp32_product_and_the_pointer_loads(m, n, k,
             assert torch.equal(tiles, pointer), config
     assert not counters.any()
 
+
+def test_wide_products_listed_by_a_sweep_take_the_kernel_and_others_cublas(monkeypatch):
+    import torch.nn.functional as F
+
+    from rollout_engine.kernels import batch_gemm as bg
+    from rollout_engine.kernels.gemv import linear
+
+    x = torch.randn(160, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) * 2048 ** -0.5
+    cfg = (64, 32, 64, 2, 4, 4, False, True)
+    monkeypatch.setattr(bg, "WIDE", {(1024, 2048): cfg})
+    with bg.use_counters(bg.new_counters(torch.device("cuda"))):
+        got = linear(x, w)
+        assert torch.equal(got, bg.batch_gemm(x, w, None, bg.GemmConfig(*cfg)))
+        torch.testing.assert_close(got.float(), _ref(x, w, None), atol=2e-2, rtol=2e-2)
+        assert torch.equal(linear(x[:100], w), F.linear(x[:100], w))  # below WIDE_ROWS: cuBLAS
+    # without counters the split shape is not taken
+    assert torch.equal(linear(x, w), F.linear(x, w))
