@@ -79,7 +79,7 @@ def test_bench_weights_times_in_process_and_disk_updates(llama, tmp_path):
     assert res["weight_bytes"] > 0 and res["in_process_s"] > 0 and res["from_disk_s"] > 0
 
 
-def test_bench_serve_measures_in_process_and_http_on_the_same_requests(llama, tmp_path):
+def test_bench_serve_measures_in_process_and_http_on_the_same_requests(llama, tmp_path, capsys):
     import pytest
 
     pytest.importorskip("fastapi")
@@ -91,6 +91,7 @@ def test_bench_serve_measures_in_process_and_http_on_the_same_requests(llama, tm
                  "--prompt-max", "40", "--output-len", "8", "--concurrency", "4", "--max-total-tokens", "4096",
                  "--out", str(out)]) == 0
     res = json.loads(out.read_text())["results"]
+    assert json.loads(capsys.readouterr().out)["results"] == res  # stdout: the report alone (progress: stderr)
     assert res["requests"] == 12 and res["concurrency"] == 4
     assert res["http"]["output_tokens"] == res["in_process"]["output_tokens"] > 0
     assert res["http_over_in_process"] > 0

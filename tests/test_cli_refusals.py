@@ -224,3 +224,23 @@ def test_errors_escaping_a_command_are_one_line(llama, error, status, capsys, mo
     monkeypatch.delenv("ROLLOUT_ENGINE_DEBUG", raising=False)
     assert main(["generate", "--model", llama[1], "--input-ids", "1"]) == status
     one_line_error(capsys)
+
+
+@pytest.mark.parametrize("argv, flag, extra, module", [
+    (["--workload", "serve"], "--workload", "server", "httpx"),
+    (["--workload", "grpo", "--replicas", "2"], "--replicas", "ray", "ray"),
+])
+def test_a_bench_workload_whose_extra_is_missing_is_one_line_before_the_model_loads(llama, argv, flag, extra, module,
+                                                                                    capsys, monkeypatch):
+    import importlib.util
+
+    from rollout_engine.bench import run
+
+    def never(args):
+        raise AssertionError("the benchmark started")
+    monkeypatch.setattr(run, "main", never)
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else found(name, *a))
+    assert main(["bench", "--model", llama[1], *argv]) == 2
+    line = one_line_error(capsys)
+    assert f"argument {flag}" in line and module in line and f".[{extra}]" in line, line

@@ -120,6 +120,25 @@ def _note_unused_bench_flags(args: argparse.Namespace, defaults: dict[str, Any])
               "(it sizes the broadcast's buckets)", file=sys.stderr)
 
 
+# What a workload (or flag) imports beyond the core install, and the extra that brings it: checked before the
+# engine starts, so a missing package is one line, not a traceback after the model has loaded.
+EXTRAS = {"serve": ("--workload", "server", ("fastapi", "uvicorn", "prometheus_client", "httpx")),
+          "replicas": ("--replicas", "ray", ("ray",))}
+
+
+def _check_extra(args: argparse.Namespace) -> None:
+    import importlib.util
+
+    key = "serve" if args.workload == "serve" else "replicas" if args.replicas > 1 else None
+    if key is None:
+        return
+    flag, extra, modules = EXTRAS[key]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"argument {flag}: {args.workload if key == 'serve' else '--replicas > 1'} needs "
+                         f"{', '.join(missing)}: pip install -e '.[{extra}]' in a clone (or 'rollout-engine[{extra}]')")
+
+
 def _check_bench_args(args: argparse.Namespace) -> None:
     import torch
 
@@ -130,5 +149,6 @@ def _check_bench_args(args: argparse.Namespace) -> None:
         raise UsageError("argument --nccl: broadcasting GPU 0 -> GPU 1 needs two CUDA GPUs")
     if args.prompt_min > args.prompt_max:
         raise UsageError(f"argument --prompt-min: {args.prompt_min} is above --prompt-max {args.prompt_max}")
+    _check_extra(args)
     # The report is written after the run: a bad path should not cost the run.
     check_out_path("--out", args.out)

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import random
+import sys
 import time
 from typing import Any
 
@@ -160,7 +161,7 @@ def bench_decode(args) -> dict[str, Any]:
                 rows[f"bs{batch}_graphs_{'on' if graphs else 'off'}"] = {
                     "error": "no pure decode step observed",
                     "steps": engine.cache_stats()["steps"] - steps_before}
-                print(rows, flush=True)
+                print(rows, file=sys.stderr, flush=True)
                 continue
             med = times[0]
             # TP=k: each GPU reads 1/k of the weights and of the KV (heads split k ways)
@@ -169,7 +170,8 @@ def bench_decode(args) -> dict[str, Any]:
                 "batch": batch, "cuda_graph": graphs, "mean_step_ms": round(med * 1e3, 3),
                 "floor_ms": round(floor * 1e3, 3), "x_floor": round(med / floor, 2),
                 "tok_per_s": round(batch / med, 1)}
-            print(f"decode bs={batch} graphs={graphs}: {med * 1e3:.3f} ms/step ({med / floor:.2f}x floor)", flush=True)
+            print(f"decode bs={batch} graphs={graphs}: {med * 1e3:.3f} ms/step ({med / floor:.2f}x floor)",
+                  file=sys.stderr, flush=True)
         free_device_memory(engine)
         del engine
     rows["bandwidth_TBps"] = round(limits.bandwidth / 1e12, 3)

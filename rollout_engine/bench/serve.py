@@ -7,6 +7,7 @@ requests in flight at a time, one request per prompt."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from typing import Any
@@ -91,7 +92,7 @@ def bench_serve(args) -> dict[str, Any]:
             tokens, seconds = min(timings, key=lambda t: t[1])
             rows[name] = {"output_tokens": tokens, "seconds": round(seconds, 3),
                           "output_tok_per_s": round(tokens / seconds, 1)}
-            print(f"serve {name}: {rows[name]['output_tok_per_s']} output tok/s", flush=True)
+            print(f"serve {name}: {rows[name]['output_tok_per_s']} output tok/s", file=sys.stderr, flush=True)
     finally:
         server.should_exit = True
         thread.join(30)
