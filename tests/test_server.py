@@ -135,6 +135,13 @@ def test_openai_client_completions_chat_and_streaming(server, local):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=model, prompt="x", max_tokens=2, extra_body=extra)
         assert err.value.body["param"] == field, err.value.body
+    # a message without content: only an assistant's may leave it out (as OpenAI)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=[{"role": "user"}], max_tokens=2)
+    assert err.value.body["param"] == "messages.content" and "messages[0]" in err.value.body["message"]
+    answered = client.chat.completions.create(model=model, max_tokens=2, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "again"}])
+    assert answered.choices[0].finish_reason in ("length", "stop")
     # curl's default form content type still reads as JSON
     raw = httpx.post(server.url + "/v1/completions", timeout=60,
                      content=json.dumps({"model": model, "prompt": "x", "max_tokens": 2}))

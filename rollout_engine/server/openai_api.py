@@ -227,7 +227,9 @@ def _token_text(tokenizer):
 
 
 # ---- chat -----------------------------------------------------------------------------
-def _content(message: ChatMessage) -> str:
+def _content(message: ChatMessage, index: int) -> str:
+    if message.content is None and message.role != "assistant":  # as OpenAI: only an assistant's may be left out
+        raise ApiError(400, f"messages[{index}]: a {message.role} message needs its content", "messages.content")
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     parts = []
@@ -259,7 +261,7 @@ async def chat(request: Request):
     top = logprob_count(body.top_logprobs, "top_logprobs") if body.logprobs else 0
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = make_params(**openai_kwargs(body, limit, 256), top_logprobs=top)
-    messages = [{"role": m.role, "content": _content(m)} for m in body.messages]
+    messages = [{"role": m.role, "content": _content(m, i)} for i, m in enumerate(body.messages)]
     try:
         ids = st.engine.apply_chat_template(messages)
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages
