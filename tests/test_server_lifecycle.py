@@ -373,3 +373,51 @@ def test_a_request_may_name_the_served_model_or_the_model_argument():
     with pytest.raises(ApiError) as err:
         _check_model(st, "other")
     assert "(or" not in str(err.value)
+
+
+@pytest.mark.slow  # a server subprocess of its own; run by .ci/run after the fast tests
+def test_a_stop_that_waits_for_a_long_step_says_so_and_a_second_ctrl_c_does_not_stack_another_wait(tmp_path):
+    """The abort a Ctrl-C asks for is applied after the step in flight; a
+    step that lasts (here the abort is slowed to 3 s, as a long prompt's
+    step on a CPU) gets a line saying the server is stopping, a second
+    Ctrl-C repeats it instead of waiting for a second abort, and the
+    request under way still gets its "abort" answer."""
+    from models import make_hf_model, save_model
+
+    folder = save_model(make_hf_model("llama", seed=4, max_position_embeddings=8192), tmp_path / "tiny")
+    port = free_port()
+    code = ("import time\n"
+            "from rollout_engine import RolloutEngine\n"
+            "from rollout_engine.server import serve\n"
+            "real = RolloutEngine.abort\n"
+            "calls = []\n"
+            "def slow(self, *a):\n"
+            "    calls.append(1); print('abort call', len(calls), flush=True); time.sleep(3); return real(self, *a)\n"
+            "RolloutEngine.abort = slow\n"
+            f"serve({{'model': {folder!r}, 'device': 'cpu', 'max_total_tokens': 8192}}, port={port})\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    answers = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(240):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.25)
+        t = threading.Thread(target=lambda: answers.append(httpx.post(url + "/generate", timeout=60, json={
+            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}})))
+        t.start()  # about 2,500 tokens come before the slowed abort lands here
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.8)  # past the note's second, inside the slowed abort
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        t.join(10)
+    finally:
+        proc.kill()
+    from rollout_engine.server import STOPPING
+
+    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
+    assert out.count(STOPPING) == 2 and out.count("abort call") == 1, out[-3000:]
+    assert answers and answers[0].json()["meta_info"]["finish_reason"]["type"] == "abort", answers[0].text

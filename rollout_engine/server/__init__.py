@@ -3,9 +3,15 @@
 prometheus-client), imported only here."""
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Any, Callable, Mapping
 
 from rollout_engine.interrupts import ctrl_c_ignored
+
+# A stop that waits this long for the step in flight says so (and what a further Ctrl-C does).
+SLOW_STOP_S = 1.0
+STOPPING = "rollout-engine server: stopping once the step in flight ends (a long prompt's on a CPU can take seconds)"
 
 # Idle keep-alive connections stay open this long (uvicorn's default is 5 s).
 # Clients with connection pools (RL frameworks, routers) reuse a connection
@@ -45,12 +51,25 @@ def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api
             if self.started and ready is not None:
                 ready(f"http://{cfg.host}:{cfg.port}")
 
+        stopping = False
+
         def handle_exit(self, sig, frame) -> None:
+            if self.stopping:  # a further Ctrl-C while the abort waits for the step in flight
+                print(STOPPING, file=sys.stderr, flush=True)
+                return
             if not self.should_exit:
+                self.stopping = True
+                # The abort is applied between two steps: after the one in flight, which a long prompt on a
+                # CPU can make seconds long. Say so if it takes a while.
+                note = threading.Timer(SLOW_STOP_S, lambda: print(STOPPING, file=sys.stderr, flush=True))
+                note.daemon = True
+                note.start()
                 try:
                     engine.abort()  # in-flight requests end now, with "abort", and get their answers
                 except RuntimeError:
                     pass
+                finally:
+                    note.cancel()
             super().handle_exit(sig, frame)
             # uvicorn re-raises the signal once it has shut down (the process
             # would die of it); this server shuts the engine down and exits 0.
