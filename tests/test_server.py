@@ -288,6 +288,14 @@ def test_abuse_gets_4xx_never_500_and_the_server_stays_up(server):
         assert 400 <= r.status_code < 500, (path, raw[:80], r.status_code, r.text[:300])
         assert "error" in r.json(), (path, raw[:80])
         assert server.post("/generate", good).status_code == 200, (path, raw[:80])
+    # the engine's own refusals name their field as the schema's do
+    for body, field in (({"input_ids": [10 ** 12]}, "input_ids"),
+                        ({"text": "a", "sampling_params": {"temperature": -1}}, "sampling_params.temperature")):
+        r = server.post("/generate", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    model = httpx.get(server.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+    r = server.post("/v1/completions", {"model": model, "prompt": "a", "max_tokens": 2, "top_p": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p", r.text
     huge = httpx.post(server.url + "/generate", content=b"x" * (40 << 20), timeout=60)
     assert huge.status_code == 413
     assert server.post("/generate", good).status_code == 200

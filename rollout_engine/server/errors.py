@@ -32,6 +32,17 @@ def error_response(status: int, message: str, param: str | None = None, headers:
 _UNION_MEMBER = re.compile(r"(int|str|float|bool|none|bytes|(list|dict|tuple|set|function-\w+|json-or-python)\[.*\])$")
 
 
+# The engine's refusals start with the field they refuse ("input_ids contains ...", "request 0:
+# sampling_params.top_p must ..."): a leading name with an underscore or a dot is taken as the error's param.
+_LEADING_FIELD = re.compile(r"(?:request \d+: )?([a-z]+(?:_[a-z]+)*(?:\.[a-z_]+)?)\b")
+
+
+def named_field(message: str) -> str | None:
+    """The field an engine ValueError's message starts with, or None."""
+    m = _LEADING_FIELD.match(message)
+    return m.group(1) if m and ("_" in m.group(1) or "." in m.group(1)) else None
+
+
 def _field(loc) -> str:
     parts = [str(p) for p in loc if p != "body"]
     while len(parts) > 1 and _UNION_MEMBER.fullmatch(parts[-1]):
@@ -56,7 +67,7 @@ def install(app) -> None:
 
     @app.exception_handler(ValueError)
     async def _bad_value(_: Request, exc: ValueError):  # the engine's validation: names the field
-        return error_response(400, str(exc))
+        return error_response(400, str(exc), named_field(str(exc)))
 
     @app.exception_handler(RuntimeError)
     async def _conflict(_: Request, exc: RuntimeError):  # paused, released, shut down: the state refuses it
