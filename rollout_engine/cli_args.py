@@ -211,7 +211,8 @@ def check_engine_args(config: EngineConfig) -> None:
     if not os.path.isdir(model):
         if dummy and model not in PRESETS:
             hint = ("; it is a zoo model, with real weights: add --load-format auto" if model in ZOO
-                    else did_you_mean(model, [*PRESETS, *ZOO]))
+                    else did_you_mean(model, [*PRESETS, *ZOO])
+                    or f"; with --load-format auto, a zoo model ({', '.join(sorted(ZOO))})")
             raise UsageError(f"argument --model: {model!r} is neither a folder nor a preset "
                              f"({', '.join(sorted(PRESETS))}){hint}")
         if not dummy and model not in ZOO:

@@ -106,6 +106,9 @@ def test_unknown_model_is_named(capsys, no_model_load):
     assert "--model" in one_line_error(capsys)
     assert main(["generate", "--model", "qwen3-0.6b"]) == 2  # a preset without --load-format dummy
     assert "--load-format dummy" in one_line_error(capsys)
+    assert main(["bench", "--model", "no-such-model"]) == 2  # bench's dummy weights: the presets, and the zoo
+    line = one_line_error(capsys)
+    assert "qwen3-0.6b" in line and "with --load-format auto, a zoo model (smollm2-135m)" in line, line
 
 
 
