@@ -107,17 +107,9 @@ def test_wide_products_take_only_the_listed_shapes_at_the_listed_rows(monkeypatc
 
 
 def test_a_sweep_lists_the_shape_of_least_total_time_where_it_beats_cublas_at_every_row():
-    import importlib.util
-    import sys
+    from test_benchmark_scripts import _benchmark
 
-    folder = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
-    spec = importlib.util.spec_from_file_location("batch_gemm_configs", os.path.join(folder, "batch_gemm_configs.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, folder)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(folder)
+    module = _benchmark("batch_gemm_configs")
 
     def row(n, k, m, linear, configs):
         return {"n": n, "k": k, "m": m, "linear_us": linear,

@@ -282,6 +282,18 @@ def test_a_tp2_server_answers_and_leaves_no_worker_behind(tmp_path):
                 open(f"/proc/{w}/stat").read().split()[2] != "Z"], "a TP worker outlived the server"
 
 
+def _healthy(port: int) -> str:
+    """The URL of the server starting on `port`, once /health answers 200 (a minute at most)."""
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.25)
+    return url
+
+
 def test_serve_from_python_with_engine_kwargs(tmp_path):
     from models import make_hf_model, save_model
 
@@ -292,13 +304,7 @@ def test_serve_from_python_with_engine_kwargs(tmp_path):
             f"max_queued_requests=8)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(240):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.25)
+        url = _healthy(port)
         r = httpx.post(url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}})
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
         assert httpx.get(url + "/get_server_info").json()["server"]["max_queued_requests"] == 8
@@ -398,13 +404,7 @@ def test_a_stop_that_waits_for_a_long_step_says_so_and_a_second_ctrl_c_does_not_
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     answers = []
     try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(240):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.25)
+        url = _healthy(port)
         t = threading.Thread(target=lambda: answers.append(httpx.post(url + "/generate", timeout=60, json={
             "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}})))
         t.start()  # about 2,500 tokens come before the slowed abort lands here
