@@ -247,3 +247,6 @@ def test_a_bench_workload_whose_extra_is_missing_is_one_line_before_the_model_lo
     assert main(["bench", "--model", llama[1], *argv]) == 2
     line = one_line_error(capsys)
     assert f"argument {flag}" in line and module in line and f".[{extra}]" in line, line
+    if module == "ray":  # --replicas only does something for grpo: elsewhere the run goes on (to the benchmark)
+        with pytest.raises(AssertionError, match="the benchmark started"):
+            main(["bench", "--model", llama[1], "--workload", "weights", "--replicas", "2"])

@@ -294,8 +294,9 @@ def test_abuse_gets_4xx_never_500_and_the_server_stays_up(server):
         r = server.post("/generate", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     model = httpx.get(server.url + "/v1/models", timeout=60).json()["data"][0]["id"]
-    r = server.post("/v1/completions", {"model": model, "prompt": "a", "max_tokens": 2, "top_p": 2})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p", r.text
+    for body, field in (({"prompt": "a", "top_p": 2}, "top_p"), ({"prompt": [10 ** 9]}, "prompt")):  # OpenAI's names
+        r = server.post("/v1/completions", {"model": model, "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     huge = httpx.post(server.url + "/generate", content=b"x" * (40 << 20), timeout=60)
     assert huge.status_code == 413
     assert server.post("/generate", good).status_code == 200

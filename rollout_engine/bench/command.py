@@ -129,7 +129,8 @@ EXTRAS = {"serve": ("--workload", "server", ("fastapi", "uvicorn", "prometheus_c
 def _check_extra(args: argparse.Namespace) -> None:
     import importlib.util
 
-    key = "serve" if args.workload == "serve" else "replicas" if args.replicas > 1 else None
+    key = ("serve" if args.workload == "serve" else "replicas" if args.workload == "grpo" and args.replicas > 1
+           else None)  # --replicas elsewhere does nothing: _note_unused_bench_flags says so
     if key is None:
         return
     flag, extra, modules = EXTRAS[key]

@@ -54,7 +54,7 @@ def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api
         stopping = False
 
         def handle_exit(self, sig, frame) -> None:
-            if self.stopping:  # a further Ctrl-C while the abort waits for the step in flight
+            if self.stopping:  # a further signal while the abort waits for the step in flight
                 print(STOPPING, file=sys.stderr, flush=True)
                 return
             if not self.should_exit:
@@ -70,6 +70,7 @@ def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api
                     pass
                 finally:
                     note.cancel()
+                    self.stopping = False  # a later signal goes to uvicorn: its second one forces the exit
             super().handle_exit(sig, frame)
             # uvicorn re-raises the signal once it has shut down (the process
             # would die of it); this server shuts the engine down and exits 0.

@@ -32,15 +32,23 @@ def error_response(status: int, message: str, param: str | None = None, headers:
 _UNION_MEMBER = re.compile(r"(int|str|float|bool|none|bytes|(list|dict|tuple|set|function-\w+|json-or-python)\[.*\])$")
 
 
-# The engine's refusals start with the field they refuse ("input_ids contains ...", "request 0:
-# sampling_params.top_p must ..."): a leading name with an underscore or a dot is taken as the error's param.
-_LEADING_FIELD = re.compile(r"(?:request \d+: )?([a-z]+(?:_[a-z]+)*(?:\.[a-z_]+)?)\b")
+# The engine's refusals start with the argument they refuse ("input_ids contains ...", "request 0:
+# sampling_params.top_p must ..."); the routes' own names for those arguments (None: not a route's field).
+_LEADING_FIELD = re.compile(r"(?:request \d+: )?(input_ids|request_ids|sampling_params\.[a-z_]+)\b")
+_NATIVE_NAMES = {"input_ids": "input_ids", "request_ids": "rid"}
+_OPENAI_NAMES = {"input_ids": "prompt"}  # the sampling fields sit at the top of an OpenAI body
 
 
-def named_field(message: str) -> str | None:
-    """The field an engine ValueError's message starts with, or None."""
+def named_field(message: str, path: str) -> str | None:
+    """The request field an engine ValueError's message starts with, as
+    the route at `path` names it, or None."""
     m = _LEADING_FIELD.match(message)
-    return m.group(1) if m and ("_" in m.group(1) or "." in m.group(1)) else None
+    if m is None:
+        return None
+    name, openai = m.group(1), path.startswith("/v1/")
+    if name.startswith("sampling_params."):
+        return name.removeprefix("sampling_params.") if openai else name
+    return (_OPENAI_NAMES if openai else _NATIVE_NAMES).get(name)
 
 
 def _field(loc) -> str:
@@ -66,8 +74,8 @@ def install(app) -> None:
         return error_response(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
 
     @app.exception_handler(ValueError)
-    async def _bad_value(_: Request, exc: ValueError):  # the engine's validation: names the field
-        return error_response(400, str(exc), named_field(str(exc)))
+    async def _bad_value(request: Request, exc: ValueError):  # the engine's validation: names the field
+        return error_response(400, str(exc), named_field(str(exc), request.url.path))
 
     @app.exception_handler(RuntimeError)
     async def _conflict(_: Request, exc: RuntimeError):  # paused, released, shut down: the state refuses it
