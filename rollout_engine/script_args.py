@@ -104,6 +104,17 @@ def run_script(main: Callable[[], Any]) -> int:
     return code if isinstance(code, int) else 0
 
 
+def missing_extra(modules: Iterable[str], extra: str) -> str | None:
+    """Which of `modules` are not installed here and how to get them
+    ("fastapi, httpx: pip install -e '.[server]' ..."), or None when all are."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return f"{', '.join(missing)}: pip install -e '.[{extra}]' in a clone (or 'rollout-engine[{extra}]')"
+
+
 def check_out_path(flag: str, path: str | None) -> None:
     """A report is written after the run: a path whose folder is missing
     should not cost the run."""

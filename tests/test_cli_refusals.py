@@ -250,3 +250,13 @@ def test_a_bench_workload_whose_extra_is_missing_is_one_line_before_the_model_lo
     if module == "ray":  # --replicas only does something for grpo: elsewhere the run goes on (to the benchmark)
         with pytest.raises(AssertionError, match="the benchmark started"):
             main(["bench", "--model", llama[1], "--workload", "weights", "--replicas", "2"])
+
+
+def test_serve_without_the_server_extra_is_one_line_naming_it(llama, capsys, monkeypatch, no_model_load):
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else found(name, *a))
+    assert main(["serve", "--model", llama[1]]) == 2
+    line = one_line_error(capsys)
+    assert "serve needs uvicorn: pip install -e '.[server]'" in line, line

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from rollout_engine.cli_args import add_engine_args, build_config, check_engine_args, check_tp_args
-from rollout_engine.script_args import UsageError, check_out_path, positive_int, unit_fraction
+from rollout_engine.script_args import UsageError, check_out_path, missing_extra, positive_int, unit_fraction
 
 PROG = "rollout-engine"
 BENCH_WORKLOADS = ["grpo", "offline", "decode", "prefill", "weights", "memory", "serve", "longtail", "soak"]
@@ -120,24 +120,19 @@ def _note_unused_bench_flags(args: argparse.Namespace, defaults: dict[str, Any])
               "(it sizes the broadcast's buckets)", file=sys.stderr)
 
 
-# What a workload (or flag) imports beyond the core install, and the extra that brings it: checked before the
-# engine starts, so a missing package is one line, not a traceback after the model has loaded.
-EXTRAS = {"serve": ("--workload", "server", ("fastapi", "uvicorn", "prometheus_client", "httpx")),
-          "replicas": ("--replicas", "ray", ("ray",))}
-
-
 def _check_extra(args: argparse.Namespace) -> None:
-    import importlib.util
+    """A workload (or flag) whose extra is missing, refused before the engine starts: one line, not a traceback
+    after the model has loaded. --replicas does something only for grpo (elsewhere a note says so)."""
+    from rollout_engine.server import NEEDS
 
-    key = ("serve" if args.workload == "serve" else "replicas" if args.workload == "grpo" and args.replicas > 1
-           else None)  # --replicas elsewhere does nothing: _note_unused_bench_flags says so
-    if key is None:
+    if args.workload == "serve":
+        flag, what, missing = "--workload", "serve", missing_extra((*NEEDS, "httpx"), "server")
+    elif args.workload == "grpo" and args.replicas > 1:
+        flag, what, missing = "--replicas", "--replicas > 1", missing_extra(("ray",), "ray")
+    else:
         return
-    flag, extra, modules = EXTRAS[key]
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
-        raise UsageError(f"argument {flag}: {args.workload if key == 'serve' else '--replicas > 1'} needs "
-                         f"{', '.join(missing)}: pip install -e '.[{extra}]' in a clone (or 'rollout-engine[{extra}]')")
+        raise UsageError(f"argument {flag}: {what} needs {missing}")
 
 
 def _check_bench_args(args: argparse.Namespace) -> None:

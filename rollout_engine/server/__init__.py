@@ -9,6 +9,8 @@ from typing import Any, Callable, Mapping
 
 from rollout_engine.interrupts import ctrl_c_ignored
 
+NEEDS = ("fastapi", "uvicorn", "prometheus_client")  # the `server` extra's modules the server imports
+
 # A stop that waits this long for the step in flight says so (and what a further Ctrl-C does).
 SLOW_STOP_S = 1.0
 STOPPING = "rollout-engine server: stopping once the step in flight ends (a long prompt's on a CPU can take seconds)"

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import typing
 
 from rollout_engine.cli_args import add_engine_args, build_config, check_engine_args, engine_kwargs
-from rollout_engine.script_args import UsageError
+from rollout_engine.script_args import UsageError, missing_extra
+from rollout_engine.server import NEEDS
 from rollout_engine.server.config import API_KEY_ENV, ServerConfig
 
 SERVER_HELP = {
@@ -55,10 +55,9 @@ def _check_address(host: str, port: int) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     config = build_config(args)
     check_engine_args(config)
-    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    missing = missing_extra(NEEDS, "server")
     if missing:
-        raise UsageError(f"serve needs {', '.join(missing)}: pip install -e '.[server]' in a clone "
-                         f"(or 'rollout-engine[server]')")
+        raise UsageError(f"serve needs {missing}")
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}
     if options["api_key"] is not None and not options["api_key"].strip():
         raise UsageError("argument --api-key: empty; leave the flag out to serve without a key")
