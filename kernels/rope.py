@@ -83,8 +83,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: the one-sequ
 
     @triton.jit
     def rotate_heads(src_ptr, dst_ptr, stride_t, stride_h, t, dst_row, c, s, w_ptr, eps, dt, NUM_HEADS: tl.constexpr,
-                HEADS_P2: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, ONE_HEAD: tl.constexpr = False,
-                head=0):
+                     HEADS_P2: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, ONE_HEAD: tl.constexpr = False,
+                     head=0):
         """Heads of token t rotated (`dt`: the model's dtype, which every step
         rounds to) into row `dst_row` of dst, as the KV cache holds them
         when dst is a cache (`kv_value`). ONE_HEAD: only head `head` (read
