@@ -194,11 +194,14 @@ MAX_FP8_ROWS = 64  # fp8 from 1 row to 64; more rows: cuBLAS's row-scaled fp8 pr
 # Products of WIDE_ROWS[0] to WIDE_ROWS[1] rows whose weight shape (N, K) is listed here take `batch_gemm` with
 # the listed launch shape (GemmConfig's fields in order) instead of cuBLAS: the shapes a sweep
 # (benchmarks/batch_gemm_configs.py) measured faster than cuBLAS at those rows. Empty: cuBLAS for all of them.
-# On an H100 at 128 rows of llama-3.1-8b the copy-engine tiles beat cuBLAS on qkv (1.10x) and down (1.07x), not
-# o; at 256 rows of qwen2.5-7b and of qwen3-0.6b's o and down nothing did (BENCHMARKS.md). Empty until an engine
-# A/B (decode 8B batch 128) measures the listed shapes.
-WIDE: dict = {}
-WIDE_ROWS = (128, 256)
+# On an H100 at 128 rows the copy-engine tiles beat cuBLAS on llama-3.1-8b's qkv (1.11x) and down (1.07x), not
+# on o or gate/up, and decode 8B at batch 128 takes 12.35 ms a step with this table against 12.51 ms without it
+# (BENCHMARKS.md). At 256 rows of qwen2.5-7b and of qwen3-0.6b's o and down nothing beat cuBLAS.
+WIDE: dict = {
+    (6144, 4096): (128, 64, 128, 1, 4, 4, False, True),  # qkv of a 4,096-wide model with 8 KV heads of 128
+    (4096, 14336): (128, 64, 128, 2, 4, 4, False, True),  # down of a 14,336-wide MLP
+}
+WIDE_ROWS = (128, 128)
 
 
 def wide_pick(m: int, n: int, k: int, can_split: bool) -> GemmConfig | None:

@@ -92,7 +92,10 @@ def test_interpreted_copy_engine_tiles_equal_pointer_loads(dtype):
 def test_wide_products_take_only_the_listed_shapes_at_the_listed_rows(monkeypatch):
     from rollout_engine.kernels import batch_gemm as bg
 
-    assert bg.WIDE == {}  # cuBLAS beyond MAX_ROWS unless a sweep's table is set
+    # by default: the 8B's qkv and down at 128 rows, the shapes an H100 sweep and the engine's A/B kept
+    assert bg.wide_pick(128, 6144, 4096, False) == bg.GemmConfig(128, 64, 128, 1, 4, 4, False, True)
+    assert bg.wide_pick(128, 4096, 14336, True).split == 2 and bg.wide_pick(128, 4096, 14336, False) is None
+    assert bg.wide_pick(256, 6144, 4096, True) is None and bg.wide_pick(64, 6144, 4096, True) is None
     assert bg.wide_pick(128, 1024, 2048, True) is None
     monkeypatch.setattr(bg, "WIDE", {(1024, 2048): (64, 32, 64, 2, 4, 4, False, True),
                                      (1024, 3072): (64, 64, 128, 1, 4, 3, False, True)})

@@ -158,6 +158,7 @@ def test_wide_products_listed_by_a_sweep_take_the_kernel_and_others_cublas(monke
     w = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) * 2048 ** -0.5
     cfg = (64, 32, 64, 2, 4, 4, False, True)
     monkeypatch.setattr(bg, "WIDE", {(1024, 2048): cfg})
+    monkeypatch.setattr(bg, "WIDE_ROWS", (128, 256))
     with bg.use_counters(bg.new_counters(torch.device("cuda"))):
         got = linear(x, w)
         assert torch.equal(got, bg.batch_gemm(x, w, None, bg.GemmConfig(*cfg)))
