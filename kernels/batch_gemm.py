@@ -55,18 +55,29 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         sw = tl.load(sw_ptr + rn, mask=n_ok, other=1.0)
         return acc * sx[:, None] * sw[None, :]
 
+    @triton.jit
+    def _gated(g, u, dtype: tl.constexpr):
+        """SiLU(g) * u from the fp32 sums of a gate and an up column, rounded
+        where the unfused path rounds: each sum to `dtype` (the product's
+        output), SiLU(g) once more (kernels.activation)."""
+        g = g.to(dtype).to(tl.float32)
+        a = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
+        return a * u.to(dtype).to(tl.float32)
+
     @triton.jit(do_not_specialize=["M", "K_PER"])
     def batch_gemm_kernel(x_ptr, w_ptr, xd, wd, sx_ptr, sw_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, K_PER,
                           stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
-                          EVEN_K: tl.constexpr, FP8: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
+                          EVEN_K: tl.constexpr, FP8: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr,
+                          PDL: tl.constexpr):
         """Program (tile, s): output tile `tile` summed over K in
         [s * K_PER, (s + 1) * K_PER) (K_PER a multiple of BLOCK_K). FP8: x and
         W in e4m3, their fp32 multipliers per row at sx and sw; the sum is
         scaled by both before the bias (y = (q_x . q_w) s_x s_w + b). TMA:
         the x and W tiles through the tensor descriptors xd ([BLOCK_M,
         BLOCK_K] tiles of x) and wd ([BLOCK_N, BLOCK_K] of W), zeros past
-        M, N and K."""
+        M, N and K. GATED: W is [2N, K], the gate's rows then the up's; the
+        output is SiLU(x Wg^T) * (x Wu^T) [M, N], two sums per tile."""
         tile = tl.program_id(0)
         s = tl.program_id(1)
         tiles_n = tl.cdiv(N, BLOCK_N)
@@ -85,37 +96,63 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = acc  # GATED: the up rows' sums beside the gate's in acc
+        up_rows = N * stride_wn  # GATED: the up half of W begins N rows down
         for i in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
             # a slice ends at a multiple of BLOCK_K or at K: only K masks a block
             k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K)
             if TMA:
                 a = xd.load([(tile // tiles_n) * BLOCK_M, k_lo + i * BLOCK_K])
                 b = wd.load([(tile % tiles_n) * BLOCK_N, k_lo + i * BLOCK_K])
+                if GATED:
+                    b_up = wd.load([N + (tile % tiles_n) * BLOCK_N, k_lo + i * BLOCK_K])
             elif EVEN_K:
                 a = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
                 b = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+                if GATED:
+                    b_up = tl.load(w_rows + up_rows + k[None, :], mask=n_ok[:, None], other=0.0)
             else:
                 a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
                 b = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+                if GATED:
+                    b_up = tl.load(w_rows + up_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
             # fp8: the tensor cores keep fewer bits in their own sums; every 128 products go to acc in fp32
             if SWAP:
                 acc = tl.dot(b, tl.trans(a), acc, max_num_imprecise_acc=128 if FP8 else None)
+                if GATED:
+                    acc_up = tl.dot(b_up, tl.trans(a), acc_up)
             else:
                 acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=128 if FP8 else None)
+                if GATED:
+                    acc_up = tl.dot(a, tl.trans(b_up), acc_up)
         if SWAP:
             acc = tl.trans(acc)
+            if GATED:
+                acc_up = tl.trans(acc_up)
         if SPLIT > 1:
-            # partials of tile `tile`: [SPLIT, BLOCK_M, BLOCK_N] fp32, contiguous
+            # partials of tile `tile`: [SPLIT, BLOCK_M, BLOCK_N] fp32, contiguous (GATED: [SPLIT, 2, ...], the
+            # gate's then the up's)
             i = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            base = p_ptr + tile * (SPLIT * BLOCK_M * BLOCK_N)
-            tl.store(base + s * (BLOCK_M * BLOCK_N) + i, acc)
+            if GATED:
+                part = 2 * BLOCK_M * BLOCK_N
+            else:
+                part = BLOCK_M * BLOCK_N
+            base = p_ptr + tile * (SPLIT * part)
+            tl.store(base + s * part + i, acc)
+            if GATED:
+                tl.store(base + s * part + BLOCK_M * BLOCK_N + i, acc_up)
             tl.debug_barrier()  # every thread's partials stored before the count
             done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if done == SPLIT - 1:  # the last program of the tile adds the slices in order
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                acc_up = acc
                 for j in range(SPLIT):
-                    acc += tl.load(base + j * (BLOCK_M * BLOCK_N) + i, cache_modifier=".cg")
+                    acc += tl.load(base + j * part + i, cache_modifier=".cg")
+                    if GATED:
+                        acc_up += tl.load(base + j * part + BLOCK_M * BLOCK_N + i, cache_modifier=".cg")
                 tl.store(cnt_ptr + tile, 0)
+                if GATED:
+                    acc = _gated(acc, acc_up, y_ptr.dtype.element_ty)
                 if FP8:
                     acc = _scaled(acc, sx_ptr, sw_ptr, rm, rn, m_ok, n_ok)
                 if HAS_BIAS:
@@ -123,6 +160,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                 tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                          mask=m_ok[:, None] & n_ok[None, :])
         else:
+            if GATED:
+                acc = _gated(acc, acc_up, y_ptr.dtype.element_ty)
             if FP8:
                 acc = _scaled(acc, sx_ptr, sw_ptr, rm, rn, m_ok, n_ok)
             if HAS_BIAS:
@@ -203,6 +242,11 @@ WIDE: dict = {
 }
 WIDE_ROWS = (128, 128)
 
+# A gate_up projection's product at rows that take `batch_gemm` (2 to MAX_ROWS, or a WIDE shape: for a gate_up
+# weight its listing sizes the gated launch) finishes SiLU(gate) * up in the same launch (`gated_batch_gemm`,
+# `kernels.gemv.gated_linear`); False: the product, then kernels.activation's launch. Off until measured.
+GATED_IN_PRODUCT = False
+
 
 def wide_pick(m: int, n: int, k: int, can_split: bool) -> GemmConfig | None:
     """The launch shape WIDE lists for x [m, K] W [n, K]^T, or None (a
@@ -235,6 +279,17 @@ def batch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return _launch(x, weight, bias, config, x.dtype)
 
 
+def gated_batch_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """SiLU(x Wg^T) * (x Wu^T) [M, I] for weight [2I, K] (the gate's rows,
+    then the up's: a gate_up projection) in one launch: the bits of
+    `kernels.activation.silu_and_mul(batch_gemm(x, weight, None, config))`,
+    without the [M, 2I] product between them. `config` (default: `pick`'s
+    for [M, I]) sizes the output tiles; each reads two weight tiles."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"gated_batch_gemm: a gate_up weight has an even row count, got {weight.shape[0]}")
+    return _launch(x, weight, None, config, x.dtype, gated=True)
+
+
 def fp8_batch_gemm(q: torch.Tensor, scale_q: torch.Tensor, weight: torch.Tensor, scale_w: torch.Tensor,
                    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                    config: GemmConfig | None = None) -> torch.Tensor:
@@ -245,9 +300,9 @@ def fp8_batch_gemm(q: torch.Tensor, scale_q: torch.Tensor, weight: torch.Tensor,
     return _launch(q, weight, bias, config, out_dtype, (scale_q, scale_w))
 
 
-def _launch(x, weight, bias, config, out_dtype, scales=None):
+def _launch(x, weight, bias, config, out_dtype, scales=None, gated=False):
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     counters = current_counters()
     bm, bn, bk, split, warps, stages, swap, tma = config or pick(m, n, k, counters is not None,
                                                                  fp8=scales is not None)
@@ -263,7 +318,8 @@ def _launch(x, weight, bias, config, out_dtype, scales=None):
             raise ValueError("batch_gemm: a split of K needs counters (use_counters)")
         if tiles > MAX_TILES:
             raise ValueError(f"batch_gemm: {tiles} output tiles with a split of K, at most {MAX_TILES}")
-        part, cnt = torch.empty(tiles * split * bm * bn, dtype=torch.float32, device=x.device), counters
+        sums = 2 if gated else 1
+        part, cnt = torch.empty(tiles * split * sums * bm * bn, dtype=torch.float32, device=x.device), counters
     sx, sw = scales if scales is not None else (y, y)
     xd, x_tiles = tile_reader(x, [bm, bk], tma)
     wd, w_tiles = tile_reader(weight, [bn, bk], tma)
@@ -271,5 +327,5 @@ def _launch(x, weight, bias, config, out_dtype, scales=None):
                                       k, k_per, x.stride(0), weight.stride(0), y.stride(0),
                                       HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
                                       SWAP=swap, EVEN_K=k % bk == 0, FP8=scales is not None, TMA=x_tiles and w_tiles,
-                                      num_warps=warps, num_stages=stages, **pdl_args(y))
+                                      GATED=gated, num_warps=warps, num_stages=stages, **pdl_args(y))
     return y

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from rollout_engine.kernels._triton import half_rows_on_gpu, next_pow2, pdl_args
-from rollout_engine.kernels.batch_gemm import batch_gemm, small_batch, wide_batch
+from rollout_engine.kernels import batch_gemm as _batch_gemm
+from rollout_engine.kernels.batch_gemm import batch_gemm, gated_batch_gemm, small_batch, wide_batch
 
 
 def _config(n: int, k: int) -> tuple[int, int, int]:
@@ -205,6 +206,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if wide is not None:
         return batch_gemm(x, weight, bias, wide)
     return F.linear(x, weight, bias)
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """SiLU(gate) * up of x W^T for a gate_up weight [2I, K] in one launch
+    where x W^T would take `kernels.batch_gemm` (`gated_batch_gemm`), else
+    None: the caller takes the product and the activation apart."""
+    if not _batch_gemm.GATED_IN_PRODUCT:
+        return None
+    if small_batch(x, weight):
+        return gated_batch_gemm(x, weight)
+    wide = wide_batch(x, weight)
+    return None if wide is None else gated_batch_gemm(x, weight, wide)
 
 
 # torch.mm(..., out_dtype=torch.float32): the `mm.dtype` overload, absent from older torch builds

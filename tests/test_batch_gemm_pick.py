@@ -126,3 +126,30 @@ def test_a_sweep_lists_the_shape_of_least_total_time_where_it_beats_cublas_at_ev
             row(1024, 3072, 256, 6.0, {a: 5.8, b: 6.2})]  # b least in total, a and b too slow at 256
     assert module.wide_table(rows) == {(1024, 2048): (64, 32, 64, 2, 4, 4, False, True)}
     assert module.wide_table(rows, margin=0.5) == {}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                    reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_interpreted_gated_product_has_the_bits_of_the_product_then_the_activation(dtype):
+    """SiLU(gate) * up inside the product's launch (`gated_batch_gemm`): the
+    bits of the product followed by kernels.activation's launch, with the
+    output's columns, rows and K past the tiles, split or not, swapped or
+    not, through pointer loads and the copy engine."""
+    from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
+    from rollout_engine.kernels.batch_gemm import GemmConfig, batch_gemm, gated_batch_gemm
+
+    torch.manual_seed(0)
+    configs = (GemmConfig(16, 16, 32, 1, 4, 2), GemmConfig(16, 32, 32, 2, 4, 2),
+               GemmConfig(16, 16, 16, 4, 4, 2, swap=True), GemmConfig(16, 16, 16, 3, 4, 2, swap=True, tma=True))
+    with use_counters(new_counters(torch.device("cpu"))):
+        for m, i, k in ((5, 40, 72), (17, 24, 136), (3, 20, 48)):
+            x, w = torch.randn(m, k).to(dtype), (torch.randn(2 * i, k) * k ** -0.5).to(dtype)
+            ref = silu_and_mul_ref(torch.nn.functional.linear(x.double(), w.double()))
+            for cfg in configs:
+                out = gated_batch_gemm(x, w, cfg)
+                assert out.shape == (m, i) and out.dtype == dtype
+                assert torch.equal(out, silu_and_mul(batch_gemm(x, w, None, cfg))), cfg
+                assert (out.double() - ref).abs().max() < (2e-2 if dtype == torch.float16 else 1e-4)
+    with pytest.raises(ValueError, match="even row count"):
+        gated_batch_gemm(x, w[1:], configs[0])

@@ -106,22 +106,26 @@ def test_batched_decode_runs_the_small_batch_product_as_closely_as_cublas(tmp_pa
     """The engine's batch-8 decode graphs run batch_gemm, and the logprobs
     its samples report are as close to Hugging Face's (fp32) as with cuBLAS's
     products instead (a wrong row or a lost partial sum would be far off)."""
-    from rollout_engine.kernels import gemv
+    from rollout_engine.kernels import batch_gemm as bg, gemv
 
-    calls = []
-    real = gemv.batch_gemm
+    monkeypatch.setattr(bg, "GATED_IN_PRODUCT", True)
+    calls, gated = [], []
+    real, real_gated = gemv.batch_gemm, gemv.gated_batch_gemm
     monkeypatch.setattr(gemv, "batch_gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(gemv, "gated_batch_gemm",
+                        lambda *a, **kw: gated.append(a[0].shape[0]) or real_gated(*a, **kw))
     # head_dim 64: FlashInfer's kernels, so decode steps replay CUDA graphs
     hf = make_hf_model("qwen2", tie=False, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                        num_key_value_heads=2)
     folder = save_model(hf, tmp_path)
     hf = hf.to("cuda")
     ours = _sampled_logprob_gap(folder, hf)
-    assert 8 in calls  # captured at the batch-8 bucket
+    assert 8 in calls and 8 in gated  # captured at the batch-8 bucket, gate_up with SiLU * mul in its launch
     calls.clear()
+    gated.clear()
     monkeypatch.setattr(gemv, "small_batch", lambda x, w: False)
     cublas = _sampled_logprob_gap(folder, hf)
-    assert not calls
+    assert not calls and not gated
     print(f"mean |logprob - HF fp32|: batch_gemm {ours:.4f}, cuBLAS {cublas:.4f}")
     assert ours < 1.5 * cublas + 1e-2
 
@@ -166,3 +170,41 @@ def test_wide_products_listed_by_a_sweep_take_the_kernel_and_others_cublas(monke
         assert torch.equal(linear(x[:100], w), F.linear(x[:100], w))  # below WIDE_ROWS: cuBLAS
     # without counters the split shape is not taken
     assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("m,i,k", [(2, 3072, 1024), (8, 14336, 4096), (17, 1000, 3000), (32, 18944, 3584),
+                                   (128, 14336, 4096), (128, 500, 1024)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gated_product_has_the_bits_of_the_product_then_the_activation(m, i, k, dtype):
+    """SiLU(gate) * up in the product's launch: the unfused path's bits (the
+    product, then kernels.activation's launch), for the picked launch shape,
+    a split one and the copy engine's tiles, and in a CUDA graph's replays."""
+    from rollout_engine.kernels.activation import silu_and_mul
+    from rollout_engine.kernels.batch_gemm import GemmConfig, batch_gemm, gated_batch_gemm, new_counters, pick, \
+        use_counters
+
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(2 * i, k, device="cuda", dtype=dtype) * k ** -0.5
+    ref = _ref(x, w, None)
+    ref = torch.nn.functional.silu(ref[:, :i]) * ref[:, i:]
+    counters = new_counters(torch.device("cuda"))
+    with use_counters(counters):
+        base = pick(min(m, 32), i, k, True)._replace(block_m=max(16, min(m, 128)))
+        for config in (base, base._replace(split=4), base._replace(tma=True), GemmConfig(128, 64, 128, 2, 4, 4,
+                                                                                          False, True)):
+            if config.block_m < m:
+                continue
+            got = gated_batch_gemm(x, w, config)
+            assert torch.equal(got, silu_and_mul(batch_gemm(x, w, None, config))), config
+            torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=3e-2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gated_batch_gemm(x, w, base._replace(split=4))
+        first = None
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            first = out.clone() if first is None else first
+            assert torch.equal(out, first)
+        assert torch.equal(first, gated_batch_gemm(x, w, base._replace(split=4)))
+    assert not counters.any()

@@ -16,7 +16,9 @@ from torch import nn
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels.fp8 import FP8
 from rollout_engine.kernels import fp8_row
-from rollout_engine.kernels.gemv import RopeStore, linear, norm_gemv, one_row, pairs_fit, row_product
+from rollout_engine.kernels._triton import use_kernel
+from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
+from rollout_engine.kernels.gemv import RopeStore, gated_linear, linear, norm_gemv, one_row, pairs_fit, row_product
 from rollout_engine.layers.fp8_linear import fp8_linear
 from rollout_engine.layers.invariant import invariant_linear
 from rollout_engine.layers.weight_copy import copy_into, expect_shape, quantize_into
@@ -137,6 +139,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool, comm: TPComm):
         self.out_sizes = [divide(s, comm.tp_size) for s in out_sizes]
         super().__init__(in_features, sum(out_sizes), bias, comm)
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up of this projection's product (a gate_up pair): in
+        the product's launch where it takes the small-batch kernel
+        (`kernels.gemv.gated_linear`), else the product, then the activation."""
+        if self.weight_scale is None and not self.batch_invariant and self.bias is None:
+            act = gated_linear(x, self.weight)
+            if act is not None:
+                return act
+        gate_up = self.product(x, self.bias)
+        return silu_and_mul(gate_up) if use_kernel(gate_up) else silu_and_mul_ref(gate_up)
 
     def _load(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:

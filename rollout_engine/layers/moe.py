@@ -17,8 +17,6 @@ import torch
 from torch import nn
 
 from rollout_engine.distributed.comm import TPComm
-from rollout_engine.kernels._triton import use_kernel
-from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
 from rollout_engine.kernels.gemv import NORM_MAX_K, linear, one_row
 from rollout_engine.kernels.moe import fused_moe
 from rollout_engine.kernels.moe_route import route
@@ -171,6 +169,4 @@ class SharedExpert(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, False, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        act = silu_and_mul(gate_up) if use_kernel(gate_up) else silu_and_mul_ref(gate_up)
-        return self.down_proj.product(act)
+        return self.down_proj.product(self.gate_up_proj.gated(x))

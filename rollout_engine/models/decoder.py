@@ -13,7 +13,7 @@ from torch import nn
 from rollout_engine.attention.one_seq import one_seq, rotates_in_one_seq
 from rollout_engine.distributed.comm import TPComm
 from rollout_engine.kernels._triton import use_kernel
-from rollout_engine.kernels.activation import silu_and_mul, silu_and_mul_ref
+from rollout_engine.kernels.activation import silu_and_mul
 from rollout_engine.kernels.gemv import NORM_MAX_K, RopeStore
 from rollout_engine.kernels.one_seq_attention import NewEntry, takes_new_entry
 from rollout_engine.kernels.rope import QKNorm
@@ -138,9 +138,7 @@ class DecoderMLP(nn.Module):
     def forward(self, x: torch.Tensor, fb: "ForwardBatch | None" = None, reduce: bool = True) -> torch.Tensor:
         """`fb` unused (the sparse MLP's record of routing needs it);
         `reduce=False`: the down product's partial sum."""
-        gate_up = self.gate_up_proj(x)
-        act = silu_and_mul(gate_up) if use_kernel(gate_up) else silu_and_mul_ref(gate_up)
-        return self.down_proj(act, reduce)
+        return self.down_proj(self.gate_up_proj.gated(x), reduce)
 
     def one_row_act(self, x: torch.Tensor, residual: torch.Tensor | None,
                     norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor]:
