@@ -11,6 +11,11 @@ engine picks (`kernels.batch_gemm.pick`, up to 32 rows). On a CUDA GPU:
     python3 benchmarks/batch_gemm_configs.py --model llama-3.1-8b --rows 2 8 32 --pick-only
     python3 benchmarks/batch_gemm_configs.py --model qwen3-0.6b --rows 256 --shapes o down --tma both
     python3 benchmarks/batch_gemm_configs.py --rows 128 256 --configs 64,32,64,2,4,4 64,64,128,1,4,3 --tma both
+    python3 benchmarks/batch_gemm_configs.py --model llama-3.1-8b --rows 16 128 --shapes gate_up --gated
+
+`--gated` times gate_up as the engine runs it with `GATED_IN_PRODUCT`: SiLU *
+mul inside the kernel's launch (`gated_batch_gemm`, its launch shape sizing
+the [rows, I] output) against F.linear followed by the SiLU * mul launch.
 
 Beyond 32 rows it prints the table kernels.batch_gemm.WIDE takes (`WIDE=...`,
 `WIDE_ROWS=...`, for benchmarks/ab_switch.py): per weight shape, the launch
@@ -30,7 +35,9 @@ import torch.nn.functional as F
 from gemm_shapes import graph_time_us, shapes, write_out  # benchmarks/, the script's own folder
 from rollout_engine.bench.roofline import measure_device
 from rollout_engine.script_args import ScriptParser, needs_cuda, positive_int, run_script
-from rollout_engine.kernels.batch_gemm import MAX_ROWS, GemmConfig, batch_gemm, new_counters, pick, use_counters
+from rollout_engine.kernels.activation import silu_and_mul
+from rollout_engine.kernels.batch_gemm import (MAX_ROWS, GemmConfig, batch_gemm, gated_batch_gemm, new_counters, pick,
+                                               use_counters)
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS, PresetConfig
 
@@ -66,7 +73,7 @@ def time_us(fn, copies: int) -> float:
 
 
 def run(model: str, rows: list[int], only: list[str] | None, pick_only: bool = False, tma: str = "off",
-        configs: list[GemmConfig] | None = None) -> dict:
+        configs: list[GemmConfig] | None = None, gated: bool = False) -> dict:
     mc = ModelConfig.from_hf(PresetConfig(**PRESETS[model]))
     limits = measure_device()
     out = {"model": model, "device": torch.cuda.get_device_name(), "rows": []}
@@ -77,21 +84,34 @@ def run(model: str, rows: list[int], only: list[str] | None, pick_only: bool = F
         copies = max(1, SPILL_BYTES // (2 * n * k))
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
         b = torch.randn(n, device=dev, dtype=dt) if has_bias else None
+        act = gated and name == "gate_up"  # the product with SiLU * mul after it, [m, n / 2] out
+        if act:
+            def cublas(x, w):
+                return silu_and_mul(F.linear(x, w))
+
+            def ours(x, w, cfg):
+                return gated_batch_gemm(x, w, cfg)
+        else:
+            def cublas(x, w):
+                return F.linear(x, w, b)
+
+            def ours(x, w, cfg):
+                return batch_gemm(x, w, b, cfg)
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=dt)
-            ref = F.linear(x, ws[0], b)
-            row = {"shape": name, "m": m, "n": n, "k": k,
-                   "linear_us": round(time_us(lambda: [F.linear(x, w, b) for w in ws], copies), 2),
+            ref = cublas(x, ws[0])
+            row = {"shape": name, "m": m, "n": n, "k": k, "gated": act,
+                   "linear_us": round(time_us(lambda: [cublas(x, w) for w in ws], copies), 2),
                    "floor_us": round(max(2 * m * n * k / limits.flops, 2 * n * k / limits.bandwidth) * 1e6, 2),
                    "configs": {}}
-            engine = pick(m, n, k, True) if m <= 32 else None
+            engine = pick(m, n // 2 if act else n, k, True) if m <= 32 else None
             shapes_m = grid(m, tma, configs)
             configs = [engine] if pick_only else shapes_m + ([engine] if engine and engine not in shapes_m else [])
             for cfg in configs:
                 try:
-                    got = batch_gemm(x, ws[0], b, cfg)
+                    got = ours(x, ws[0], cfg)
                     err = (got.float() - ref.float()).abs().max().item()
-                    us = time_us(lambda: [batch_gemm(x, w, b, cfg) for w in ws], copies)
+                    us = time_us(lambda: [ours(x, w, cfg) for w in ws], copies)
                 except Exception as e:  # a shape Triton cannot build (shared memory): recorded, skipped
                     row["configs"][",".join(map(str, cfg))] = str(e).splitlines()[0][:120]
                     continue
@@ -155,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                         "descriptors (on), or each shape both ways")
     p.add_argument("--configs", type=launch_shape, nargs="+", metavar="BM,BN,BK,SPLIT,WARPS,STAGES[,SWAP]",
                    help="time only these launch shapes (SWAP 0 or 1, default 0), not the grid")
+    p.add_argument("--gated", action="store_true",
+                   help="gate_up with SiLU * mul in the kernel's launch, against F.linear then the SiLU * mul "
+                        "launch (the engine's path with kernels.batch_gemm.GATED_IN_PRODUCT)")
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_args(argv)
     if args.pick_only and max(args.rows) > 32:
@@ -162,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"(got {max(args.rows)})")
     needs_cuda(p, "the products are timed on the GPU")
     with use_counters(new_counters(torch.device("cuda", torch.cuda.current_device()))):
-        out = run(args.model, args.rows, args.shapes, args.pick_only, args.tma, args.configs)
+        out = run(args.model, args.rows, args.shapes, args.pick_only, args.tma, args.configs, args.gated)
     wide = wide_table(out["rows"])
     out["wide"] = [[n, k, list(cfg)] for (n, k), cfg in wide.items()]
     if wide:  # ready for benchmarks/ab_switch.py rollout_engine.kernels.batch_gemm.WIDE=...
