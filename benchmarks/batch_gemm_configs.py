@@ -18,8 +18,9 @@ mul inside the kernel's launch (`gated_batch_gemm`, its launch shape sizing
 the [rows, I] output) against F.linear followed by the SiLU * mul launch.
 
 Beyond 32 rows it prints the table kernels.batch_gemm.WIDE takes (`WIDE=...`,
-`WIDE_ROWS=...`, for benchmarks/ab_switch.py): per weight shape, the launch
-shape of least total time over the rows, where it beats F.linear by 5% at
+`WIDE_ROWS=...`, for benchmarks/ab_switch.py; with `--gated`, gate_up's in
+`GATED_WIDE=...`): per weight shape, the launch shape of least total time
+over the rows, where it beats F.linear (and the SiLU * mul launch) by 5% at
 each.
 """
 from __future__ import annotations
@@ -186,10 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     needs_cuda(p, "the products are timed on the GPU")
     with use_counters(new_counters(torch.device("cuda", torch.cuda.current_device()))):
         out = run(args.model, args.rows, args.shapes, args.pick_only, args.tma, args.configs, args.gated)
-    wide = wide_table(out["rows"])
-    out["wide"] = [[n, k, list(cfg)] for (n, k), cfg in wide.items()]
-    if wide:  # ready for benchmarks/ab_switch.py rollout_engine.kernels.batch_gemm.WIDE=...
-        print(f"WIDE={wide!r}")
+    for table, gated in (("WIDE", False), ("GATED_WIDE", True)):
+        wide = wide_table([r for r in out["rows"] if r["gated"] == gated])
+        out[table.lower()] = [[n, k, list(cfg)] for (n, k), cfg in wide.items()]
+        if wide:  # ready for benchmarks/ab_switch.py rollout_engine.kernels.batch_gemm.WIDE=...
+            print(f"{table}={wide!r}")
+    if out["wide"] or out["gated_wide"]:
         print(f"WIDE_ROWS={(min(r for r in args.rows if r > MAX_ROWS), max(args.rows))!r}")
     write_out(args.out, out)
     return 0

@@ -77,7 +77,9 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         the x and W tiles through the tensor descriptors xd ([BLOCK_M,
         BLOCK_K] tiles of x) and wd ([BLOCK_N, BLOCK_K] of W), zeros past
         M, N and K. GATED: W is [2N, K], the gate's rows then the up's; the
-        output is SiLU(x Wg^T) * (x Wu^T) [M, N], two sums per tile."""
+        output is SiLU(x Wg^T) * (x Wu^T) [M, N], two sums per tile (a gate
+        tile past N holds up rows, an up tile past 2N zeros: columns past N
+        are not stored)."""
         tile = tl.program_id(0)
         s = tl.program_id(1)
         tiles_n = tl.cdiv(N, BLOCK_N)
@@ -145,7 +147,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if done == SPLIT - 1:  # the last program of the tile adds the slices in order
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                acc_up = acc
+                if GATED:  # (not otherwise: acc_up keeps the swapped shape it began with, which this would change)
+                    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for j in range(SPLIT):
                     acc += tl.load(base + j * part + i, cache_modifier=".cg")
                     if GATED:
@@ -242,16 +245,20 @@ WIDE: dict = {
 }
 WIDE_ROWS = (128, 128)
 
-# A gate_up projection's product at rows that take `batch_gemm` (2 to MAX_ROWS, or a WIDE shape: for a gate_up
-# weight its listing sizes the gated launch) finishes SiLU(gate) * up in the same launch (`gated_batch_gemm`,
-# `kernels.gemv.gated_linear`); False: the product, then kernels.activation's launch. Off until measured.
+# A gate_up projection's product at 2 to MAX_ROWS rows, or at GATED_WIDE's rows for a weight shape (2I, K) it
+# lists, finishes SiLU(gate) * up in the same launch (`gated_batch_gemm`, `kernels.gemv.gated_linear`); False:
+# the product, then kernels.activation's launch. Off until measured. GATED_WIDE's launch shapes size the gated
+# launch (two weight tiles a program: more shared memory than the plain product's at the same shape), from
+# `benchmarks/batch_gemm_configs.py --gated`.
 GATED_IN_PRODUCT = False
+GATED_WIDE: dict = {}
 
 
-def wide_pick(m: int, n: int, k: int, can_split: bool) -> GemmConfig | None:
-    """The launch shape WIDE lists for x [m, K] W [n, K]^T, or None (a
-    split of K only with counters)."""
-    listed = WIDE.get((n, k)) if WIDE_ROWS[0] <= m <= WIDE_ROWS[1] else None
+def wide_pick(m: int, n: int, k: int, can_split: bool, table: dict | None = None) -> GemmConfig | None:
+    """The launch shape `table` (default WIDE) lists for x [m, K] W [n, K]^T
+    at WIDE_ROWS rows, or None (a split of K only with counters)."""
+    table = WIDE if table is None else table
+    listed = table.get((n, k)) if WIDE_ROWS[0] <= m <= WIDE_ROWS[1] else None
     if listed is None:
         return None
     config = GemmConfig(*listed)
@@ -264,12 +271,14 @@ def small_batch(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return half_rows_on_gpu(x, weight) and 2 <= x.shape[0] <= MAX_ROWS
 
 
-def wide_batch(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
-    """The launch shape `batch_gemm` takes x W^T with beyond MAX_ROWS rows
-    (`wide_pick`), or None: cuBLAS's."""
-    if not WIDE or not half_rows_on_gpu(x, weight):
+def wide_batch(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> GemmConfig | None:
+    """The launch shape `batch_gemm` (`gated`: `gated_batch_gemm`, from
+    GATED_WIDE) takes x W^T with beyond MAX_ROWS rows (`wide_pick`), or
+    None: cuBLAS's."""
+    table = GATED_WIDE if gated else WIDE
+    if not table or not half_rows_on_gpu(x, weight):
         return None
-    return wide_pick(x.shape[0], weight.shape[0], x.shape[1], current_counters() is not None)
+    return wide_pick(x.shape[0], weight.shape[0], x.shape[1], current_counters() is not None, table)
 
 
 def batch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -284,9 +293,12 @@ def gated_batch_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig |
     then the up's: a gate_up projection) in one launch: the bits of
     `kernels.activation.silu_and_mul(batch_gemm(x, weight, None, config))`,
     without the [M, 2I] product between them. `config` (default: `pick`'s
-    for [M, I]) sizes the output tiles; each reads two weight tiles."""
+    for the whole product [M, 2I], so that the sums are added in the same
+    order) sizes the output tiles; each reads two weight tiles."""
     if weight.shape[0] % 2:
         raise ValueError(f"gated_batch_gemm: a gate_up weight has an even row count, got {weight.shape[0]}")
+    if config is None:
+        config = pick(x.shape[0], weight.shape[0], x.shape[1], current_counters() is not None)
     return _launch(x, weight, None, config, x.dtype, gated=True)
 
 

@@ -216,7 +216,7 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         return None
     if small_batch(x, weight):
         return gated_batch_gemm(x, weight)
-    wide = wide_batch(x, weight)
+    wide = wide_batch(x, weight, gated=True)
     return None if wide is None else gated_batch_gemm(x, weight, wide)
 
 

@@ -153,3 +153,46 @@ def test_interpreted_gated_product_has_the_bits_of_the_product_then_the_activati
                 assert (out.double() - ref).abs().max() < (2e-2 if dtype == torch.float16 else 1e-4)
     with pytest.raises(ValueError, match="even row count"):
         gated_batch_gemm(x, w[1:], configs[0])
+
+
+def _compiled_shared_bytes(config, gated: bool, dtype: str = "bf16") -> int:
+    """Shared memory of `batch_gemm_kernel` built for Hopper (sm_90) at
+    `config`, compiled on the host: no GPU needed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rollout_engine.kernels.batch_gemm import batch_gemm_kernel as kernel
+
+    bm, bn, bk, split, warps, stages, swap, tma = config
+    sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
+           "xd": f"tensordesc<{dtype}[{bm},{bk}]>" if tma else f"*{dtype}",
+           "wd": f"tensordesc<{dtype}[{bn},{bk}]>" if tma else f"*{dtype}",
+           "sx_ptr": "*fp32", "sw_ptr": "*fp32", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "p_ptr": "*fp32",
+           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_PER": "i32", "stride_xm": "i32",
+           "stride_wn": "i32", "stride_ym": "i32"}
+    const = dict(HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, SWAP=swap, EVEN_K=True, FP8=False,
+                 TMA=tma, GATED=gated, PDL=True)
+    sig.update({name: "constexpr" for name in const})
+    source = ASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
+    built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return built.metadata.shared
+
+
+HOPPER_SHARED = 232448  # bytes of shared memory a block may take on an H100 / H200
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_launch_shapes_the_engine_takes_build_for_hopper_within_its_shared_memory():
+    """The kernel compiled for sm_90 on the host (no GPU): the shapes `pick`
+    gives (swapped, split: the accumulators' shapes differ between the
+    loop and the split's reduction), plain and gated, and every listed WIDE /
+    GATED_WIDE shape, each within an H100's shared memory."""
+    from rollout_engine.kernels import batch_gemm as bg
+
+    picked = {bg.pick(8, 4096, 14336, True), bg.pick(16, 2048, 1024, True), bg.pick(32, 6144, 4096, True)}
+    assert any(c.split > 1 for c in picked) and all(c.swap for c in picked)
+    for config, gated in ([(c, g) for c in sorted(picked) for g in (False, True)]
+                          + [(bg.GemmConfig(*c), False) for c in bg.WIDE.values()]
+                          + [(bg.GemmConfig(*c), True) for c in bg.GATED_WIDE.values()]):
+        assert _compiled_shared_bytes(config, gated) <= HOPPER_SHARED, (config, gated)

@@ -177,10 +177,12 @@ def test_wide_products_listed_by_a_sweep_take_the_kernel_and_others_cublas(monke
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gated_product_has_the_bits_of_the_product_then_the_activation(m, i, k, dtype):
     """SiLU(gate) * up in the product's launch: the unfused path's bits (the
-    product, then kernels.activation's launch), for the picked launch shape,
-    a split one and the copy engine's tiles, and in a CUDA graph's replays."""
+    product, then kernels.activation's launch) at the same launch shape, the
+    default one included (the whole product's), split, swapped or not, with
+    the copy engine's tiles, and in a CUDA graph's replays."""
+    from rollout_engine.kernels._triton import next_pow2
     from rollout_engine.kernels.activation import silu_and_mul
-    from rollout_engine.kernels.batch_gemm import GemmConfig, batch_gemm, gated_batch_gemm, new_counters, pick, \
+    from rollout_engine.kernels.batch_gemm import GemmConfig, batch_gemm, gated_batch_gemm, new_counters, \
         use_counters
 
     x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -188,23 +190,47 @@ def test_gated_product_has_the_bits_of_the_product_then_the_activation(m, i, k, 
     ref = _ref(x, w, None)
     ref = torch.nn.functional.silu(ref[:, :i]) * ref[:, i:]
     counters = new_counters(torch.device("cuda"))
+    bm = max(16, next_pow2(m))
+    configs = [GemmConfig(bm, 64, 128, 4, 4, 3, swap=True), GemmConfig(bm, 32, 128, 1, 4, 4, swap=True, tma=True),
+               GemmConfig(bm, 64, 128, 2, 4, 3, False, True), GemmConfig(bm, 64, 64, 1, 8, 3)]
     with use_counters(counters):
-        base = pick(min(m, 32), i, k, True)._replace(block_m=max(16, min(m, 128)))
-        for config in (base, base._replace(split=4), base._replace(tma=True), GemmConfig(128, 64, 128, 2, 4, 4,
-                                                                                          False, True)):
-            if config.block_m < m:
-                continue
+        if m <= 32:
+            got = gated_batch_gemm(x, w)  # pick's shape for [m, 2i]
+            assert torch.equal(got, silu_and_mul(batch_gemm(x, w)))
+        for config in configs:
             got = gated_batch_gemm(x, w, config)
             assert torch.equal(got, silu_and_mul(batch_gemm(x, w, None, config))), config
             torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=3e-2)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = gated_batch_gemm(x, w, base._replace(split=4))
+            out = gated_batch_gemm(x, w, configs[0])
         first = None
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()
             first = out.clone() if first is None else first
             assert torch.equal(out, first)
-        assert torch.equal(first, gated_batch_gemm(x, w, base._replace(split=4)))
+        assert torch.equal(first, gated_batch_gemm(x, w, configs[0]))
     assert not counters.any()
+
+
+def test_gated_linear_takes_the_gated_launch_at_small_batches_and_listed_shapes(monkeypatch):
+    from rollout_engine.kernels import batch_gemm as bg
+    from rollout_engine.kernels.activation import silu_and_mul
+    from rollout_engine.kernels.gemv import gated_linear, linear
+
+    monkeypatch.setattr(bg, "GATED_IN_PRODUCT", True)
+    w = torch.randn(2 * 1408, 2048, device="cuda", dtype=torch.bfloat16) * 0.02
+    monkeypatch.setattr(bg, "GATED_WIDE", {(2816, 2048): (128, 64, 128, 2, 4, 3, False, True)})
+    with bg.use_counters(bg.new_counters(torch.device("cuda"))):
+        for m in (1, 2, 7, 32, 33, 127, 128, 129):
+            x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+            got = gated_linear(x, w)
+            if m == 1 or 32 < m != 128:  # one row: the one-row kernel's own gated path; else cuBLAS, then SiLU
+                assert got is None, m
+                continue
+            unfused = silu_and_mul(bg.batch_gemm(x, w, None, bg.GemmConfig(128, 64, 128, 2, 4, 3, False, True))
+                                   if m == 128 else linear(x, w))
+            assert torch.equal(got, unfused), m
+    monkeypatch.setattr(bg, "GATED_IN_PRODUCT", False)
+    assert gated_linear(torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16), w) is None
