@@ -155,9 +155,10 @@ def test_interpreted_gated_product_has_the_bits_of_the_product_then_the_activati
         gated_batch_gemm(x, w[1:], configs[0])
 
 
-def _compiled_shared_bytes(config, gated: bool, dtype: str = "bf16") -> int:
+def _compiled_shared_bytes(config, gated: bool, dtype: str = "bf16", out: str = "bf16") -> int:
     """Shared memory of `batch_gemm_kernel` built for Hopper (sm_90) at
-    `config`, compiled on the host: no GPU needed."""
+    `config` (operands in `dtype`, the output in `out`; fp8: "fp8e4nv"),
+    compiled on the host: no GPU needed."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -168,10 +169,11 @@ def _compiled_shared_bytes(config, gated: bool, dtype: str = "bf16") -> int:
     sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
            "xd": f"tensordesc<{dtype}[{bm},{bk}]>" if tma else f"*{dtype}",
            "wd": f"tensordesc<{dtype}[{bn},{bk}]>" if tma else f"*{dtype}",
-           "sx_ptr": "*fp32", "sw_ptr": "*fp32", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "p_ptr": "*fp32",
+           "sx_ptr": "*fp32", "sw_ptr": "*fp32", "b_ptr": f"*{out}", "y_ptr": f"*{out}", "p_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_PER": "i32", "stride_xm": "i32",
            "stride_wn": "i32", "stride_ym": "i32"}
-    const = dict(HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, SWAP=swap, EVEN_K=True, FP8=False,
+    const = dict(HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, SWAP=swap, EVEN_K=True,
+                 FP8=dtype.startswith("fp8"),
                  TMA=tma, GATED=gated, PDL=True)
     sig.update({name: "constexpr" for name in const})
     source = ASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
@@ -196,3 +198,6 @@ def test_the_launch_shapes_the_engine_takes_build_for_hopper_within_its_shared_m
                           + [(bg.GemmConfig(*c), False) for c in bg.WIDE.values()]
                           + [(bg.GemmConfig(*c), True) for c in bg.GATED_WIDE.values()]):
         assert _compiled_shared_bytes(config, gated) <= HOPPER_SHARED, (config, gated)
+    fp8 = bg.pick(8, 3584, 18944, True, fp8=True)  # e4m3 operands, a bf16 output: a split, swapped shape too
+    assert fp8.split > 1 and fp8.swap
+    assert _compiled_shared_bytes(fp8, False, "fp8e4nv") <= HOPPER_SHARED
