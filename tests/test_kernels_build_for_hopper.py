@@ -1,0 +1,90 @@
+"""The engine's Triton kernels built for Hopper (sm_90) on the host, no GPU
+needed (tests/host_build.py): at the launch shapes the engine picks, and
+each within a block's shared memory. Triton's interpreter runs the same
+kernels' arithmetic but neither compiles them nor counts their memory."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from host_build import HOPPER_SHARED, host_build
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs Triton (the interpreter runs kernels instead of building them)")
+
+BF16 = torch.bfloat16
+
+
+def _fits(built: list, expect: set[str]) -> None:
+    names = {name for name, _ in built}
+    assert expect <= names, f"not built: {expect - names}"
+    for name, kernel in built:
+        assert kernel.metadata.shared <= HOPPER_SHARED, (name, kernel.metadata.shared)
+
+
+def test_small_batch_products_build_plain_gated_and_fp8_at_the_picked_and_listed_shapes():
+    """`pick`'s shapes are swapped and often split: the accumulators change
+    shape between the loop and the split's reduction, which must compile for
+    the plain product as for the gated one; WIDE's and GATED_WIDE's listed
+    shapes at their rows, with the copy engine's tiles."""
+    from rollout_engine.kernels import batch_gemm as bg
+
+    shapes = [(8, 4096, 14336), (16, 2048, 1024), (32, 6144, 4096), (2, 1024, 2048)]
+    assert any(bg.pick(m, n, k, True).split > 1 for m, n, k in shapes)
+    with host_build() as built, bg.use_counters(bg.new_counters(torch.device("cpu"))):
+        for m, n, k in shapes:
+            x = torch.randn(m, k, dtype=BF16)
+            bg.batch_gemm(x, torch.randn(n, k, dtype=BF16))
+            bg.gated_batch_gemm(x, torch.randn(2 * n, k, dtype=BF16))
+        for (n, k), listed in bg.WIDE.items():
+            bg.batch_gemm(torch.randn(bg.WIDE_ROWS[1], k, dtype=BF16), torch.randn(n, k, dtype=BF16), None,
+                          bg.GemmConfig(*listed))
+        for (n, k), listed in bg.GATED_WIDE.items():
+            bg.gated_batch_gemm(torch.randn(bg.WIDE_ROWS[1], k, dtype=BF16), torch.randn(n, k, dtype=BF16),
+                                bg.GemmConfig(*listed))
+        e4m3 = torch.float8_e4m3fn
+        m, n, k = 8, 3584, 18944
+        assert bg.pick(m, n, k, True, fp8=True).split > 1
+        bg.fp8_batch_gemm(torch.randn(m, k).to(e4m3), torch.ones(m, 1), torch.randn(n, k).to(e4m3),
+                          torch.ones(n, 1))
+    assert len(built) == 2 * len(shapes) + len(bg.WIDE) + len(bg.GATED_WIDE) + 1
+    _fits(built, {"batch_gemm_kernel"})
+
+
+def test_the_gated_launch_at_the_plain_products_listed_shapes_is_over_the_shared_memory():
+    """Why GATED_WIDE is a table of its own: two weight tiles a program at
+    the 8B's listed launch shapes (four stages, copy engine) need more
+    shared memory than a block has; three stages fit."""
+    from rollout_engine.kernels import batch_gemm as bg
+
+    listed = bg.GemmConfig(*bg.WIDE[(6144, 4096)])
+    with host_build() as built:
+        x, w = torch.randn(128, 4096, dtype=BF16), torch.randn(2 * 3072, 4096, dtype=BF16)
+        bg.batch_gemm(x, w, None, listed)
+        bg.gated_batch_gemm(x, w, listed)
+        bg.gated_batch_gemm(x, w, listed._replace(stages=3))
+    plain, gated, fewer = (kernel.metadata.shared for _, kernel in built)
+    assert plain <= HOPPER_SHARED < gated and fewer <= HOPPER_SHARED
+
+
+def test_one_row_products_and_the_moe_layer_build_at_decode_and_prompt_token_counts():
+    from rollout_engine.kernels import gemv, moe
+
+    E, H, I, K = 16, 2048, 768, 4
+    w13, w2 = torch.randn(E, 2 * I, H, dtype=BF16), torch.randn(E, H, I, dtype=BF16)
+    with host_build() as built:
+        x = torch.randn(1, H, dtype=BF16)
+        gemv.gemv(x, torch.randn(3 * H, H, dtype=BF16))
+        gemv.norm_gemv(x, torch.randn(1, H, dtype=BF16), torch.randn(H, dtype=BF16), 1e-6,
+                       torch.randn(2 * 6144, H, dtype=BF16), gated=True)
+        for tokens in (1, 8, 300):
+            x, weights, ids = torch.randn(tokens, H, dtype=BF16), torch.rand(tokens, K), torch.randint(0, E, (tokens, K))
+            if tokens == 1:
+                moe._fused_moe_one(x, w13, w2, weights, ids, moe.DECODE)
+            else:
+                moe._fused_moe_triton(x, w13, w2, weights, ids, moe.pick(tokens, K, E))
+    _fits(built, {"gemv_kernel", "moe_up_kernel", "moe_down_kernel", "moe_align_kernel"})
