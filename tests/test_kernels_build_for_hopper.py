@@ -88,3 +88,25 @@ def test_one_row_products_and_the_moe_layer_build_at_decode_and_prompt_token_cou
             else:
                 moe._fused_moe_triton(x, w13, w2, weights, ids, moe.pick(tokens, K, E))
     _fits(built, {"gemv_kernel", "moe_up_kernel", "moe_down_kernel", "moe_align_kernel"})
+
+
+def test_the_fp8_one_row_product_and_the_decode_attentions_build():
+    from rollout_engine.kernels import attention, fp8_row, one_seq_attention
+
+    e4m3 = torch.float8_e4m3fn
+    hq, hk, d, slots = 32, 8, 128, 4096
+    caches = torch.randn(slots, hk, d, dtype=BF16), torch.randn(slots, hk, d, dtype=BF16)
+    with host_build() as built:
+        fp8_row.fp8_row(torch.randn(1, 2048, dtype=BF16), torch.randn(2 * 6144, 2048).to(e4m3),
+                        torch.ones(2 * 6144, 1), norm=(torch.ones(2048, dtype=BF16), 1e-6),
+                        residual=torch.randn(1, 2048, dtype=BF16), gated=True)
+        one_seq_attention.one_seq_attention(torch.randn(1, hq, d, dtype=BF16), *caches,
+                                            torch.zeros(4, slots, dtype=torch.int32),
+                                            torch.zeros(1, dtype=torch.int32), torch.tensor([100]), d ** -0.5,
+                                            torch.zeros(hk, dtype=torch.int32))
+        for batch in (16, 128):
+            attention.decode_attention(torch.randn(batch, hq, d, dtype=BF16), *caches,
+                                       torch.zeros(batch, slots, dtype=torch.int32),
+                                       torch.arange(batch, dtype=torch.int32),
+                                       torch.full((batch,), 100, dtype=torch.int32), d ** -0.5)
+    _fits(built, {"fp8_row_kernel", "one_seq_kernel", "decode_kernel"})
