@@ -14,8 +14,9 @@ engine picks (`kernels.batch_gemm.pick`, up to 32 rows). On a CUDA GPU:
     python3 benchmarks/batch_gemm_configs.py --model llama-3.1-8b --rows 16 128 --shapes gate_up --gated
 
 `--gated` times gate_up as the engine runs it with `GATED_IN_PRODUCT`: SiLU *
-mul inside the kernel's launch (`gated_batch_gemm`, its launch shape sizing
-the [rows, I] output) against F.linear followed by the SiLU * mul launch.
+mul inside the kernel's launch (`gated_batch_gemm`, a launch shape sizing
+the [rows, I] output's tiles; the engine's pick is the whole product's)
+against F.linear followed by the SiLU * mul launch.
 
 Beyond 32 rows it prints the table kernels.batch_gemm.WIDE takes (`WIDE=...`,
 `WIDE_ROWS=...`, for benchmarks/ab_switch.py; with `--gated`, gate_up's in
@@ -105,7 +106,7 @@ def run(model: str, rows: list[int], only: list[str] | None, pick_only: bool = F
                    "linear_us": round(time_us(lambda: [cublas(x, w) for w in ws], copies), 2),
                    "floor_us": round(max(2 * m * n * k / limits.flops, 2 * n * k / limits.bandwidth) * 1e6, 2),
                    "configs": {}}
-            engine = pick(m, n // 2 if act else n, k, True) if m <= 32 else None
+            engine = pick(m, n, k, True) if m <= 32 else None  # gated too: the whole product's shape
             shapes_m = grid(m, tma, configs)
             configs = [engine] if pick_only else shapes_m + ([engine] if engine and engine not in shapes_m else [])
             for cfg in configs:
