@@ -249,7 +249,8 @@ WIDE_ROWS = (128, 128)
 # lists, finishes SiLU(gate) * up in the same launch (`gated_batch_gemm`, `kernels.gemv.gated_linear`); False:
 # the product, then kernels.activation's launch. Off until measured. GATED_WIDE's launch shapes size the gated
 # launch (two weight tiles a program: more shared memory than the plain product's at the same shape), from
-# `benchmarks/batch_gemm_configs.py --gated`.
+# `benchmarks/batch_gemm_configs.py --gated`. At 2-32 rows the switch keeps the bits (the same launch shape as
+# the unfused product's); a shape GATED_WIDE lists changes them (cuBLAS's product unfused, this kernel's fused).
 GATED_IN_PRODUCT = False
 GATED_WIDE: dict = {}
 

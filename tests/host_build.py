@@ -17,6 +17,18 @@ import torch
 HOPPER_SHARED = 232448  # bytes of shared memory one block may take on an H100 / H200
 
 
+HOST_DEVICE = -1  # the stand-in's device: a key of Triton's per-device kernel caches no real device has
+
+
+def can_build() -> bool:
+    """Whether this Triton has what the stand-in takes the place of."""
+    try:
+        from triton.runtime import driver, jit
+    except ImportError:
+        return False
+    return hasattr(driver, "_active") and hasattr(jit.JITFunction, "run")
+
+
 class _HostHopper:
     """What JITFunction.run asks of the driver, for an sm_90 target."""
 
@@ -26,7 +38,7 @@ class _HostHopper:
         self.target = GPUTarget("cuda", 90, 32)
 
     def get_current_device(self) -> int:
-        return 0
+        return HOST_DEVICE
 
     def get_current_stream(self, device: int | None = None) -> int:
         return 0
@@ -38,11 +50,21 @@ class _HostHopper:
         return torch.device("cpu")
 
 
+def _copy_engine_reads_on_hopper(t: torch.Tensor) -> bool:
+    """`_triton.copy_engine_reads` as on an H100: the layout's conditions only."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((st * size) % 16 == 0 for st in t.stride()[:-1])
+
+
 @contextlib.contextmanager
 def host_build() -> Iterator[list]:
-    """Kernels launched inside are compiled for sm_90, not run; yields a
-    list of (kernel name, compiled kernel) that fills as they are built."""
+    """Kernels launched inside are compiled for sm_90, not run, with the
+    launch options an H100 gets (tiles through the copy engine where the
+    layout allows, programmatic dependent launch); yields a list of (kernel
+    name, compiled kernel) that fills as they are built."""
     from triton.runtime import driver, jit
+
+    from rollout_engine.kernels import _triton
 
     built: list = []
     touched: set = set()
@@ -54,13 +76,15 @@ def host_build() -> Iterator[list]:
         built.append((self.fn.__name__, kernel))
         return kernel
 
-    prior = driver._active
+    prior = driver._active, _triton.copy_engine_reads, _triton.use_pdl
     driver.set_active(_HostHopper())
     jit.JITFunction.run = build_only
+    _triton.copy_engine_reads = _copy_engine_reads_on_hopper
+    _triton.use_pdl = lambda x: _triton.PDL_ENABLED
     try:
         yield built
     finally:
         jit.JITFunction.run = real_run
-        driver._active = prior
-        for fn in touched:  # their binders and kernels are the stand-in's: a real launch later builds its own
-            fn.device_caches.clear()
+        driver._active, _triton.copy_engine_reads, _triton.use_pdl = prior
+        for fn in touched:  # the stand-in's binders and kernels, under its own device key
+            fn.device_caches.pop(HOST_DEVICE, None)

@@ -153,4 +153,3 @@ def test_interpreted_gated_product_has_the_bits_of_the_product_then_the_activati
                 assert (out.double() - ref).abs().max() < (2e-2 if dtype == torch.float16 else 1e-4)
     with pytest.raises(ValueError, match="even row count"):
         gated_batch_gemm(x, w[1:], configs[0])
-
