@@ -55,13 +55,19 @@ def _copy_engine_device(index: int) -> bool:
             and torch.cuda.get_device_capability(index)[0] >= 9)
 
 
+def copy_engine_layout(t: torch.Tensor) -> bool:
+    """Whether t's layout suits tensor descriptors: unit last stride, a
+    16-byte aligned start and strides."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((st * size) % 16 == 0 for st in t.stride()[:-1])
+
+
 def copy_engine_reads(t: torch.Tensor) -> bool:
     """Whether a kernel can read t through Triton tensor descriptors (the
-    copy engine, TMA): unit last stride, a 16-byte aligned start and
-    strides, on an NVIDIA GPU of compute capability 9 or more, or under
-    Triton's interpreter (which runs them on the CPU)."""
-    size = t.element_size()
-    if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
+    copy engine, TMA): `copy_engine_layout`, on an NVIDIA GPU of compute
+    capability 9 or more, or under Triton's interpreter (which runs them on
+    the CPU)."""
+    if not copy_engine_layout(t):
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
         return importlib.util.find_spec("triton") is not None

@@ -50,12 +50,6 @@ class _HostHopper:
         return torch.device("cpu")
 
 
-def _copy_engine_reads_on_hopper(t: torch.Tensor) -> bool:
-    """`_triton.copy_engine_reads` as on an H100: the layout's conditions only."""
-    size = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((st * size) % 16 == 0 for st in t.stride()[:-1])
-
-
 @contextlib.contextmanager
 def host_build() -> Iterator[list]:
     """Kernels launched inside are compiled for sm_90, not run, with the
@@ -79,7 +73,7 @@ def host_build() -> Iterator[list]:
     prior = driver._active, _triton.copy_engine_reads, _triton.use_pdl
     driver.set_active(_HostHopper())
     jit.JITFunction.run = build_only
-    _triton.copy_engine_reads = _copy_engine_reads_on_hopper
+    _triton.copy_engine_reads = _triton.copy_engine_layout  # as on an H100: the layout decides
     _triton.use_pdl = lambda x: _triton.PDL_ENABLED
     try:
         yield built
