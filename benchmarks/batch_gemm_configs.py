@@ -75,11 +75,11 @@ def time_us(fn, copies: int) -> float:
 
 
 def run(model: str, rows: list[int], only: list[str] | None, pick_only: bool = False, tma: str = "off",
-        configs: list[GemmConfig] | None = None, gated: bool = False) -> dict:
+        configs: list[GemmConfig] | None = None, gated: bool = False, dev: str = "cuda") -> dict:
     mc = ModelConfig.from_hf(PresetConfig(**PRESETS[model]))
     limits = measure_device()
-    out = {"model": model, "device": torch.cuda.get_device_name(), "rows": []}
-    dev, dt = "cuda", torch.bfloat16
+    out = {"model": model, "device": torch.cuda.get_device_name() if dev == "cuda" else dev, "rows": []}
+    dt = torch.bfloat16
     for name, (n, k, has_bias) in shapes(mc).items():
         if name == "lm_head" or (only and name not in only):
             continue
@@ -106,8 +106,8 @@ def run(model: str, rows: list[int], only: list[str] | None, pick_only: bool = F
                    "configs": {}}
             engine = pick(m, n, k, True) if m <= 32 else None  # gated too: the whole product's shape
             shapes_m = grid(m, tma, configs)
-            configs = [engine] if pick_only else shapes_m + ([engine] if engine and engine not in shapes_m else [])
-            for cfg in configs:
+            timed_here = [engine] if pick_only else shapes_m + ([engine] if engine and engine not in shapes_m else [])
+            for cfg in timed_here:
                 try:
                     got = ours(x, ws[0], cfg)
                     err = (got.float() - ref.float()).abs().max().item()
@@ -165,7 +165,8 @@ def wide_table(rows: list[dict], margin: float = 0.05) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = ScriptParser("batch_gemm_configs.py", __doc__)
     p.add_argument("--model", choices=sorted(PRESETS), default="qwen3-0.6b", help="preset whose shapes to time")
-    p.add_argument("--rows", type=positive_int, nargs="+", default=[64, 128, 256], help="row counts (tokens)")
+    p.add_argument("--rows", type=positive_int, nargs="+",
+                   help="row counts (tokens); default 64 128 256, with --pick-only 2 8 32")
     p.add_argument("--shapes", nargs="+", choices=["qkv", "o", "gate_up", "down"], help="only these products")
     p.add_argument("--pick-only", action="store_true",
                    help="time only the shape the engine picks against F.linear (rows up to 32): a quick check "
@@ -180,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                         "launch (the engine's path with kernels.batch_gemm.GATED_IN_PRODUCT)")
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_args(argv)
+    if args.rows is None:
+        args.rows = [2, 8, 32] if args.pick_only else [64, 128, 256]
     if args.pick_only and max(args.rows) > 32:
         p.error(f"argument --rows: --pick-only times the small-batch kernel, which takes up to 32 rows "
                 f"(got {max(args.rows)})")

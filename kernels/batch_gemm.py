@@ -314,6 +314,8 @@ def fp8_batch_gemm(q: torch.Tensor, scale_q: torch.Tensor, weight: torch.Tensor,
 
 
 def _launch(x, weight, bias, config, out_dtype, scales=None, gated=False):
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"batch_gemm: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     counters = current_counters()

@@ -153,3 +153,32 @@ def test_interpreted_gated_product_has_the_bits_of_the_product_then_the_activati
                 assert (out.double() - ref).abs().max() < (2e-2 if dtype == torch.float16 else 1e-4)
     with pytest.raises(ValueError, match="even row count"):
         gated_batch_gemm(x, w[1:], configs[0])
+    for bad in (w[:, 1:], w[0]):  # K that is not x's, a weight of one dimension
+        with pytest.raises(ValueError, match=r"x \[M, K\] and weight \[N, K\]"):
+            gated_batch_gemm(x, bad, configs[0])
+
+
+@pytest.mark.parametrize("given", [None, ["64,32,64,2,4,4", "128,64,128,1,4,3"]])
+def test_a_sweep_times_each_row_count_on_its_own_launch_shapes(monkeypatch, given):
+    """Every row count gets the grid of its own rows (or the --configs
+    given), plus the engine's pick at up to 32 rows: not the list the first
+    row count timed. Run on the CPU with the timing and the kernel stubbed."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from test_benchmark_scripts import _benchmark
+
+    module = _benchmark("batch_gemm_configs")
+    monkeypatch.setattr(module, "SPILL_BYTES", 1)
+    monkeypatch.setattr(module, "measure_device", lambda: SimpleNamespace(flops=1e15, bandwidth=3e12))
+    monkeypatch.setattr(module, "time_us", lambda fn, copies: (fn(), 1.0)[1])
+    monkeypatch.setattr(module, "batch_gemm", lambda x, w, b, cfg: F.linear(x, w, b))
+    only = [module.launch_shape(c) for c in given] if given else None
+    out = module.run("qwen3-0.6b", [16, 128, 256], ["o"], configs=only, dev="cpu")
+    for row in out["rows"]:
+        expect = {",".join(map(str, c)) for c in module.grid(row["m"], "off", only)}
+        if row["m"] <= MAX_ROWS:
+            expect.add(",".join(map(str, pick(row["m"], row["n"], row["k"], True))))
+        assert set(row["configs"]) == expect, row["m"]
+    assert [r["m"] for r in out["rows"]] == [16, 128, 256]
