@@ -14,7 +14,7 @@ launched with programmatic dependent launch (`_triton.PDL_ENABLED`): its first
 weight block is read while the kernel before it finishes."""
 from __future__ import annotations
 
-import functools
+import importlib.util
 from typing import NamedTuple
 
 import torch
@@ -38,29 +38,43 @@ def _config(n: int, k: int) -> tuple[int, int, int]:
     return 16, 512, 8
 
 
-@functools.cache
-def _kernel():
+if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the kernel
     import triton
     import triton.language as tl
 
     from rollout_engine.kernels.row_parts import finish_rows, paired_rows, row_input, row_inv_rms
 
     @triton.jit
+    def _weight_block(w_ptr, n, n_mask, stride_w, k0, K, BLOCK_K: tl.constexpr):
+        """Columns [k0, k0 + BLOCK_K) of the program's weight rows (zeros past K)."""
+        kb = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w_ptr + n[:, None] * stride_w + kb[None, :], mask=n_mask[:, None] & (kb < K)[None, :],
+                       other=0.0)
+
+    @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, N, K, stride_w, eps,
                     pos_ptr, loc_ptr, cos_ptr, sin_ptr, cs_stride, kc_ptr, vc_ptr,
                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, K_P2: tl.constexpr,
                     GATED: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr, NQ: tl.constexpr,
-                    NK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    NK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr,
+                    PDL: tl.constexpr):
         """y = x W^T (+ b). NORM: y = RMSNorm(x (+ r)) W^T (+ b), the norm's
         weight at g; with HAS_RES, x + r is the new residual stream, written
         to r_out by the first program. GATED / ROPE: `row_parts.finish_rows`.
-        PDL: the first weight block is read before waiting for the kernel
-        before (no kernel writes weights); x and r only after."""
+        PDL: the first PRE weight blocks (1-4) are read before waiting for the
+        kernel before (no kernel writes weights); x and r only after."""
         pid = tl.program_id(0)
         n = paired_rows(pid, BLOCK_N, ROPE or GATED, HALF)
         n_mask = n < N
         k = tl.arange(0, BLOCK_K)
-        w0 = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
+        w0 = _weight_block(w_ptr, n, n_mask, stride_w, 0, K, BLOCK_K)
+        w1, w2, w3 = w0, w0, w0  # blocks 1-3, read here too where PRE says
+        if PRE > 1:
+            w1 = _weight_block(w_ptr, n, n_mask, stride_w, BLOCK_K, K, BLOCK_K)
+        if PRE > 2:
+            w2 = _weight_block(w_ptr, n, n_mask, stride_w, 2 * BLOCK_K, K, BLOCK_K)
+        if PRE > 3:
+            w3 = _weight_block(w_ptr, n, n_mask, stride_w, 3 * BLOCK_K, K, BLOCK_K)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -68,18 +82,24 @@ def _kernel():
         if NORM:  # the whole row once, for its root mean square
             inv = row_inv_rms(x_ptr, r_ptr, r_out_ptr, K, eps, pid, HAS_RES, K_P2)
         acc = w0.to(tl.float32) * row_input(x_ptr, r_ptr, g_ptr, k, k < K, inv, NORM, HAS_RES)[None, :]
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            kb = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + n[:, None] * stride_w + kb[None, :], mask=n_mask[:, None] & (kb < K)[None, :],
-                        other=0.0)
+        if PRE > 1:  # the blocks read early, added in the loop's order
+            kb = BLOCK_K + k
+            acc += w1.to(tl.float32) * row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :]
+        if PRE > 2:
+            kb = 2 * BLOCK_K + k
+            acc += w2.to(tl.float32) * row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :]
+        if PRE > 3:
+            kb = 3 * BLOCK_K + k
+            acc += w3.to(tl.float32) * row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :]
+        for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
+            kb = k0 + k
+            w = _weight_block(w_ptr, n, n_mask, stride_w, k0, K, BLOCK_K)
             acc += w.to(tl.float32) * row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
         finish_rows(y, pid, n, n_mask, y_ptr, pos_ptr, loc_ptr, cos_ptr, sin_ptr, cs_stride, kc_ptr, vc_ptr,
                     GATED, ROPE, HALF, NQ, NK, BLOCK_N)
-
-    return gemv_kernel
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -104,6 +124,20 @@ class RopeStore(NamedTuple):
     num_kv_heads: int
 
 
+# Weight blocks each program reads before its dependent-launch wait (1-4), where
+# they fit PRELOAD_PER_THREAD weight elements a thread: read while the kernel
+# before runs, which at batch 1 (attention above all) leaves the memory idle.
+PRELOAD_BLOCKS = 1
+PRELOAD_PER_THREAD = 128
+
+
+def preload_blocks(k: int, block_n: int, block_k: int, warps: int) -> int:
+    """How many of a program's weight blocks the launch reads before its
+    wait: PRELOAD_BLOCKS, at most the blocks K has and what fits."""
+    fits = PRELOAD_PER_THREAD * 32 * warps // (block_n * block_k)
+    return max(1, min(PRELOAD_BLOCKS, -(-k // block_k), fits, 4))
+
+
 def _launch(x, weight, bias=None, out_dtype=None, config=None, norm=None, residual=None, gated=False, rope=None):
     n, k = weight.shape
     bn, bk, warps, *stages = config or _config(n, k)
@@ -111,12 +145,12 @@ def _launch(x, weight, bias=None, out_dtype=None, config=None, norm=None, residu
     g, eps = norm if norm is not None else (weight, 0.0)
     ep = epilogue(weight, rope, gated, bn)
     y = torch.empty((1, ep.n_out), dtype=out_dtype or x.dtype, device=x.device)
-    _kernel()[(-(-n // bn),)](x, weight, bias if bias is not None else weight, y,
+    gemv_kernel[(-(-n // bn),)](x, weight, bias if bias is not None else weight, y,
                               residual if residual is not None else x, g, r_out, n, k, weight.stride(0), eps,
                               *ep.pointers, HAS_BIAS=bias is not None, NORM=norm is not None,
                               HAS_RES=residual is not None, K_P2=next_pow2(k) if norm is not None else 1,
                               GATED=gated, ROPE=rope is not None, HALF=ep.half, NQ=ep.nq, NK=ep.nk, BLOCK_N=bn,
-                              BLOCK_K=bk, num_warps=warps, **pdl_args(x),
+                              BLOCK_K=bk, PRE=preload_blocks(k, bn, bk, warps), num_warps=warps, **pdl_args(x),
                               **({"num_stages": stages[0]} if stages else {}))
     return y, r_out
 

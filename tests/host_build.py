@@ -82,3 +82,31 @@ def host_build() -> Iterator[list]:
         driver._active, _triton.copy_engine_reads, _triton.use_pdl = prior
         for fn in touched:  # the stand-in's binders and kernels, under its own device key
             fn.device_caches.pop(HOST_DEVICE, None)
+
+
+def registers_and_spills(kernel) -> tuple[int, int]:
+    """(registers a thread, bytes spilled to local memory) of a kernel built
+    here, as the PTX assembler that Triton ships reports them for sm_90a."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                                text=True, timeout=120, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spilled = sum(int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    return registers, spilled
+
+
+def loads_before_wait(kernel) -> int:
+    """Global loads a kernel built here issues before its dependent-launch
+    wait (griddepcontrol.wait) in its PTX."""
+    ptx = kernel.asm["ptx"]
+    return ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")

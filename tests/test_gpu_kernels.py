@@ -216,6 +216,37 @@ def test_gated_norm_gemv_is_the_product_then_the_activation(n, k):
         norm_gemv(x, None, g, 1e-6, w[: n - 2], gated=True)
 
 
+@pytest.mark.parametrize("n,k", [(2048, 4096), (5120, 2048), (6144, 4096), (4096, 14336), (128, 2048), (1000, 2500)])
+def test_weight_blocks_read_before_the_wait_keep_the_bits(n, k, monkeypatch):
+    """`gemv.PRELOAD_BLOCKS = 4` (up to four weight blocks read before the
+    dependent-launch wait) gives the bits of one block read early, with the
+    norm and residual inside and without, eager and replayed in a graph."""
+    from rollout_engine.kernels import gemv
+
+    torch.manual_seed(0)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16) * 3
+    r = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    g = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+
+    def both():
+        return gemv.gemv(x, w), *gemv.norm_gemv(x, r, g, 1e-6, w)
+
+    monkeypatch.setattr(gemv, "PRELOAD_BLOCKS", 1)
+    want = both()
+    monkeypatch.setattr(gemv, "PRELOAD_BLOCKS", 4)
+    for got, ref in zip(both(), want):
+        assert torch.equal(got, ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        held = both()
+    x.copy_(x.flip(-1))
+    graph.replay()
+    monkeypatch.setattr(gemv, "PRELOAD_BLOCKS", 1)
+    for got, ref in zip(held, both()):
+        assert torch.equal(got, ref)
+
+
 def _rope_tables(d: int, positions: int = 1000):
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
     freqs = torch.outer(torch.arange(positions, device="cuda").float(), inv)

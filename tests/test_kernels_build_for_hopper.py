@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from host_build import HOPPER_SHARED, can_build, host_build
+from host_build import HOPPER_SHARED, can_build, host_build, loads_before_wait, registers_and_spills
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1" or not can_build(),
@@ -93,6 +93,30 @@ def test_one_row_products_and_the_moe_layer_build_at_decode_and_prompt_token_cou
             else:
                 moe._fused_moe_triton(x, w13, w2, weights, ids, moe.pick(tokens, K, E))
     _fits(built, {"gemv_kernel", "moe_up_kernel", "moe_down_kernel", "moe_align_kernel"})
+
+
+def test_one_row_products_read_four_weight_blocks_before_the_wait_without_spilling(monkeypatch):
+    """`gemv.PRELOAD_BLOCKS`: at the engine's batch-1 launch shapes (a
+    qwen3-30b-a3b o product, its qkv with the norm inside, an 8B qkv) each
+    program's early weight blocks are loads before griddepcontrol.wait,
+    and the registers they take do not spill."""
+    from rollout_engine.kernels import gemv
+
+    def build():
+        with host_build() as built:
+            gemv.gemv(torch.randn(1, 4096, dtype=BF16), torch.randn(2048, 4096, dtype=BF16))
+            gemv.norm_gemv(torch.randn(1, 2048, dtype=BF16), torch.randn(1, 2048, dtype=BF16),
+                           torch.randn(2048, dtype=BF16), 1e-6, torch.randn(5120, 2048, dtype=BF16))
+            gemv.gemv(torch.randn(1, 4096, dtype=BF16), torch.randn(6144, 4096, dtype=BF16))
+        return [kernel for _, kernel in built]
+
+    monkeypatch.setattr(gemv, "PRELOAD_BLOCKS", 1)
+    one = build()
+    monkeypatch.setattr(gemv, "PRELOAD_BLOCKS", 4)
+    four = build()
+    for a, b in zip(one, four):
+        assert loads_before_wait(b) == 4 * loads_before_wait(a) > 0
+        assert registers_and_spills(b)[1] == 0
 
 
 def test_the_fp8_one_row_product_and_the_decode_attentions_build():
