@@ -81,10 +81,10 @@ def test_tp2_batch_1_decode_with_random_norm_weights_matches_hf(tmp_path, monkey
 def _compiled_one_row_variants(clear: bool = False) -> tuple[int, int]:
     """Triton's compiled variants (per device) of the bf16 gemv and of the fp8 one-row kernel."""
     from rollout_engine.kernels.fp8_row import fp8_row_kernel
-    from rollout_engine.kernels.gemv import _kernel
+    from rollout_engine.kernels.gemv import gemv_kernel
 
     counts = []
-    for kernel in (_kernel(), fp8_row_kernel):
+    for kernel in (gemv_kernel, fp8_row_kernel):
         caches = [cache[0] for cache in kernel.device_caches.values()]
         if clear:  # forget what earlier tests compiled in this process
             for cache in caches:
