@@ -194,10 +194,26 @@ def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, blo
     return act
 
 
+# One token: each down program reads its first weight block before the
+# dependent-launch wait, its expert taken from what the launch two back wrote
+# (the routing's ids, or the router's logits: `Early`), while the gate/up
+# launch still runs.
+EARLY_DOWN = False
+
+
+class Early(NamedTuple):
+    """Where a one-token down launch finds its slots' experts before its
+    wait: the routing's ids [k] (`logits` False) or the router's logits [E]."""
+    source: torch.Tensor
+    logits: bool
+    top_k: int
+
+
 def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_m: int, t: Tiles,
-          out: torch.Tensor | None = None, tails: bool = False) -> torch.Tensor:
+          out: torch.Tensor | None = None, tails: bool = False, early: Early | None = None) -> torch.Tensor:
     """The down launch: y [pairs, H]. With `out` [1, H] (one token: `_up`'s
-    `one`), the slot sum too, into out. `tails`: MoeLaunch.tails."""
+    `one`), the slot sum too, into out. `tails`: MoeLaunch.tails. `early`
+    (one token, with EARLY_DOWN): `Early`."""
     sorted_ids, block_expert, total = aligned
     pairs, inter = act.shape
     hidden = w2.shape[1]
@@ -205,12 +221,17 @@ def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_
     y = torch.empty((pairs, hidden), dtype=act.dtype, device=act.device)
     blocks = block_expert.numel()
     wd, tma = weight_tiles(w2, t)
+    early = early if EARLY_DOWN and out is not None else None
+    source = early.source if early is not None else y
     moe_down_kernel[(blocks * cdiv(hidden, t.block_n),)](
         act, w2, wd, y, out if out is not None else y, rw, sorted_ids, block_expert, total, pairs, blocks, hidden,
-        inter, w2.stride(0), w2.stride(1),
+        inter, w2.stride(0), w2.stride(1), source, source.numel(),
         GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
         EVEN_N=hidden % t.block_n == 0, IEEE=act.dtype == torch.float32, num_warps=t.warps,
-        num_stages=t.stages, ONE=out is not None, TAILS=tails, TMA=tma, **pdl_args(act))
+        num_stages=t.stages, ONE=out is not None, TAILS=tails, TMA=tma, EARLY=int(early is not None),
+        FROM_LOGITS=early is not None and early.logits, TOPK=early.top_k if early is not None else 1,
+        BLOCK_E=next_pow2(source.numel()) if early is not None and early.logits else 1,
+        BLOCK_J=next_pow2(early.top_k) if early is not None else 1, **pdl_args(act))
     return y
 
 
@@ -246,7 +267,7 @@ def _fused_moe_one(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     blocks = (flat, flat, counts)  # block experts = the ids; no sorted ids
     act = _up(x, w13, blocks, top_k, top_k, config.block_m, config.up, one=True)
     out = torch.empty((1, w2.shape[1]), dtype=x.dtype, device=x.device)
-    _down(act, w2, rw, blocks, config.block_m, config.down, out=out)
+    _down(act, w2, rw, blocks, config.block_m, config.down, out=out, early=Early(flat, False, top_k))
     return out
 
 

@@ -24,7 +24,7 @@ import torch
 
 from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args
 from rollout_engine.kernels.gemv import norm_gemv
-from rollout_engine.kernels.moe import DECODE, MoeLaunch, _down, _fit, _unit_last, weight_tiles
+from rollout_engine.kernels.moe import DECODE, Early, MoeLaunch, _down, _fit, _unit_last, weight_tiles
 
 if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the kernels
     import triton
@@ -103,5 +103,5 @@ def moe_row(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, 
         EVEN_N=inter % up.block_n == 0, IEEE=h.dtype == torch.float32, TMA=tma, num_warps=up.warps,
         num_stages=up.stages, **pdl_args(h))
     out = torch.empty((1, hidden), dtype=h.dtype, device=dev)
-    _down(act, w2, rw, (ids, ids, counts), config.block_m, config.down, out=out)
+    _down(act, w2, rw, (ids, ids, counts), config.block_m, config.down, out=out, early=Early(logits, True, top_k))
     return out, r

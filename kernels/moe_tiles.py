@@ -12,6 +12,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     import triton
     import triton.language as tl
 
+    from rollout_engine.kernels.moe_route import top_k_rows
     from rollout_engine.kernels.row_parts import row_input
 
     @triton.jit
@@ -163,23 +164,69 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         tl.store(act_ptr + pair.to(tl.int64)[:, None] * I + rn[None, :], act.to(dt),
                  mask=m_ok[:, None] & n_ok[None, :])
 
+    @triton.jit
+    def _early_expert(early_ptr, j, E, TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr,
+                      FROM_LOGITS: tl.constexpr):
+        """Slot j's expert (int64), from what a kernel two launches back
+        wrote: the routing's ids [TOPK], or (FROM_LOGITS) the router's
+        logits [E], whose top k `top_k_rows` takes as the gate/up launch
+        of kernels/moe_row.py does (the same ids)."""
+        if FROM_LOGITS:
+            ee = tl.arange(0, BLOCK_E)
+            e_ok = ee < E
+            x = tl.load(early_ptr + ee, mask=e_ok, other=float("-inf")).to(tl.float32)
+            _, idx = top_k_rows(x[None, :], ee, e_ok, TOPK, BLOCK_J, False)
+            jj = tl.arange(0, BLOCK_J)
+            return tl.sum(tl.where(jj[None, :] == j, idx, 0)).to(tl.int64)
+        return tl.load(early_ptr + j).to(tl.int64)
+
+    @triton.jit
+    def _down_weight(w_ptr, wd, e, nt, i, H, I, stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, TMA: tl.constexpr):
+        """K block i of column tile nt of expert e's down weight [H, I] (zeros past H and I)."""
+        rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        if TMA:
+            return _weight_tile(wd, e, nt * BLOCK_N, i * BLOCK_K, BLOCK_N, BLOCK_K)
+        w_ptrs = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        if not EVEN_K:
+            return tl.load(w_ptrs, mask=(rn < H)[:, None] & (rk < I)[None, :], other=0.0)
+        if EVEN_N:
+            return tl.load(w_ptrs)
+        return tl.load(w_ptrs, mask=(rn < H)[:, None], other=0.0)
+
+    @triton.jit
+    def _act_block(a_ptrs, m_ok, k_ok, EVEN_K: tl.constexpr):
+        """A K block of the pairs' activation rows (zeros past I and for padding rows)."""
+        if EVEN_K:
+            return tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+        return tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+
     @triton.jit(do_not_specialize=["P", "NB"])
     def moe_down_kernel(act_ptr, w_ptr, wd, y_ptr, out_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H,
-                        I, stride_we, stride_wn, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
-                        ONE: tl.constexpr = False, TAILS: tl.constexpr = False, TMA: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        I, stride_we, stride_wn, early_ptr, E, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                        IEEE: tl.constexpr, ONE: tl.constexpr = False, TAILS: tl.constexpr = False,
+                        TMA: tl.constexpr = False, PDL: tl.constexpr = False, EARLY: tl.constexpr = 0,
+                        FROM_LOGITS: tl.constexpr = False, TOPK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
+                        BLOCK_J: tl.constexpr = 1):
         """One block of sorted pairs and one column tile of H: act @ w2[e]^T
         over K = I, times the routing weight, to y[pair]. TAILS: as the
         gate/up launch. ONE: `_block_rows`, and the slot sum too: total_ptr
         counts the tile's finished slots (zeroed by the gate/up launch), and
         the slot that finishes last adds the tile's rows of y in slot order
         into out, as moe_sum_kernel does. TMA: the weight tiles through wd,
-        a tensor descriptor over w [E, H, I] (`_weight_tile`)."""
-        if PDL:  # launched early: nothing read or written before the kernel before has finished
+        a tensor descriptor over w [E, H, I] (`_weight_tile`). EARLY (1, with
+        ONE): the first weight block is read before the dependent-launch
+        wait, its expert from early_ptr (`_early_expert`)."""
+        block, nt = _tile(tl.program_id(0), NB, tl.cdiv(H, BLOCK_N), GROUP)
+        w0 = 0.0
+        if EARLY:
+            e0 = _early_expert(early_ptr, block, E, TOPK, BLOCK_E, BLOCK_J, FROM_LOGITS)
+            w0 = _down_weight(w_ptr, wd, e0, nt, 0, H, I, stride_we, stride_wn, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, TMA)
+        if PDL:  # launched early: nothing else read or written before the kernel before has finished
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        block, nt = _tile(tl.program_id(0), NB, tl.cdiv(H, BLOCK_N), GROUP)
         if not ONE:
             if block * BLOCK_M >= tl.load(total_ptr):
                 return
@@ -187,18 +234,18 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             past_half, past_quarter = _tails(sorted_ptr, block, P, BLOCK_M)
             if past_half:
                 _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
-                           stride_we, stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA)
+                           stride_we, stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA, w0, 0)
             elif past_quarter:
                 _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
                            stride_we, stride_wn, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE,
-                           TMA)
+                           TMA, w0, 0)
             else:
                 _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
                            stride_we, stride_wn, BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE,
-                           TMA)
+                           TMA, w0, 0)
         else:
             _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
-                       stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA)
+                       stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA, w0, EARLY)
         if ONE:
             # Every thread's stores before one thread's release; the last slot's acquire before its reads,
             # which skip the L1 cache (other programs wrote those rows).
@@ -215,32 +262,22 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     def _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
                    stride_wn, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr,
-                   TMA: tl.constexpr):
-        """The down product of a block's first ROWS rows, times the routing weights, to y."""
+                   TMA: tl.constexpr, w0, EARLY: tl.constexpr):
+        """The down product of a block's first ROWS rows, times the routing
+        weights, to y. EARLY (1): w0 is K block 0's weight tile, read already."""
         pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE, ROWS)
         rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < H
         rk = tl.arange(0, BLOCK_K)
         a_ptrs = act_ptr + pair.to(tl.int64)[:, None] * I + rk[None, :]
-        w_ptrs = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        for i in range(0, tl.cdiv(I, BLOCK_K)):
-            k_ok = (i * BLOCK_K + rk < I)[None, :]
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
-            if TMA:
-                w = _weight_tile(wd, e, nt * BLOCK_N, i * BLOCK_K, BLOCK_N, BLOCK_K)
-            elif not EVEN_K:
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
-            elif EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-            acc = _mma(a, w, acc, IEEE=IEEE)
+        if EARLY:  # K block 0, the loop's first step with the tile read before the wait
+            acc = _mma(_act_block(a_ptrs, m_ok, rk < I, EVEN_K), w0, acc, IEEE=IEEE)
             a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+        for i in range(EARLY, tl.cdiv(I, BLOCK_K)):
+            w = _down_weight(w_ptr, wd, e, nt, i, H, I, stride_we, stride_wn, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, TMA)
+            acc = _mma(_act_block(a_ptrs, m_ok, i * BLOCK_K + rk < I, EVEN_K), w, acc, IEEE=IEEE)
+            a_ptrs += BLOCK_K
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0)
         tl.store(y_ptr + pair.to(tl.int64)[:, None] * H + rn[None, :], (acc * rw[:, None]).to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])

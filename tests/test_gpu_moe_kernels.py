@@ -200,6 +200,41 @@ def test_moe_row_replays_in_a_graph_with_new_tokens():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("experts,top_k,inter,hidden", [(128, 8, 768, 2048), (60, 4, 24, 64), (16, 4, 40, 200)])
+def test_early_down_replays_with_the_bits_of_the_launch_without_it(experts, top_k, inter, hidden, monkeypatch):
+    """EARLY_DOWN (the one-token down launch reads its first weight tile
+    before its dependent-launch wait, its experts from what the launch two
+    back wrote): the three-launch sparse MLP and the router + routing +
+    one-token path, captured in graphs and replayed over new tokens, give
+    the bits of eager calls without it."""
+    from rollout_engine.kernels.gemv import linear
+
+    x, residual, norm_w, router, w13, w2 = row_problem(experts, top_k, hidden, inter, torch.bfloat16, "cuda")
+
+    def calls():
+        row = moe_row.moe_row(x, residual, norm_w, 1e-6, router, w13, w2, top_k, True)
+        weights, ids = moe_route.route(linear(x, router), top_k, True)
+        return (*row, moe.fused_moe(x, w13, w2, weights, ids))
+
+    monkeypatch.setattr(moe, "EARLY_DOWN", True)
+    calls()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        held = calls()
+    g = torch.Generator(device="cpu").manual_seed(7)
+    for _ in range(12):
+        x.copy_(torch.randn(1, hidden, generator=g).to(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [t.clone() for t in held]
+        monkeypatch.setattr(moe, "EARLY_DOWN", False)
+        want = calls()
+        monkeypatch.setattr(moe, "EARLY_DOWN", True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("load", ["uniform", "counts", "hot"])
 @pytest.mark.parametrize("inter,hidden", [(768, 2048), (96, 512), (40, 200)])
 def test_large_blocks_with_short_tails_match_the_whole_blocks(load, inter, hidden):

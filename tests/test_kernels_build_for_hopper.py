@@ -119,6 +119,36 @@ def test_one_row_products_read_four_weight_blocks_before_the_wait_without_spilli
         assert registers_and_spills(b)[1] == 0
 
 
+def test_the_one_token_down_launch_reads_its_first_weight_tile_before_the_wait(monkeypatch):
+    """`moe.EARLY_DOWN`, at qwen3-30b-a3b's expert shapes: the down launch
+    of the three-launch sparse MLP (experts from the router's logits) and of
+    the one-token path (from the routing's ids) issues its first copy-engine
+    weight read before griddepcontrol.wait; without it, none."""
+    from rollout_engine.kernels import moe, moe_row
+
+    E, H, I, K = 128, 2048, 768, 8
+    w13, w2 = torch.randn(E, 2 * I, H, dtype=BF16), torch.randn(E, H, I, dtype=BF16)
+
+    def downs():
+        with host_build() as built:
+            moe_row.moe_row(torch.randn(1, H, dtype=BF16), torch.randn(1, H, dtype=BF16), torch.randn(H, dtype=BF16),
+                            1e-6, torch.randn(E, H, dtype=BF16), w13, w2, K, True)
+            moe._fused_moe_one(torch.randn(1, H, dtype=BF16), w13, w2, torch.rand(1, K),
+                               torch.randint(0, E, (1, K)), moe.DECODE)
+        return [kernel for name, kernel in built if name == "moe_down_kernel"]
+
+    def tiles_before_wait(kernel):
+        ptx = kernel.asm["ptx"]
+        return ptx[:ptx.index("griddepcontrol.wait")].count("cp.async.bulk.tensor")
+
+    monkeypatch.setattr(moe, "EARLY_DOWN", False)
+    assert [tiles_before_wait(k) for k in downs()] == [0, 0]
+    monkeypatch.setattr(moe, "EARLY_DOWN", True)
+    early = downs()
+    assert len(early) == 2 and all(tiles_before_wait(k) > 0 for k in early)
+    _fits([("moe_down_kernel", k) for k in early], {"moe_down_kernel"})
+
+
 def test_the_fp8_one_row_product_and_the_decode_attentions_build():
     from rollout_engine.kernels import attention, fp8_row, one_seq_attention
 

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from rollout_engine.kernels import moe, moe_align, moe_route, moe_row
-from rollout_engine.kernels.rmsnorm import rmsnorm_ref
 from rollout_engine.kernels.moe import MoeLaunch, Tiles
 from moe_problems import check_align, problem, rel, row_problem, row_unfused
 
@@ -204,14 +203,15 @@ def test_interpreted_one_token(experts, top_k, hidden, inter, load):
 def test_interpreted_moe_row(experts, top_k, hidden, inter, renormalize, monkeypatch):
     """The one-token sparse MLP in three launches (norm inside the router's
     product; routing, norm and gate/up; down with the slot sum): the unfused
-    result, the new residual stream, and the routing record in its slot.
-    The router's one-row product is the GPU's alone (its kernel is built
-    inside a function, out of the interpreter's sight): torch's here."""
-    def norm_product(h, residual, norm_w, eps, router):
-        normed, r = rmsnorm_ref(h, norm_w, eps, residual)
-        return F.linear(normed, router), r
+    result, the new residual stream, and the routing record in its slot;
+    the same with the down launch's first weight block read before its
+    wait (EARLY_DOWN), its experts from the router's logits."""
+    for early in (False, True):
+        monkeypatch.setattr(moe, "EARLY_DOWN", early)
+        _check_moe_row(experts, top_k, hidden, inter, renormalize)
 
-    monkeypatch.setattr(moe_row, "norm_gemv", norm_product)
+
+def _check_moe_row(experts, top_k, hidden, inter, renormalize):
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
         x, residual, norm_w, router, w13, w2 = row_problem(experts, top_k, hidden, inter, dtype)
         ref, ref_r, ref_ids = row_unfused(x, residual, norm_w, router, w13, w2, top_k, renormalize)
@@ -257,13 +257,33 @@ def test_interpreted_tma_weights_equal_pointer_loads(dtype, monkeypatch):
     off, on = both(lambda: moe._fused_moe_triton(tx, tw13, tw2, tail_weights, tail_ids, launch))
     assert torch.equal(off, on)
 
-    def norm_product(h, residual, norm_w, eps, router):
-        normed, r = rmsnorm_ref(h, norm_w, eps, residual)
-        return F.linear(normed, router), r
-
-    monkeypatch.setattr(moe_row, "norm_gemv", norm_product)
     rx, residual, norm_w, router, rw13, rw2 = row_problem(8, 2, 32, 24, dtype)
     off, on = both(lambda: moe_row.moe_row(rx, residual, norm_w, 1e-6, router, rw13, rw2, 2, True, None, TINY[1]))
+    assert torch.equal(off[0], on[0]) and torch.equal(off[1], on[1])
+
+
+@interpreted
+@pytest.mark.parametrize("tma", [False, True])
+def test_interpreted_early_down_keeps_the_bits(tma, monkeypatch):
+    """EARLY_DOWN: the one-token down launch's first weight block read before
+    its wait, its expert from the routing's ids (`_fused_moe_one`) or from
+    the router's logits (`moe_row`): the bits of the launch without it,
+    through pointer loads and the copy engine, K a multiple of the tile and
+    not, every slot on one expert."""
+    def both(fn):
+        monkeypatch.setattr(moe, "EARLY_DOWN", False)
+        before = fn()
+        monkeypatch.setattr(moe, "EARLY_DOWN", True)
+        return before, fn()
+
+    monkeypatch.setattr(moe, "TMA_WEIGHTS", tma)
+    for inter, load in ((40, "uniform"), (48, "hot"), (16, "uniform")):
+        x, w13, w2, weights, ids = problem(1, 6, 3, 48, inter, torch.float32, load=load)
+        for config in TINY:
+            off, on = both(lambda: moe._fused_moe_one(x, w13, w2, weights, ids.long(), config))
+            assert torch.equal(off, on)
+    rx, residual, norm_w, router, rw13, rw2 = row_problem(12, 4, 48, 40, torch.float32)
+    off, on = both(lambda: moe_row.moe_row(rx, residual, norm_w, 1e-6, router, rw13, rw2, 4, True, None, TINY[1]))
     assert torch.equal(off[0], on[0]) and torch.equal(off[1], on[1])
 
 
