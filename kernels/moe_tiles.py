@@ -170,15 +170,16 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         """Slot j's expert (int64), from what a kernel two launches back
         wrote: the routing's ids [TOPK], or (FROM_LOGITS) the router's
         logits [E], whose top k `top_k_rows` takes as the gate/up launch
-        of kernels/moe_row.py does (the same ids)."""
+        of kernels/moe_row.py does (the same ids). Read past the L1 cache:
+        this step's values, not a line an earlier launch left there."""
         if FROM_LOGITS:
             ee = tl.arange(0, BLOCK_E)
             e_ok = ee < E
-            x = tl.load(early_ptr + ee, mask=e_ok, other=float("-inf")).to(tl.float32)
+            x = tl.load(early_ptr + ee, mask=e_ok, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
             _, idx = top_k_rows(x[None, :], ee, e_ok, TOPK, BLOCK_J, False)
             jj = tl.arange(0, BLOCK_J)
             return tl.sum(tl.where(jj[None, :] == j, idx, 0)).to(tl.int64)
-        return tl.load(early_ptr + j).to(tl.int64)
+        return tl.load(early_ptr + j, cache_modifier=".cg").to(tl.int64)
 
     @triton.jit
     def _down_weight(w_ptr, wd, e, nt, i, H, I, stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
