@@ -11,10 +11,13 @@ import torch
 # start while the kernel before it still runs, and waits (`gdc_wait`) for it
 # to finish before reading what it wrote. Kernels that take part read before
 # their wait only what no kernel of a forward pass writes (weights, norm
-# weights) or what earlier steps wrote (the cache entries of earlier tokens),
-# write nothing before it, and let the next kernel start
-# (`gdc_launch_dependents`) only after it, so every kernel before the one
-# before has finished by then. Tests and A/B runs turn it off to compare.
+# weights), what earlier steps wrote (the cache entries of earlier tokens) or
+# what a kernel two launches back wrote (the MoE down launch's experts:
+# `kernels.moe.EARLY_DOWN`), write nothing before it, and let the next kernel
+# start (`gdc_launch_dependents`) only after it, so every kernel before the
+# one before has finished by then (tests/test_kernels_build_for_hopper.py
+# checks the order in every kernel it builds). Tests and A/B runs turn it off
+# to compare.
 PDL_ENABLED = True
 
 

@@ -82,15 +82,18 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         if NORM:  # the whole row once, for its root mean square
             inv = row_inv_rms(x_ptr, r_ptr, r_out_ptr, K, eps, pid, HAS_RES, K_P2)
         acc = w0.to(tl.float32) * row_input(x_ptr, r_ptr, g_ptr, k, k < K, inv, NORM, HAS_RES)[None, :]
-        if PRE > 1:  # the blocks read early, added in the loop's order
+        if PRE > 1:  # the blocks read early, added in the loop's order, as the loop's fused multiply-adds
             kb = BLOCK_K + k
-            acc += w1.to(tl.float32) * row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :]
+            acc = tl.fma(w1.to(tl.float32), row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :],
+                         acc)
         if PRE > 2:
             kb = 2 * BLOCK_K + k
-            acc += w2.to(tl.float32) * row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :]
+            acc = tl.fma(w2.to(tl.float32), row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :],
+                         acc)
         if PRE > 3:
             kb = 3 * BLOCK_K + k
-            acc += w3.to(tl.float32) * row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :]
+            acc = tl.fma(w3.to(tl.float32), row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :],
+                         acc)
         for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
             kb = k0 + k
             w = _weight_block(w_ptr, n, n_mask, stride_w, k0, K, BLOCK_K)

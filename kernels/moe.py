@@ -225,7 +225,7 @@ def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_
     source = early.source if early is not None else y
     moe_down_kernel[(blocks * cdiv(hidden, t.block_n),)](
         act, w2, wd, y, out if out is not None else y, rw, sorted_ids, block_expert, total, pairs, blocks, hidden,
-        inter, w2.stride(0), w2.stride(1), source, source.numel(),
+        inter, w2.stride(0), w2.stride(1), source, source.numel() if early is not None else 1,
         GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
         EVEN_N=hidden % t.block_n == 0, IEEE=act.dtype == torch.float32, num_warps=t.warps,
         num_stages=t.stages, ONE=out is not None, TAILS=tails, TMA=tma, EARLY=int(early is not None),

@@ -221,7 +221,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         ONE): the first weight block is read before the dependent-launch
         wait, its expert from early_ptr (`_early_expert`)."""
         block, nt = _tile(tl.program_id(0), NB, tl.cdiv(H, BLOCK_N), GROUP)
-        w0 = 0.0
+        w0, e0 = 0.0, 0
         if EARLY:
             e0 = _early_expert(early_ptr, block, E, TOPK, BLOCK_E, BLOCK_J, FROM_LOGITS)
             w0 = _down_weight(w_ptr, wd, e0, nt, 0, H, I, stride_we, stride_wn, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, TMA)
@@ -235,18 +235,18 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             past_half, past_quarter = _tails(sorted_ptr, block, P, BLOCK_M)
             if past_half:
                 _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
-                           stride_we, stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA, w0, 0)
+                           stride_we, stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA, w0, e0, 0)
             elif past_quarter:
                 _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
                            stride_we, stride_wn, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE,
-                           TMA, w0, 0)
+                           TMA, w0, e0, 0)
             else:
                 _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
                            stride_we, stride_wn, BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE,
-                           TMA, w0, 0)
+                           TMA, w0, e0, 0)
         else:
             _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
-                       stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA, w0, EARLY)
+                       stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA, w0, e0, EARLY)
         if ONE:
             # Every thread's stores before one thread's release; the last slot's acquire before its reads,
             # which skip the L1 cache (other programs wrote those rows).
@@ -263,9 +263,12 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
     def _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
                    stride_wn, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr,
-                   TMA: tl.constexpr, w0, EARLY: tl.constexpr):
+                   TMA: tl.constexpr, w0, e0, EARLY: tl.constexpr):
         """The down product of a block's first ROWS rows, times the routing
-        weights, to y. EARLY (1): w0 is K block 0's weight tile, read already."""
+        weights, to y. EARLY (1): w0 is K block 0's weight tile of expert
+        e0, read already (read again where the block's expert is another:
+        logits whose top k another build of the routing sums in another
+        order could name one)."""
         pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE, ROWS)
         rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < H
@@ -273,6 +276,9 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         a_ptrs = act_ptr + pair.to(tl.int64)[:, None] * I + rk[None, :]
         acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
         if EARLY:  # K block 0, the loop's first step with the tile read before the wait
+            if e != e0:
+                w0 = _down_weight(w_ptr, wd, e, nt, 0, H, I, stride_we, stride_wn, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
+                                  TMA)
             acc = _mma(_act_block(a_ptrs, m_ok, rk < I, EVEN_K), w0, acc, IEEE=IEEE)
             a_ptrs += BLOCK_K
         for i in range(EARLY, tl.cdiv(I, BLOCK_K)):

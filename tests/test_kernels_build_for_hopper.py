@@ -25,6 +25,9 @@ def _fits(built: list, expect: set[str]) -> None:
     assert expect <= names, f"not built: {expect - names}"
     for name, kernel in built:
         assert kernel.metadata.shared <= HOPPER_SHARED, (name, kernel.metadata.shared)
+        ptx = kernel.asm["ptx"]  # the next kernel starts only after this one's wait (_triton.PDL_ENABLED)
+        if "griddepcontrol.launch_dependents" in ptx:
+            assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents"), name
 
 
 def test_small_batch_products_build_plain_gated_and_fp8_at_the_picked_and_listed_shapes():

@@ -285,6 +285,16 @@ def test_interpreted_early_down_keeps_the_bits(tma, monkeypatch):
     rx, residual, norm_w, router, rw13, rw2 = row_problem(12, 4, 48, 40, torch.float32)
     off, on = both(lambda: moe_row.moe_row(rx, residual, norm_w, 1e-6, router, rw13, rw2, 4, True, None, TINY[1]))
     assert torch.equal(off[0], on[0]) and torch.equal(off[1], on[1])
+    # an early guess of another expert (each slot told its neighbour's): the tile is read again after the wait
+    down = moe._down
+
+    def misled(*args, early=None, **kwargs):
+        return down(*args, early=early._replace(source=early.source.roll(1)) if early else None, **kwargs)
+
+    x, w13, w2, weights, ids = problem(1, 6, 3, 48, 40, torch.float32)
+    off, _ = both(lambda: moe._fused_moe_one(x, w13, w2, weights, ids.long(), TINY[1]))
+    monkeypatch.setattr(moe, "_down", misled)
+    assert torch.equal(moe._fused_moe_one(x, w13, w2, weights, ids.long(), TINY[1]), off)
 
 
 def test_tma_weights_only_where_the_copy_engine_can_read_them(monkeypatch):
