@@ -121,18 +121,26 @@ def test_one_token_path_replays_after_the_router_in_a_graph():
 
     def layer():
         weights, ids = moe_route.route(linear(x, router), top_k, True)
-        return moe.fused_moe(x, w13, w2, weights, ids)
+        return (moe.fused_moe(x, w13, w2, weights, ids),)
 
-    layer()
+    _replays_as_eager(x, layer, layer, 20, seed=3)
+
+
+def _replays_as_eager(x, captured, eager, replays, seed):
+    """`captured()` in a CUDA graph, replayed over new rows of x: each
+    replay's tensors equal `eager()`'s, bit for bit."""
+    captured()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = layer()
-    g = torch.Generator(device="cpu").manual_seed(3)
-    for _ in range(20):
-        x.copy_(torch.randn(1, hidden, generator=g).to(x))
+        held = captured()
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for _ in range(replays):
+        x.copy_(torch.randn(x.shape, generator=g).to(x))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, layer())
+        got = [t.clone() for t in held]
+        want = eager()
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.gpu
@@ -216,21 +224,13 @@ def test_early_down_replays_with_the_bits_of_the_launch_without_it(experts, top_
         weights, ids = moe_route.route(linear(x, router), top_k, True)
         return (*row, moe.fused_moe(x, w13, w2, weights, ids))
 
+    def without():
+        with monkeypatch.context() as m:
+            m.setattr(moe, "EARLY_DOWN", False)
+            return calls()
+
     monkeypatch.setattr(moe, "EARLY_DOWN", True)
-    calls()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        held = calls()
-    g = torch.Generator(device="cpu").manual_seed(7)
-    for _ in range(12):
-        x.copy_(torch.randn(1, hidden, generator=g).to(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        got = [t.clone() for t in held]
-        monkeypatch.setattr(moe, "EARLY_DOWN", False)
-        want = calls()
-        monkeypatch.setattr(moe, "EARLY_DOWN", True)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _replays_as_eager(x, calls, without, 12, seed=7)
 
 
 @pytest.mark.gpu
