@@ -52,6 +52,11 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                        other=0.0)
 
     @triton.jit
+    def _add_block(acc, w, x_ptr, r_ptr, g_ptr, kb, K, inv, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+        """acc + w * the input's columns kb, as the loop's fused multiply-adds round it."""
+        return tl.fma(w.to(tl.float32), row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :], acc)
+
+    @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, g_ptr, r_out_ptr, N, K, stride_w, eps,
                     pos_ptr, loc_ptr, cos_ptr, sin_ptr, cs_stride, kc_ptr, vc_ptr,
                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, K_P2: tl.constexpr,
@@ -82,18 +87,12 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         if NORM:  # the whole row once, for its root mean square
             inv = row_inv_rms(x_ptr, r_ptr, r_out_ptr, K, eps, pid, HAS_RES, K_P2)
         acc = w0.to(tl.float32) * row_input(x_ptr, r_ptr, g_ptr, k, k < K, inv, NORM, HAS_RES)[None, :]
-        if PRE > 1:  # the blocks read early, added in the loop's order, as the loop's fused multiply-adds
-            kb = BLOCK_K + k
-            acc = tl.fma(w1.to(tl.float32), row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :],
-                         acc)
+        if PRE > 1:  # the blocks read early, added in the loop's order
+            acc = _add_block(acc, w1, x_ptr, r_ptr, g_ptr, BLOCK_K + k, K, inv, NORM, HAS_RES)
         if PRE > 2:
-            kb = 2 * BLOCK_K + k
-            acc = tl.fma(w2.to(tl.float32), row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :],
-                         acc)
+            acc = _add_block(acc, w2, x_ptr, r_ptr, g_ptr, 2 * BLOCK_K + k, K, inv, NORM, HAS_RES)
         if PRE > 3:
-            kb = 3 * BLOCK_K + k
-            acc = tl.fma(w3.to(tl.float32), row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :],
-                         acc)
+            acc = _add_block(acc, w3, x_ptr, r_ptr, g_ptr, 3 * BLOCK_K + k, K, inv, NORM, HAS_RES)
         for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
             kb = k0 + k
             w = _weight_block(w_ptr, n, n_mask, stride_w, k0, K, BLOCK_K)
@@ -149,12 +148,12 @@ def _launch(x, weight, bias=None, out_dtype=None, config=None, norm=None, residu
     ep = epilogue(weight, rope, gated, bn)
     y = torch.empty((1, ep.n_out), dtype=out_dtype or x.dtype, device=x.device)
     gemv_kernel[(-(-n // bn),)](x, weight, bias if bias is not None else weight, y,
-                              residual if residual is not None else x, g, r_out, n, k, weight.stride(0), eps,
-                              *ep.pointers, HAS_BIAS=bias is not None, NORM=norm is not None,
-                              HAS_RES=residual is not None, K_P2=next_pow2(k) if norm is not None else 1,
-                              GATED=gated, ROPE=rope is not None, HALF=ep.half, NQ=ep.nq, NK=ep.nk, BLOCK_N=bn,
-                              BLOCK_K=bk, PRE=preload_blocks(k, bn, bk, warps), num_warps=warps, **pdl_args(x),
-                              **({"num_stages": stages[0]} if stages else {}))
+                            residual if residual is not None else x, g, r_out, n, k, weight.stride(0), eps,
+                            *ep.pointers, HAS_BIAS=bias is not None, NORM=norm is not None,
+                            HAS_RES=residual is not None, K_P2=next_pow2(k) if norm is not None else 1,
+                            GATED=gated, ROPE=rope is not None, HALF=ep.half, NQ=ep.nq, NK=ep.nk, BLOCK_N=bn,
+                            BLOCK_K=bk, PRE=preload_blocks(k, bn, bk, warps), num_warps=warps, **pdl_args(x),
+                            **({"num_stages": stages[0]} if stages else {}))
     return y, r_out
 
 
