@@ -53,7 +53,9 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 
     @triton.jit
     def _add_block(acc, w, x_ptr, r_ptr, g_ptr, kb, K, inv, NORM: tl.constexpr, HAS_RES: tl.constexpr):
-        """acc + w * the input's columns kb, as the loop's fused multiply-adds round it."""
+        """acc + w * the input's columns kb in one fused multiply-add (one
+        rounding: what the compiler made of the product and the sum before,
+        and the same under Triton's interpreter whichever block it is)."""
         return tl.fma(w.to(tl.float32), row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :], acc)
 
     @triton.jit
@@ -94,9 +96,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         if PRE > 3:
             acc = _add_block(acc, w3, x_ptr, r_ptr, g_ptr, 3 * BLOCK_K + k, K, inv, NORM, HAS_RES)
         for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
-            kb = k0 + k
             w = _weight_block(w_ptr, n, n_mask, stride_w, k0, K, BLOCK_K)
-            acc += w.to(tl.float32) * row_input(x_ptr, r_ptr, g_ptr, kb, kb < K, inv, NORM, HAS_RES)[None, :]
+            acc = _add_block(acc, w, x_ptr, r_ptr, g_ptr, k0 + k, K, inv, NORM, HAS_RES)
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
@@ -135,9 +136,11 @@ PRELOAD_PER_THREAD = 128
 
 def preload_blocks(k: int, block_n: int, block_k: int, warps: int) -> int:
     """How many of a program's weight blocks the launch reads before its
-    wait: PRELOAD_BLOCKS, at most the blocks K has and what fits."""
+    wait: PRELOAD_BLOCKS (1 to 4), at most the blocks K has and what fits."""
+    if not 1 <= PRELOAD_BLOCKS <= 4:
+        raise ValueError(f"gemv.PRELOAD_BLOCKS: 1 to 4 weight blocks read before the wait, got {PRELOAD_BLOCKS}")
     fits = PRELOAD_PER_THREAD * 32 * warps // (block_n * block_k)
-    return max(1, min(PRELOAD_BLOCKS, -(-k // block_k), fits, 4))
+    return max(1, min(PRELOAD_BLOCKS, -(-k // block_k), fits))
 
 
 def _launch(x, weight, bias=None, out_dtype=None, config=None, norm=None, residual=None, gated=False, rope=None):

@@ -94,7 +94,7 @@ def registers_and_spills(kernel) -> tuple[int, int]:
 
     import triton
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = _ptxas(triton)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(kernel.asm["ptx"])
         f.flush()
@@ -110,3 +110,18 @@ def loads_before_wait(kernel) -> int:
     wait (griddepcontrol.wait) in its PTX."""
     ptx = kernel.asm["ptx"]
     return ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")
+
+
+def _ptxas(triton) -> str:
+    """The PTX assembler Triton itself builds sm_90 with (newer Triton picks
+    among the ones it ships by architecture: its PTX needs the newer one)."""
+    import inspect
+    import os
+
+    from triton.backends.nvidia import compiler
+
+    get = getattr(compiler, "get_ptxas", None)
+    if get is not None:
+        tool = get(90) if inspect.signature(get).parameters else get()
+        return getattr(tool, "path", tool)
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")

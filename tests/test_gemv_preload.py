@@ -25,8 +25,10 @@ def test_blocks_read_early_are_capped_by_k_the_registers_and_four():
         assert gemv.preload_blocks(2500, 4, 1024, 4) == 3  # K has three blocks
         assert gemv.preload_blocks(4096, 16, 512, 8) == 4
         assert gemv.preload_blocks(14336, 16, 1024, 8) == 2  # 16 x 1024 a block: two fit 8 warps' registers
-        mp.setattr(gemv, "PRELOAD_BLOCKS", 8)
-        assert gemv.preload_blocks(1 << 16, 1, 64, 4) == 4  # never more than the kernel's four
+        for wrong in (0, 8):  # the kernel reads one to four
+            mp.setattr(gemv, "PRELOAD_BLOCKS", wrong)
+            with pytest.raises(ValueError, match="PRELOAD_BLOCKS"):
+                gemv.preload_blocks(1 << 16, 1, 64, 4)
 
 
 def _both(fn):
