@@ -152,6 +152,31 @@ def test_the_one_token_down_launch_reads_its_first_weight_tile_before_the_wait(m
     _fits([("moe_down_kernel", k) for k in early], {"moe_down_kernel"})
 
 
+def test_the_down_launch_with_the_slot_sum_inside_builds_at_every_picked_shape(monkeypatch):
+    """`moe.SUM_IN_DOWN` at qwen3-30b-a3b's shapes and `pick`'s launch shapes
+    from decode batches to prompt chunks (128-pair blocks with short tails):
+    the down launch counts its pairs with acquire-release atomics, fits a
+    block's shared memory and spills nothing (its sum adds a block's rows
+    of y once the product's accumulator is dead)."""
+    from rollout_engine.kernels import moe
+
+    E, H, I, K = 128, 2048, 768, 8
+    w13, w2 = torch.randn(E, 2 * I, H, dtype=BF16), torch.randn(E, H, I, dtype=BF16)
+    monkeypatch.setattr(moe, "SUM_IN_DOWN", True)
+    counts = (8, 200, 700, 2048)
+    assert len({moe.pick(t, K, E) for t in counts}) == len(counts)
+    with host_build() as built:
+        for tokens in counts:
+            x, weights, ids = torch.randn(tokens, H, dtype=BF16), torch.rand(tokens, K), torch.randint(0, E, (tokens, K))
+            moe._fused_moe_triton(x, w13, w2, weights, ids, moe.pick(tokens, K, E))
+    downs = [kernel for name, kernel in built if name == "moe_down_kernel"]
+    assert len(downs) == len(counts) and "moe_sum_kernel" not in {name for name, _ in built}
+    for kernel in downs:
+        assert "atom.global.gpu.acq_rel.add" in kernel.asm["ptx"]
+        assert registers_and_spills(kernel)[1] == 0
+    _fits(built, {"moe_up_kernel", "moe_down_kernel"})
+
+
 def test_the_fp8_one_row_product_and_the_decode_attentions_build():
     from rollout_engine.kernels import attention, fp8_row, one_seq_attention
 
