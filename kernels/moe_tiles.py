@@ -272,7 +272,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 
     @triton.jit
     def _slot_sums(y_ptr, out_ptr, cnt_ptr, sorted_ptr, block, nt, P, H, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SUB: tl.constexpr = 16):
         """After a block's rows of y are stored: each of its pairs counts
         itself at its token's counter for column tile nt, and where it is
         the token's last slot there, the token's TOPK rows of y in the tile
@@ -280,6 +280,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         adds them (the gate/up launch zeroed the counters). Rows past a
         tail's ROWS are padding, so the block's BLOCK_M rows are the ones to
         count."""
+        tl.static_assert(BLOCK_N % SUB == 0)
         pair = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         real = pair < P
         token = (pair // TOPK).to(tl.int64)
@@ -289,13 +290,14 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         tl.debug_barrier()
         last = real & (tl.atomic_add(cnt, 1, mask=real, sem="acq_rel", scope="gpu") == TOPK - 1)
         tl.debug_barrier()
-        rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = last[:, None] & (rn < H)[None, :]
-        rows = y_ptr + (token * TOPK)[:, None] * H + rn[None, :]
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for j in tl.static_range(TOPK):
-            total += tl.load(rows + j * H, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(out_ptr + token[:, None] * H + rn[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+        for c in tl.static_range(0, BLOCK_N, SUB):  # a few columns at a time: the registers the product had
+            rn = nt * BLOCK_N + c + tl.arange(0, SUB)
+            mask = last[:, None] & (rn < H)[None, :]
+            rows = y_ptr + (token * TOPK)[:, None] * H + rn[None, :]
+            total = tl.zeros([BLOCK_M, SUB], tl.float32)
+            for j in tl.static_range(TOPK):
+                total += tl.load(rows + j * H, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            tl.store(out_ptr + token[:, None] * H + rn[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
