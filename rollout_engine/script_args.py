@@ -38,6 +38,10 @@ def non_negative_int(text: str) -> int:
     return _number(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
+def positive_float(text: str) -> float:
+    return _number(text, float, lambda v: v > 0, "> 0")
+
+
 def unit_fraction(text: str) -> float:
     """A float in (0, 1]."""
     return _number(text, float, lambda v: 0 < v <= 1, "in (0, 1]")
