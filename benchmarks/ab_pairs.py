@@ -134,6 +134,22 @@ def main(argv: list[str] | None = None) -> int:
                 p.error(f"argument {flag}: {e}")
 
     runs: list[dict] = []
+    try:
+        _alternate(args, script, program, runs)
+    except KeyboardInterrupt:  # what finished is kept
+        if runs and "status" not in runs[-1]:
+            runs[-1]["status"] = "interrupted"
+        _write_summary(args, program, runs)
+        raise
+    rows = _write_summary(args, program, runs)
+    for row in rows:
+        ratio = f"{row['b_over_a']:.4f}" if row["b_over_a"] is not None else "-"
+        print(f"{args.name} {row['figure']}: A {row['a']} B {row['b']} B/A {ratio}")
+    return 0 if all(r.get("status") == "exit 0" for r in runs) else 1
+
+
+def _alternate(args, script: str, program: list[str], runs: list[dict]) -> None:
+    """The runs, A then B, pair after pair, each appended to `runs` as it starts."""
     spent, longest, refused = 0.0, 0.0, False
     for i in range(1, args.pairs + 1):
         for side, settings in (("a", args.a), ("b", args.b)):
@@ -157,14 +173,14 @@ def main(argv: list[str] | None = None) -> int:
             if rc != 0:
                 print(f"  {_last_line(stem + '.log')}", file=sys.stderr, flush=True)
             refused = rc == 2  # a usage error: every later run would get the same
+
+
+def _write_summary(args, program: list[str], runs: list[dict]) -> list[dict]:
     rows = summarize(runs)
     summary = {"name": args.name, "a": args.a, "b": args.b, "program": program, "runs": runs, "figures": rows}
     with open(os.path.join(args.out_dir, f"{args.name}.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    for row in rows:
-        ratio = f"{row['b_over_a']:.4f}" if row["b_over_a"] is not None else "-"
-        print(f"{args.name} {row['figure']}: A {row['a']} B {row['b']} B/A {ratio}")
-    return 0 if all(r.get("status") == "exit 0" for r in runs) else 1
+    return rows
 
 
 if __name__ == "__main__":

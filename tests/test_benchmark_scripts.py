@@ -378,6 +378,22 @@ def test_ab_pairs_stops_at_a_refusal_and_kills_a_run_past_its_timeout(tmp_path, 
     assert "moe_kernel.py: error: needs a CUDA GPU" in err and err.count("skipped: a run before was refused") == 3
     runs = json.loads((tmp_path / "r.json").read_text())["runs"]
     assert runs[0]["status"] == "exit 2" and (tmp_path / "r-a-1.log").exists() and not (tmp_path / "r-b-1.log").exists()
+    # Ctrl-C during the second run: the summary keeps the first
+    calls = []
+
+    def run_one(cmd, log, timeout):
+        calls.append(cmd)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        with open(cmd[-1], "w") as f:
+            json.dump({"results": {"mean_step_ms": 1.0}}, f)
+        return 0, 1.0
+
+    monkeypatch.setattr(ab_pairs, "run_one", run_one)
+    with pytest.raises(KeyboardInterrupt):
+        ab_pairs.main(argv)
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [r["status"] for r in runs] == ["exit 0", "interrupted"] and runs[0]["figures"] == {"results.mean_step_ms": 1.0}
 
 
 @pytest.mark.slow
