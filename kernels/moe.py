@@ -229,22 +229,20 @@ def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_
     y = torch.empty((pairs, hidden), dtype=act.dtype, device=act.device)
     blocks = block_expert.numel()
     wd, tma = weight_tiles(w2, t)
-    if EARLY_DOWN and out is not None and early is not None:
+    one = out is not None and sums is None
+    source, experts, counters, reads = y, 1, total, {}  # the kernel's defaults: nothing read before the wait
+    if one and EARLY_DOWN and early is not None:
         source, experts = early.source, early.source.numel()
         reads = dict(EARLY=1, FROM_LOGITS=early.logits, TOPK=early.top_k, BLOCK_J=next_pow2(early.top_k),
                      BLOCK_E=next_pow2(experts) if early.logits else 1)
-    else:  # the kernel's defaults: nothing read before the wait
-        source, experts, reads = y, 1, {}
-    if sums is not None:  # every token's slot sum (blocks)
+    elif sums is not None:  # every token's slot sum (blocks)
         counters, reads = sums[0], dict(SUM=True, TOPK=sums[1])
-    else:
-        counters = total
     moe_down_kernel[(blocks * cdiv(hidden, t.block_n),)](
         act, w2, wd, y, out if out is not None else y, rw, sorted_ids, block_expert, total, counters, pairs, blocks,
         hidden, inter, w2.stride(0), w2.stride(1), source, experts,
         GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
         EVEN_N=hidden % t.block_n == 0, IEEE=act.dtype == torch.float32, num_warps=t.warps,
-        num_stages=t.stages, ONE=out is not None and sums is None, TAILS=tails, TMA=tma, **reads, **pdl_args(act))
+        num_stages=t.stages, ONE=one, TAILS=tails, TMA=tma, **reads, **pdl_args(act))
     return y
 
 
