@@ -15,7 +15,11 @@ whole is written to <out-dir>/<name>.json.
 
 The program is rollout-engine or a script of this folder that writes its
 report to --out (moe_kernel.py, batch_gemm_configs.py, ...). Settings are
-checked (module, name, type) before the first run."""
+checked (module, name, type) before the first run; a run refused its input
+(exit 2) stops the rest. Exit status 0 when every run ended well with its
+report, 1 otherwise (a run failed, timed out, wrote no report or was
+skipped), 130 on Ctrl-C, after writing the summary of the runs that had
+started."""
 from __future__ import annotations
 
 import json
@@ -100,10 +104,14 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = ScriptParser("ab_pairs.py", __doc__)
+    p.usage = ("ab_pairs.py [-h] --name NAME --out-dir DIR --a module.NAME=value ... --b module.NAME=value ... "
+               "[--pairs N] [--timeout S] [--budget S] -- PROGRAM [ARGS ...]")
     p.add_argument("--name", required=True, help="the runs' file names start with it")
     p.add_argument("--out-dir", required=True, help="an existing folder for the reports, logs and summary")
-    p.add_argument("--a", nargs="+", required=True, metavar="module.NAME=value", help="side A's settings")
-    p.add_argument("--b", nargs="+", required=True, metavar="module.NAME=value", help="side B's settings")
+    p.add_argument("--a", nargs="+", action="extend", required=True, metavar="module.NAME=value",
+                   help="side A's settings (a repeated --a adds to them)")
+    p.add_argument("--b", nargs="+", action="extend", required=True, metavar="module.NAME=value",
+                   help="side B's settings (likewise)")
     p.add_argument("--pairs", type=positive_int, default=2, help="A then B, this many times")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds one run may take")
     p.add_argument("--budget", type=positive_float, help="seconds all the runs may take")
@@ -140,11 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         if runs and "status" not in runs[-1]:
             runs[-1]["status"] = "interrupted"
         _write_summary(args, program, runs)
+        print(f"ab_pairs: the runs that finished: {os.path.join(args.out_dir, args.name)}.json", file=sys.stderr)
         raise
     rows = _write_summary(args, program, runs)
     for row in rows:
         ratio = f"{row['b_over_a']:.4f}" if row["b_over_a"] is not None else "-"
         print(f"{args.name} {row['figure']}: A {row['a']} B {row['b']} B/A {ratio}")
+    print(f"ab_pairs: summary {os.path.join(args.out_dir, args.name)}.json", file=sys.stderr)
     return 0 if all(r.get("status") == "exit 0" for r in runs) else 1
 
 
@@ -162,15 +172,21 @@ def _alternate(args, script: str, program: list[str], runs: list[dict]) -> None:
                 continue
             cmd = [sys.executable, os.path.join(HERE, "ab_switch.py"), *settings, script, *program[1:],
                    "--out", stem + ".json"]
+            if os.path.exists(stem + ".json"):  # a report of an earlier call is not this run's
+                os.remove(stem + ".json")
             rc, seconds = run_one(cmd, stem + ".log", args.timeout)
             spent, longest = spent + seconds, max(longest, seconds)
             run["seconds"] = round(seconds, 1)
             run["status"] = "timed out" if rc is None else f"exit {rc}"
-            if rc == 0 and os.path.exists(stem + ".json"):
+            if rc == 0 and not os.path.exists(stem + ".json"):
+                run["status"] = "exit 0 without a report"
+            elif rc == 0:
                 with open(stem + ".json") as f:
                     run["figures"] = figures(json.load(f))
             print(f"ab_pairs: {args.name} {side}{i} {run['status']} in {seconds:.0f} s", file=sys.stderr, flush=True)
-            if rc != 0:
+            if rc is None:
+                print(f"  past --timeout {args.timeout:g} s: killed (its output: {stem}.log)", file=sys.stderr)
+            elif run["status"] != "exit 0":
                 print(f"  {_last_line(stem + '.log')}", file=sys.stderr, flush=True)
             refused = rc == 2  # a usage error: every later run would get the same
 

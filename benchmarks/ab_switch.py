@@ -34,7 +34,7 @@ def parse_setting(text: str) -> tuple[object, str, object]:
     target, eq, raw = text.partition("=")
     module_name, _, name = target.rpartition(".")
     if not eq or not module_name or not name:
-        raise UsageError(f"{text!r} is not of that form")
+        raise UsageError(f"{text!r} is not of the form module.NAME=value")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -187,16 +187,14 @@ def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, blo
     t = _fit(t, x.dtype)
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     blocks = block_expert.numel()
-    grid = blocks * cdiv(inter, t.block_n)
-    zero = next_pow2(cdiv(sums.numel(), grid)) if sums is not None else 0
     wd, tma = weight_tiles(w13, t)
-    moe_up_kernel[(grid,)](
+    moe_up_kernel[(blocks * cdiv(inter, t.block_n),)](
         x, w13, wd, act, sorted_ids, block_expert, total, sums if sums is not None else total,
         sums.numel() if sums is not None else 0, pairs, blocks, hidden, inter, x.stride(0), w13.stride(0),
         w13.stride(1), TOPK=top_k, GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, EVEN_N=inter % t.block_n == 0, IEEE=x.dtype == torch.float32,
         num_warps=t.warps, num_stages=t.stages, ONE=one, COUNTS=total.numel() if one else 1, TAILS=tails,
-        TMA=tma, ZERO=zero, **pdl_args(x))
+        TMA=tma, ZERO=sums is not None, **pdl_args(x))
     return act
 
 
@@ -222,6 +220,7 @@ def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_
     `one`), the slot sum too, into out; with `out` [T, H] and `sums`
     (counters zeroed by `_up`, top k) the slot sum of every token into out.
     `tails`: MoeLaunch.tails. `early` (one token, with EARLY_DOWN): `Early`."""
+    assert sums is None or out is not None, "the slot sums go to out"
     sorted_ids, block_expert, total = aligned
     pairs, inter = act.shape
     hidden = w2.shape[1]

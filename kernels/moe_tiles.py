@@ -62,18 +62,18 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         return tl.dot(a, tl.trans(b), acc)
 
-    @triton.jit(do_not_specialize=["P", "NB"])
+    @triton.jit(do_not_specialize=["n_cnt", "P", "NB"])
     def moe_up_kernel(x_ptr, w_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, cnt_ptr, n_cnt, P, NB, H,
                       I, stride_x, stride_we, stride_wn, TOPK: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                       EVEN_N: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr = False, COUNTS: tl.constexpr = 1,
-                      TAILS: tl.constexpr = False, TMA: tl.constexpr = False, ZERO: tl.constexpr = 0,
+                      TAILS: tl.constexpr = False, TMA: tl.constexpr = False, ZERO: tl.constexpr = False,
                       PDL: tl.constexpr = False):
         """One block of sorted pairs and one column tile of I: gate and up
         tiles over K = H, act = silu(gate) * up. ONE: `_block_rows`, and
         program 0 zeroes the down launch's COUNTS tile counters (total_ptr).
-        ZERO: each program zeroes its ZERO of the down launch's n_cnt
-        slot-sum counters (cnt_ptr; moe_down_kernel's SUM).
+        ZERO: the programs zero the down launch's n_cnt slot-sum counters
+        (cnt_ptr; moe_down_kernel's SUM), each its share.
         TAILS: a block of few real pairs runs fewer rows (`_tails`). TMA:
         the weight tiles through wd (`gate_up_tile`).
         PDL (here and in the other MoE kernels): launched early, it waits
@@ -82,9 +82,12 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         block, nt = _tile(tl.program_id(0), NB, tl.cdiv(I, BLOCK_N), GROUP)
-        if ZERO > 0:  # before any early return: every program its slice
-            z = tl.program_id(0) * ZERO + tl.arange(0, ZERO)
-            tl.store(cnt_ptr + z, tl.zeros([ZERO], tl.int32), mask=z < n_cnt)
+        if ZERO:  # before any early return: every program its slice, 128 at a time
+            per = tl.cdiv(n_cnt, tl.num_programs(0))
+            first = tl.program_id(0) * per
+            for z0 in range(first, first + per, 128):
+                z = z0 + tl.arange(0, 128)
+                tl.store(cnt_ptr + z, tl.zeros([128], tl.int32), mask=(z < first + per) & (z < n_cnt))
         if ONE:
             if tl.program_id(0) == 0:
                 tl.store(total_ptr + tl.arange(0, COUNTS), tl.zeros([COUNTS], tl.int32))

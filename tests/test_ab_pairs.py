@@ -105,3 +105,28 @@ def test_ab_pairs_runs_a_bench_workload_on_each_side(llama, tmp_path):
     assert b["switches"] == {"rollout_engine.kernels.moe.SUM_IN_DOWN": "False"}
     rows = {r["figure"]: r for r in json.loads((tmp_path / "g.json").read_text())["figures"]}
     assert len(rows["results.cache_on.output_tok_per_s"]["a"]) == 1 and rows["results.cache_on.output_tok_per_s"]["b_over_a"] > 0
+
+
+def test_ab_pairs_never_reads_an_earlier_report_and_takes_repeated_settings(tmp_path, monkeypatch):
+    """A run that ends well without writing its report fails (the report
+    of an earlier call by the same name is removed first, not read); a
+    repeated --a adds its settings to the first's."""
+    ab_pairs = _benchmark("ab_pairs")
+    seen = []
+
+    def run_one(cmd, log, timeout):
+        seen.append(cmd)
+        open(log, "w").close()
+        return 0, 1.0
+
+    monkeypatch.setattr(ab_pairs, "run_one", run_one)
+    stale = tmp_path / "s-a-1.json"
+    stale.write_text(json.dumps({"results": {"mean_step_ms": 9.0}}))
+    preload = "rollout_engine.kernels.gemv.PRELOAD_BLOCKS="
+    argv = ["--name", "s", "--out-dir", str(tmp_path), "--pairs", "1", "--a", _SUM + "1", "--a", preload + "4",
+            "--b", _SUM + "0", "--", "rollout-engine", "bench"]
+    assert ab_pairs.main(argv) == 1
+    assert not stale.exists()
+    assert seen[0][2:4] == [_SUM + "1", preload + "4"] and seen[1][2:3] == [_SUM + "0"]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert [r["status"] for r in summary["runs"]] == ["exit 0 without a report"] * 2 and summary["figures"] == []
