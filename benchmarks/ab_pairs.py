@@ -34,7 +34,7 @@ from ab_switch import parse_setting
 from rollout_engine.script_args import ScriptParser, UsageError, positive_float, positive_int, run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HEADLINE = ("mean_step_ms", "x_floor", "output_tok_per_s", "pct_of_roofline", "moe_us", "share")
+HEADLINE = ("mean_step_ms", "x_floor", "output_tok_per_s", "pct_of_roofline", "moe_us", "experts_us", "share")
 LABELS = ("tokens", "shape", "name", "model")  # what names an element of a list in a report
 
 

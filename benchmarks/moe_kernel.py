@@ -20,6 +20,11 @@ no align), and the whole sparse MLP after the attention (norm, router,
 routing, experts) in kernels/moe_row.py's three launches (`row_us`) and
 unfused (`row_unfused_us`).
 
+`experts_us` is the gate/up and down launches and the slot sum after the
+align, in one graph, as the engine runs them: with
+`ab_switch.py rollout_engine.kernels.moe.SUM_IN_DOWN=1` the sum inside the
+down launch (`up_us`, `down_us` and `sum_us` time the launches without it).
+
 `--sweep` also times every candidate launch shape of the two products per
 block size (SWEEP_UP, SWEEP_DOWN), the data behind moe.pick's tables, and
 from 64-pair blocks the whole call with short tails for the best of them."""
@@ -129,6 +134,7 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
         aligned = moe_align._align(ids, experts, cfg.block_m)
         act = moe._up(x, w13, aligned, pairs, top_k, cfg.block_m, cfg.up, tails=cfg.tails)
         y = moe._down(act, w2, weights.reshape(-1), aligned, cfg.block_m, cfg.down, tails=cfg.tails)
+        rw = weights.reshape(-1).float()
         row = {"tokens": t, "distinct_experts": distinct, "bytes": nbytes, "flops": flops,
                "bound": "bandwidth" if bw_us >= fl_us else "compute", "limit_us": round(max(bw_us, fl_us), 2),
                "config": cfg._asdict() | {"up": cfg.up._asdict(), "down": cfg.down._asdict()},
@@ -141,7 +147,8 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
                                                  tails=cfg.tails), calls=3),
                "down_us": graph_us(lambda: moe._down(act, w2, weights.reshape(-1), aligned, cfg.block_m, cfg.down,
                                                      tails=cfg.tails), calls=3),
-               "sum_us": graph_us(lambda: moe._sum_slots(y, t, top_k), calls=10)}
+               "sum_us": graph_us(lambda: moe._sum_slots(y, t, top_k), calls=10),
+               "experts_us": graph_us(lambda: moe._experts(x, w13, w2, rw, aligned, top_k, cfg), calls=3)}
         if cfg.tails:  # the same launch with every block running all its rows
             whole = cfg._replace(tails=False)
             row["whole_blocks_us"] = round(graph_us(lambda: moe._fused_moe_triton(x, w13, w2, weights, ids, whole),
@@ -163,14 +170,15 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
         row["rel_err"] = round(_rel_err(moe.fused_moe(x, w13, w2, weights, ids), ref32), 6)
         row["ref_rel_err"] = round(_rel_err(ref, ref32), 6)
         row["invariant_rel_err"] = round(_rel_err(moe.fused_moe(x, w13, w2, weights, ids, invariant=True), ref32), 6)
-        for key in ("moe_us", "invariant_us", "route_us", "align_us", "align_torch_us", "up_us", "down_us", "sum_us"):
+        for key in ("moe_us", "invariant_us", "route_us", "align_us", "align_torch_us", "up_us", "down_us", "sum_us",
+                    "experts_us"):
             row[key] = round(row[key], 2)
         rows.append(row)
         print(f"{name} T={t}: {row['moe_us']} us ({row['share']:.0%} of the {row['bound']} limit "
               f"{row['limit_us']} us; {distinct} experts, {nbytes / 1e6:.0f} MB, {flops / 1e9:.1f} GFLOP) "
               f"invariant {row['invariant_us']} us ({row['invariant_share']:.0%}) | route {row['route_us']} "
               f"align {row['align_us']} (torch {row['align_torch_us']}) up {row['up_us']} down {row['down_us']} "
-              f"sum {row['sum_us']} | block_m {cfg.block_m} | err {row['rel_err']} (ref {row['ref_rel_err']})"
+              f"sum {row['sum_us']} (the three in one graph {row['experts_us']}) | block_m {cfg.block_m} | err {row['rel_err']} (ref {row['ref_rel_err']})"
               + (f" | blocks path {row['blocks_us']} us" if t == 1 else "")
               + (f" | whole blocks {row['whole_blocks_us']} us (up {row['up_whole_us']} down {row['down_whole_us']})"
                  if cfg.tails else ""))

@@ -295,10 +295,17 @@ def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     tokens, hidden = x.shape
     if tokens == 0:
         return x.new_empty((0, hidden))
-    top_k = ids.shape[1]
-    pairs = tokens * top_k
     x, w13, w2, rw = _prepare(x, w13, w2, weights)
-    aligned = _align(ids, w13.shape[0], config.block_m)
+    return _experts(x, w13, w2, rw, _align(ids, w13.shape[0], config.block_m), ids.shape[1], config)
+
+
+def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, top_k: int,
+             config: MoeLaunch) -> torch.Tensor:
+    """After the align: the gate/up and down launches and the slot sum (in
+    the down launch with SUM_IN_DOWN, else a launch of its own), [T, H].
+    x, w13, w2, rw as `_prepare` gives them."""
+    tokens, hidden = x.shape
+    pairs = tokens * top_k
     if not SUM_IN_DOWN:
         act = _up(x, w13, aligned, pairs, top_k, config.block_m, config.up, tails=config.tails)
         y = _down(act, w2, rw, aligned, config.block_m, config.down, tails=config.tails)
