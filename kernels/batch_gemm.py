@@ -64,6 +64,20 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         a = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
         return a * u.to(dtype).to(tl.float32)
 
+    @triton.jit
+    def _finish(acc, acc_up, y_ptr, sx_ptr, sw_ptr, b_ptr, rm, rn, m_ok, n_ok, stride_ym, GATED: tl.constexpr,
+                FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """A tile's whole sums to y: SiLU(gate) * up, the fp8 multipliers,
+        the bias, where the launch has them."""
+        if GATED:
+            acc = _gated(acc, acc_up, y_ptr.dtype.element_ty)
+        if FP8:
+            acc = _scaled(acc, sx_ptr, sw_ptr, rm, rn, m_ok, n_ok)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
     @triton.jit(do_not_specialize=["M", "K_PER"])
     def batch_gemm_kernel(x_ptr, w_ptr, xd, wd, sx_ptr, sw_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, K_PER,
                           stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -154,23 +168,10 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                     if GATED:
                         acc_up += tl.load(base + j * part + BLOCK_M * BLOCK_N + i, cache_modifier=".cg")
                 tl.store(cnt_ptr + tile, 0)
-                if GATED:
-                    acc = _gated(acc, acc_up, y_ptr.dtype.element_ty)
-                if FP8:
-                    acc = _scaled(acc, sx_ptr, sw_ptr, rm, rn, m_ok, n_ok)
-                if HAS_BIAS:
-                    acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                         mask=m_ok[:, None] & n_ok[None, :])
+                _finish(acc, acc_up, y_ptr, sx_ptr, sw_ptr, b_ptr, rm, rn, m_ok, n_ok, stride_ym, GATED, FP8,
+                        HAS_BIAS)
         else:
-            if GATED:
-                acc = _gated(acc, acc_up, y_ptr.dtype.element_ty)
-            if FP8:
-                acc = _scaled(acc, sx_ptr, sw_ptr, rm, rn, m_ok, n_ok)
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=m_ok[:, None] & n_ok[None, :])
+            _finish(acc, acc_up, y_ptr, sx_ptr, sw_ptr, b_ptr, rm, rn, m_ok, n_ok, stride_ym, GATED, FP8, HAS_BIAS)
 
 
 _local = threading.local()
