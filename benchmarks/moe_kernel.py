@@ -178,7 +178,8 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
               f"{row['limit_us']} us; {distinct} experts, {nbytes / 1e6:.0f} MB, {flops / 1e9:.1f} GFLOP) "
               f"invariant {row['invariant_us']} us ({row['invariant_share']:.0%}) | route {row['route_us']} "
               f"align {row['align_us']} (torch {row['align_torch_us']}) up {row['up_us']} down {row['down_us']} "
-              f"sum {row['sum_us']} (the three in one graph {row['experts_us']}) | block_m {cfg.block_m} | err {row['rel_err']} (ref {row['ref_rel_err']})"
+              f"sum {row['sum_us']} (the three in one graph {row['experts_us']}) | block_m {cfg.block_m} "
+              f"| err {row['rel_err']} (ref {row['ref_rel_err']})"
               + (f" | blocks path {row['blocks_us']} us" if t == 1 else "")
               + (f" | whole blocks {row['whole_blocks_us']} us (up {row['up_whole_us']} down {row['down_whole_us']})"
                  if cfg.tails else ""))

@@ -305,14 +305,13 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rw: torch.Ten
     the down launch with SUM_IN_DOWN, else a launch of its own), [T, H].
     x, w13, w2, rw as `_prepare` gives them."""
     tokens, hidden = x.shape
-    pairs = tokens * top_k
-    if not SUM_IN_DOWN:
-        act = _up(x, w13, aligned, pairs, top_k, config.block_m, config.up, tails=config.tails)
-        y = _down(act, w2, rw, aligned, config.block_m, config.down, tails=config.tails)
-        return _sum_slots(y, tokens, top_k)
-    counters = torch.empty(tokens * cdiv(hidden, _fit(config.down, x.dtype).block_n), dtype=torch.int32,
-                           device=x.device)
-    act = _up(x, w13, aligned, pairs, top_k, config.block_m, config.up, tails=config.tails, sums=counters)
+    counters = None
+    if SUM_IN_DOWN:  # one a (token, column tile of the down launch), zeroed by the gate/up launch
+        counters = torch.empty(tokens * cdiv(hidden, _fit(config.down, x.dtype).block_n), dtype=torch.int32,
+                               device=x.device)
+    act = _up(x, w13, aligned, tokens * top_k, top_k, config.block_m, config.up, tails=config.tails, sums=counters)
+    if counters is None:
+        return _sum_slots(_down(act, w2, rw, aligned, config.block_m, config.down, tails=config.tails), tokens, top_k)
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     _down(act, w2, rw, aligned, config.block_m, config.down, out=out, tails=config.tails, sums=(counters, top_k))
     return out
