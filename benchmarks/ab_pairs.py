@@ -116,9 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds one run may take")
     p.add_argument("--budget", type=positive_float, help="seconds all the runs may take")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--" not in argv:
-        if any(a in ("-h", "--help") for a in argv):
-            p.parse_args(["--help"])
+    if "--" not in argv:  # the options' own errors (unknown, missing) first: they say more
+        p.parse_args(argv)
         p.error("argument --: expected '--' and the program after the options")
     cut = argv.index("--")
     args = p.parse_args(argv[:cut])

@@ -133,3 +133,11 @@ def test_ab_pairs_never_reads_an_earlier_report_and_takes_repeated_settings(tmp_
     assert seen[0][2:4] == [_SUM + "1", preload + "4"] and seen[1][2:3] == [_SUM + "0"]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert [r["status"] for r in summary["runs"]] == ["exit 0 without a report"] * 2 and summary["figures"] == []
+
+
+def test_ab_pairs_without_its_options_names_them_first(capsys):
+    """No '--' and no options: the missing options, not the missing program."""
+    with pytest.raises(SystemExit) as exit_:
+        _benchmark("ab_pairs").main(["--bogus"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "required: --name, --out-dir, --a, --b" in err and "'--'" not in err
