@@ -90,24 +90,42 @@ def pick(tokens: int, top_k: int, experts: int, invariant: bool = False) -> MoeL
 
 # ---------------------------------------------------------------- references
 
-def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+Scales = tuple[torch.Tensor, torch.Tensor]  # fp8 experts: w13's and w2's multipliers [E, rows, 1], fp32
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x w^T in x's dtype; an e4m3 w (`scale` its rows' multipliers [N, 1]):
+    (x q^T) * scale in fp32 from x as it is, then rounded (weight-only fp8)."""
+    if scale is None:
+        return F.linear(x, w)
+    return ((x.float() @ w.float().t()) * scale.t()).to(x.dtype)
+
+
+def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor | None = None,
+                s2: torch.Tensor | None = None) -> torch.Tensor:
+    gate, up = _product(x, w13, s13).chunk(2, dim=-1)
+    return _product(F.silu(gate) * up, w2, s2)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  invariant: bool = False) -> torch.Tensor:
+                  invariant: bool = False, scales: Scales | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * w2[e] (silu(w13[e, :I] x[t]) * w13[e, I:] x[t]),
     e = ids[t, j], in x's dtype: the pairs grouped by expert, three products
     per expert, the weighted results added in fp32. With `invariant` every
     pair is computed alone (one-row products) and a token's slots added in
-    order, so a token's result never depends on the other tokens."""
+    order, so a token's result never depends on the other tokens. `scales`
+    (fp8 experts: w13 and w2 in e4m3): their rows' multipliers (`_product`)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     flat = ids.reshape(-1).long()
     w = weights.reshape(-1).float()
+    s13, s2 = scales if scales is not None else (None, None)
+
+    def mlp(rows: torch.Tensor, e: int) -> torch.Tensor:
+        return _expert_mlp(rows, w13[e], w2[e], None if s13 is None else s13[e], None if s2 is None else s2[e])
+
     if invariant:
-        y = torch.stack([_expert_mlp(x[p // top_k: p // top_k + 1], w13[e], w2[e])[0]
+        y = torch.stack([mlp(x[p // top_k: p // top_k + 1], e)[0]
                          for p, e in enumerate(flat.tolist())]) if tokens else x.new_empty((0, hidden))
         y = (y.float() * w[:, None]).view(tokens, top_k, hidden)
         out = torch.zeros((tokens, hidden), dtype=torch.float32, device=x.device)
@@ -120,7 +138,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
     for e, pairs in zip(experts.tolist(), order.split(counts.tolist())):
         t = token_of[pairs]
-        out.index_add_(0, t, _expert_mlp(x[t], w13[e], w2[e]).float() * w[pairs, None])
+        out.index_add_(0, t, mlp(x[t], e).float() * w[pairs, None])
     return out.to(x.dtype)
 
 
@@ -133,18 +151,21 @@ if importlib.util.find_spec("triton") is not None:
 # ---------------------------------------------------------------- wrappers
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              invariant: bool = False) -> torch.Tensor:
+              invariant: bool = False, scales: Scales | None = None) -> torch.Tensor:
     """fused_moe_ref's result: on the GPU in five launches or fewer (the
     align's one or two, up, down, slot sum (in down with SUM_IN_DOWN); two
     for one token: `_fused_moe_one`) that
     never wait for the host, so the call can be captured in a CUDA graph and
     replayed with new ids and weights of the same T; the reference elsewhere. `invariant`: one launch shape whatever
-    T, so that a token's output has the same bits in any batch."""
+    T, so that a token's output has the same bits in any batch. `scales`:
+    fp8 experts (w13, w2 in e4m3), as fused_moe_ref's; their products read
+    the e4m3 tiles, take them in x's dtype and scale the fp32 sums."""
     if not use_kernel(x):
-        return fused_moe_ref(x, w13, w2, weights, ids, invariant)
+        return fused_moe_ref(x, w13, w2, weights, ids, invariant, scales)
     if x.shape[0] == 1 and not invariant:  # batch-1 decode: no align launch
-        return _fused_moe_one(x, w13, w2, weights, ids, DECODE)
-    return _fused_moe_triton(x, w13, w2, weights, ids, pick(x.shape[0], ids.shape[1], w13.shape[0], invariant))
+        return _fused_moe_one(x, w13, w2, weights, ids, DECODE, scales)
+    return _fused_moe_triton(x, w13, w2, weights, ids, pick(x.shape[0], ids.shape[1], w13.shape[0], invariant),
+                             scales)
 
 
 # The products read their weight tiles through tensor descriptors (Hopper's
@@ -175,12 +196,13 @@ def _fit(t: Tiles, dtype: torch.dtype) -> Tiles:
 
 
 def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, block_m: int, t: Tiles,
-        one: bool = False, tails: bool = False, sums: torch.Tensor | None = None) -> torch.Tensor:
+        one: bool = False, tails: bool = False, sums: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None) -> torch.Tensor:
     """The gate/up launch. `one` (`_fused_moe_one`): `aligned` holds the
     token's ids [k] as its block experts, one block per pair, and the down
     launch's tile counters (a power of two of them) in place of the total.
     `tails`: MoeLaunch.tails. `sums`: the down launch's slot-sum counters,
-    zeroed here (SUM_IN_DOWN)."""
+    zeroed here (SUM_IN_DOWN). `scale`: w13's row multipliers (e4m3 w13)."""
     sorted_ids, block_expert, total = aligned
     hidden = x.shape[1]
     inter = w13.shape[1] // 2
@@ -189,12 +211,12 @@ def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, blo
     blocks = block_expert.numel()
     wd, tma = weight_tiles(w13, t)
     moe_up_kernel[(blocks * cdiv(inter, t.block_n),)](
-        x, w13, wd, act, sorted_ids, block_expert, total, sums if sums is not None else total,
+        x, w13, wd, scale if scale is not None else x, act, sorted_ids, block_expert, total, sums if sums is not None else total,
         sums.numel() if sums is not None else 0, pairs, blocks, hidden, inter, x.stride(0), w13.stride(0),
         w13.stride(1), TOPK=top_k, GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, EVEN_N=inter % t.block_n == 0, IEEE=x.dtype == torch.float32,
         num_warps=t.warps, num_stages=t.stages, ONE=one, COUNTS=total.numel() if one else 1, TAILS=tails,
-        TMA=tma, ZERO=sums is not None, **pdl_args(x))
+        TMA=tma, ZERO=sums is not None, SCALED=scale is not None, **pdl_args(x))
     return act
 
 
@@ -215,11 +237,12 @@ class Early(NamedTuple):
 
 def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_m: int, t: Tiles,
           out: torch.Tensor | None = None, tails: bool = False, early: Early | None = None,
-          sums: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+          sums: tuple[torch.Tensor, int] | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The down launch: y [pairs, H]. With `out` [1, H] (one token: `_up`'s
     `one`), the slot sum too, into out; with `out` [T, H] and `sums`
     (counters zeroed by `_up`, top k) the slot sum of every token into out.
-    `tails`: MoeLaunch.tails. `early` (one token, with EARLY_DOWN): `Early`."""
+    `tails`: MoeLaunch.tails. `early` (one token, with EARLY_DOWN): `Early`.
+    `scale`: w2's row multipliers (e4m3 w2)."""
     assert sums is None or out is not None, "the slot sums go to out"
     sorted_ids, block_expert, total = aligned
     pairs, inter = act.shape
@@ -237,11 +260,11 @@ def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_
     elif sums is not None:  # every token's slot sum (blocks)
         counters, reads = sums[0], dict(SUM=True, TOPK=sums[1])
     moe_down_kernel[(blocks * cdiv(hidden, t.block_n),)](
-        act, w2, wd, y, out if out is not None else y, rw, sorted_ids, block_expert, total, counters, pairs, blocks,
+        act, w2, wd, scale if scale is not None else y, y, out if out is not None else y, rw, sorted_ids, block_expert, total, counters, pairs, blocks,
         hidden, inter, w2.stride(0), w2.stride(1), source, experts,
         GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
         EVEN_N=hidden % t.block_n == 0, IEEE=act.dtype == torch.float32, num_warps=t.warps,
-        num_stages=t.stages, ONE=one, TAILS=tails, TMA=tma, **reads, **pdl_args(act))
+        num_stages=t.stages, ONE=one, TAILS=tails, TMA=tma, SCALED=scale is not None, **reads, **pdl_args(act))
     return y
 
 
@@ -267,8 +290,13 @@ def _prepare(x, w13, w2, weights):
     return _unit_last(x), _unit_last(w13), _unit_last(w2), rw if rw.dtype == torch.float32 else rw.float()
 
 
+def _split(scales: Scales | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(w13's, w2's) row multipliers, contiguous, or (None, None)."""
+    return (None, None) if scales is None else (scales[0].contiguous(), scales[1].contiguous())
+
+
 def _fused_moe_one(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                   config: MoeLaunch) -> torch.Tensor:
+                   config: MoeLaunch, scales: Scales | None = None) -> torch.Tensor:
     """One token (batch-1 decode) in two launches: no align, as its k slots
     are k blocks of one pair each, block j on expert ids[j] (distinct
     experts, as the routing gives them; a repeated one is read once per
@@ -278,40 +306,45 @@ def _fused_moe_one(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     GPU test holds it)."""
     top_k = ids.shape[1]
     x, w13, w2, rw = _prepare(x, w13, w2, weights)
+    s13, s2 = _split(scales)
     flat = ids.reshape(-1)
     tiles = cdiv(w2.shape[1], _fit(config.down, x.dtype).block_n)
     counts = torch.empty(next_pow2(tiles), dtype=torch.int32, device=x.device)  # zeroed by the gate/up launch
     blocks = (flat, flat, counts)  # block experts = the ids; no sorted ids
-    act = _up(x, w13, blocks, top_k, top_k, config.block_m, config.up, one=True)
+    act = _up(x, w13, blocks, top_k, top_k, config.block_m, config.up, one=True, scale=s13)
     out = torch.empty((1, w2.shape[1]), dtype=x.dtype, device=x.device)
-    _down(act, w2, rw, blocks, config.block_m, config.down, out=out, early=Early(flat, False, top_k))
+    _down(act, w2, rw, blocks, config.block_m, config.down, out=out, early=Early(flat, False, top_k), scale=s2)
     return out
 
 
 def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor, config: MoeLaunch) -> torch.Tensor:
+                      ids: torch.Tensor, config: MoeLaunch, scales: Scales | None = None) -> torch.Tensor:
     """The Triton path with the launch shape `config` (benchmarks, and tests
     under Triton's interpreter)."""
     tokens, hidden = x.shape
     if tokens == 0:
         return x.new_empty((0, hidden))
     x, w13, w2, rw = _prepare(x, w13, w2, weights)
-    return _experts(x, w13, w2, rw, _align(ids, w13.shape[0], config.block_m), ids.shape[1], config)
+    return _experts(x, w13, w2, rw, _align(ids, w13.shape[0], config.block_m), ids.shape[1], config, scales)
 
 
 def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, top_k: int,
-             config: MoeLaunch) -> torch.Tensor:
+             config: MoeLaunch, scales: Scales | None = None) -> torch.Tensor:
     """After the align: the gate/up and down launches and the slot sum (in
     the down launch with SUM_IN_DOWN, else a launch of its own), [T, H].
-    x, w13, w2, rw as `_prepare` gives them."""
+    x, w13, w2, rw as `_prepare` gives them; `scales`: fused_moe's."""
     tokens, hidden = x.shape
+    s13, s2 = _split(scales)
     counters = None
     if SUM_IN_DOWN:  # one a (token, column tile of the down launch), zeroed by the gate/up launch
         counters = torch.empty(tokens * cdiv(hidden, _fit(config.down, x.dtype).block_n), dtype=torch.int32,
                                device=x.device)
-    act = _up(x, w13, aligned, tokens * top_k, top_k, config.block_m, config.up, tails=config.tails, sums=counters)
+    act = _up(x, w13, aligned, tokens * top_k, top_k, config.block_m, config.up, tails=config.tails, sums=counters,
+              scale=s13)
     if counters is None:
-        return _sum_slots(_down(act, w2, rw, aligned, config.block_m, config.down, tails=config.tails), tokens, top_k)
+        return _sum_slots(_down(act, w2, rw, aligned, config.block_m, config.down, tails=config.tails, scale=s2),
+                          tokens, top_k)
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-    _down(act, w2, rw, aligned, config.block_m, config.down, out=out, tails=config.tails, sums=(counters, top_k))
+    _down(act, w2, rw, aligned, config.block_m, config.down, out=out, tails=config.tails, sums=(counters, top_k),
+          scale=s2)
     return out

@@ -57,25 +57,28 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 
     @triton.jit
     def _mma(a, b, acc, IEEE: tl.constexpr):
-        """acc += a b^T."""
+        """acc += a b^T; b (a weight tile) taken in a's dtype (e4m3 weights:
+        exactly, as every e4m3 value is a bf16 one)."""
+        b = b.to(a.dtype)
         if IEEE:
             return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         return tl.dot(a, tl.trans(b), acc)
 
     @triton.jit(do_not_specialize=["n_cnt", "P", "NB"])
-    def moe_up_kernel(x_ptr, w_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, cnt_ptr, n_cnt, P, NB, H,
-                      I, stride_x, stride_we, stride_wn, TOPK: tl.constexpr, GROUP: tl.constexpr,
+    def moe_up_kernel(x_ptr, w_ptr, wd, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, cnt_ptr, n_cnt, P,
+                      NB, H, I, stride_x, stride_we, stride_wn, TOPK: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                       EVEN_N: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr = False, COUNTS: tl.constexpr = 1,
                       TAILS: tl.constexpr = False, TMA: tl.constexpr = False, ZERO: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                      SCALED: tl.constexpr = False, PDL: tl.constexpr = False):
         """One block of sorted pairs and one column tile of I: gate and up
         tiles over K = H, act = silu(gate) * up. ONE: `_block_rows`, and
         program 0 zeroes the down launch's COUNTS tile counters (total_ptr).
         ZERO: the programs zero the down launch's n_cnt slot-sum counters
         (cnt_ptr; moe_down_kernel's SUM), each its share.
         TAILS: a block of few real pairs runs fewer rows (`_tails`). TMA:
-        the weight tiles through wd (`gate_up_tile`).
+        the weight tiles through wd (`gate_up_tile`). SCALED: e4m3 weights,
+        their rows' multipliers at s_ptr [E, 2I] (`gate_up_tile`).
         PDL (here and in the other MoE kernels): launched early, it waits
         first (the experts it reads depend on the routing before it)."""
         if PDL:  # launched early: nothing read or written before the kernel before has finished
@@ -97,41 +100,45 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         if TAILS:  # a block of few real pairs runs a half or a quarter of its rows
             past_half, past_quarter = _tails(sorted_ptr, block, P, BLOCK_M)
             if past_half:
-                _up_rows(x_ptr, w_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
-                         stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA)
+                _up_rows(x_ptr, w_ptr, wd, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
+                         stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA,
+                         SCALED)
             elif past_quarter:
-                _up_rows(x_ptr, w_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
+                _up_rows(x_ptr, w_ptr, wd, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
                          stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE,
-                         ONE, TMA)
+                         ONE, TMA, SCALED)
             else:
-                _up_rows(x_ptr, w_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
+                _up_rows(x_ptr, w_ptr, wd, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
                          stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE,
-                         ONE, TMA)
+                         ONE, TMA, SCALED)
         else:
-            _up_rows(x_ptr, w_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x, stride_we,
-                     stride_wn, TOPK, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA)
+            _up_rows(x_ptr, w_ptr, wd, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
+                     stride_we, stride_wn, TOPK, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA,
+                     SCALED)
 
     @triton.jit
-    def _up_rows(x_ptr, w_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x, stride_we,
-                 stride_wn, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
-                 ONE: tl.constexpr, TMA: tl.constexpr):
+    def _up_rows(x_ptr, w_ptr, wd, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_x,
+                 stride_we, stride_wn, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                 IEEE: tl.constexpr, ONE: tl.constexpr, TMA: tl.constexpr, SCALED: tl.constexpr):
         """The gate/up product of a block's first ROWS rows."""
         pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE, ROWS)
-        gate_up_tile(x_ptr, x_ptr, 1.0, w_ptr, wd, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we, stride_wn,
-                     TOPK, ROWS, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, False, TMA)
+        gate_up_tile(x_ptr, x_ptr, 1.0, w_ptr, wd, s_ptr, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we,
+                     stride_wn, TOPK, ROWS, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, False, TMA, SCALED)
 
     @triton.jit
-    def gate_up_tile(x_ptr, g_ptr, inv, w_ptr, wd, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we, stride_wn,
-                     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
-                     TMA: tl.constexpr):
+    def gate_up_tile(x_ptr, g_ptr, inv, w_ptr, wd, s_ptr, act_ptr, pair, m_ok, e, nt, H, I, stride_x, stride_we,
+                     stride_wn, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+                     NORM: tl.constexpr, TMA: tl.constexpr, SCALED: tl.constexpr = False):
         """act[pair] for column tile nt of I: the pairs' rows of x (token pair
         // TOPK; real rows m_ok) times expert e's gate and up rows over K = H,
         then silu(gate) * up. NORM (one token, kernels/moe_row.py): x's row
         0 is RMSNorm'd on the fly (norm weight at g_ptr, `inv` = 1 / rms),
         rounded as the norm kernel rounds it. TMA: the weight tiles come
-        through wd, a tensor descriptor over w [E, 2I, H] (`_weight_tile`)."""
+        through wd, a tensor descriptor over w [E, 2I, H] (`_weight_tile`).
+        SCALED: w in e4m3, each row's multiplier at s_ptr [E, 2I]; the sums
+        (x as it is times the e4m3 values) are scaled before rounding."""
         rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < I
         rk = tl.arange(0, BLOCK_K)
@@ -168,6 +175,10 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
+        if SCALED:
+            s_row = s_ptr + e * (2 * I) + rn
+            acc_g = acc_g * tl.load(s_row, mask=n_ok, other=1.0)[None, :]
+            acc_u = acc_u * tl.load(s_row + I, mask=n_ok, other=1.0)[None, :]
         gate = acc_g.to(dt).to(tl.float32)  # rounded as the unfused gate_up product is
         up = acc_u.to(dt).to(tl.float32)
         act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up  # rounded like F.silu, then the product
@@ -214,13 +225,14 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         return tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
 
     @triton.jit(do_not_specialize=["P", "NB"])
-    def moe_down_kernel(act_ptr, w_ptr, wd, y_ptr, out_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr, cnt_ptr,
-                        P, NB, H, I, stride_we, stride_wn, early_ptr, E, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                        IEEE: tl.constexpr, ONE: tl.constexpr = False, TAILS: tl.constexpr = False,
-                        TMA: tl.constexpr = False, PDL: tl.constexpr = False, EARLY: tl.constexpr = 0,
-                        FROM_LOGITS: tl.constexpr = False, TOPK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
-                        BLOCK_J: tl.constexpr = 1, SUM: tl.constexpr = False):
+    def moe_down_kernel(act_ptr, w_ptr, wd, s_ptr, y_ptr, out_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                        cnt_ptr, P, NB, H, I, stride_we, stride_wn, early_ptr, E, GROUP: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                        EVEN_N: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr = False,
+                        TAILS: tl.constexpr = False, TMA: tl.constexpr = False, PDL: tl.constexpr = False,
+                        EARLY: tl.constexpr = 0, FROM_LOGITS: tl.constexpr = False, TOPK: tl.constexpr = 1,
+                        BLOCK_E: tl.constexpr = 1, BLOCK_J: tl.constexpr = 1, SUM: tl.constexpr = False,
+                        SCALED: tl.constexpr = False):
         """One block of sorted pairs and one column tile of H: act @ w2[e]^T
         over K = I, times the routing weight, to y[pair]. TAILS: as the
         gate/up launch. ONE: `_block_rows`, and the slot sum too: total_ptr
@@ -231,7 +243,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         TMA: the weight tiles through wd, a tensor descriptor over w [E, H,
         I] (`_weight_tile`). EARLY (1, with ONE): the first weight block is
         read before the dependent-launch wait, its expert from early_ptr
-        (`_early_expert`)."""
+        (`_early_expert`). SCALED: w in e4m3, each row's multiplier at s_ptr
+        [E, H] (`_down_rows`)."""
         block, nt = _tile(tl.program_id(0), NB, tl.cdiv(H, BLOCK_N), GROUP)
         w0, e0 = 0.0, 0
         if EARLY:
@@ -246,19 +259,21 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
         if TAILS:  # a block of few real pairs runs a half or a quarter of its rows
             past_half, past_quarter = _tails(sorted_ptr, block, P, BLOCK_M)
             if past_half:
-                _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
-                           stride_we, stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA, w0, e0, 0)
+                _down_rows(act_ptr, w_ptr, wd, s_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H,
+                           I, stride_we, stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE,
+                           TMA, w0, e0, 0, SCALED)
             elif past_quarter:
-                _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
-                           stride_we, stride_wn, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE,
-                           TMA, w0, e0, 0)
+                _down_rows(act_ptr, w_ptr, wd, s_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H,
+                           I, stride_we, stride_wn, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE,
+                           TMA, w0, e0, 0, SCALED)
             else:
-                _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
-                           stride_we, stride_wn, BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE,
-                           TMA, w0, e0, 0)
+                _down_rows(act_ptr, w_ptr, wd, s_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H,
+                           I, stride_we, stride_wn, BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE,
+                           TMA, w0, e0, 0, SCALED)
         else:
-            _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
-                       stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA, w0, e0, EARLY)
+            _down_rows(act_ptr, w_ptr, wd, s_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
+                       stride_we, stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA, w0,
+                       e0, EARLY, SCALED)
         if SUM:
             _slot_sums(y_ptr, out_ptr, cnt_ptr, sorted_ptr, block, nt, P, H, TOPK, BLOCK_M, BLOCK_N)
         if ONE:
@@ -303,15 +318,16 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             tl.store(out_ptr + token[:, None] * H + rn[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _down_rows(act_ptr, w_ptr, wd, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I, stride_we,
-                   stride_wn, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr,
-                   TMA: tl.constexpr, w0, e0, EARLY: tl.constexpr):
+    def _down_rows(act_ptr, w_ptr, wd, s_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
+                   stride_we, stride_wn, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+                   ONE: tl.constexpr, TMA: tl.constexpr, w0, e0, EARLY: tl.constexpr, SCALED: tl.constexpr):
         """The down product of a block's first ROWS rows, times the routing
         weights, to y. EARLY (1): w0 is K block 0's weight tile of expert
         e0, read already (read again where the block's expert is another:
         logits whose top k another build of the routing sums in another
-        order could name one)."""
+        order could name one). SCALED: e4m3 weights, their rows'
+        multipliers at s_ptr [E, H], applied to the sums."""
         pair, m_ok, e = _block_rows(sorted_ptr, block_expert_ptr, block, P, BLOCK_M, ONE, ROWS)
         rn = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < H
@@ -328,6 +344,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             w = _down_weight(w_ptr, wd, e, nt, i, H, I, stride_we, stride_wn, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, TMA)
             acc = _mma(_act_block(a_ptrs, m_ok, i * BLOCK_K + rk < I, EVEN_K), w, acc, IEEE=IEEE)
             a_ptrs += BLOCK_K
+        if SCALED:  # e4m3 weights: each output column's row multiplier
+            acc = acc * tl.load(s_ptr + e * H + rn, mask=n_ok, other=1.0)[None, :]
         rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0)
         tl.store(y_ptr + pair.to(tl.int64)[:, None] * H + rn[None, :], (acc * rw[:, None]).to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])

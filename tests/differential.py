@@ -176,13 +176,19 @@ def fp8_oracle(hf, tp_size: int = 1):
     """A copy of `hf` computing what the fp8 engine computes, in fp32: each
     quantized linear layer holds its weight as fp8 holds it and quantizes
     its input per token; at `tp_size` > 1 the input of a row-split layer
-    (o_proj, down_proj) per token and rank, the part each rank holds."""
+    (o_proj, down_proj) per token and rank, the part each rank holds. MoE
+    experts hold their weights as fp8 holds them and take their inputs
+    unquantized."""
     import copy
 
     from rollout_engine.kernels.fp8 import dequantize_rows, quantize_rows
     from rollout_engine.quantization import as_held, is_quantized
 
     model = copy.deepcopy(hf).float()
+    with torch.no_grad():  # MoE experts (fused [E, rows, K]): weight-only, their inputs as they are
+        for name, p in model.named_parameters():
+            if ".experts." in name and is_quantized(name, "fp8"):
+                p.copy_(as_held(p, torch.float32))
     hooked = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and is_quantized(f"{name}.weight", "fp8"):

@@ -65,3 +65,16 @@ def row_unfused(x, residual, norm_w, router, w13, w2, top_k, renormalize):
     h, r = rmsnorm_ref(x, norm_w, 1e-6, residual)
     weights, ids = moe_route.route_ref(F.linear(h, router), top_k, renormalize)
     return moe.fused_moe_ref(h, w13, w2, weights, ids), r, ids
+
+
+def fp8_experts(w13, w2):
+    """The experts as an fp8 engine holds them: ((e4m3 w13, its scales [E,
+    2I, 1]), (e4m3 w2, its scales [E, H, 1])), one scale a row of the last
+    dimension (kernels/fp8.py: quantize_channels)."""
+    from rollout_engine.kernels.fp8 import quantize_channels
+
+    def one(w):
+        q, s = quantize_channels(w.reshape(-1, w.shape[-1]).float())
+        return q.view(w.shape).to(w.device), s.view(*w.shape[:-1], 1).to(w.device)
+
+    return one(w13), one(w2)

@@ -18,7 +18,7 @@ from rollout_engine.kernels.fp8 import FP8
 from rollout_engine.quantization import as_held, is_quantized
 
 PROMPTS = [[5, 17, 3, 99, 250, 7], [1, 2, 3], list(range(40, 75))]
-KINDS = ["llama", "qwen2", "qwen3", "qwen2_moe"]
+KINDS = ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,10 @@ def test_fp8_engine_computes_what_fp8_holds(fp8_models, kind):
     assert params["model.layers.0.self_attn.qkv_proj.weight"].dtype == FP8
     assert params["model.layers.0.self_attn.qkv_proj.weight_scale"].dtype == torch.float32
     assert params["model.embed_tokens.weight"].dtype == torch.float32
-    assert not any(p.dtype == FP8 for n, p in params.items() if "experts" in n or "norm" in n)
+    assert not any(p.dtype == FP8 for n, p in params.items() if "norm" in n or n.endswith("mlp.gate.weight"))
+    experts = [n for n in params if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert bool(experts) == (kind in MOE) and all(params[n].dtype == FP8 for n in experts)
+    assert all(params[f"{n}_scale"].dtype == torch.float32 for n in experts)
     engine.check_integrity()
     engine.shutdown()
 
@@ -185,8 +188,8 @@ def test_dummy_fp8_weights_are_the_quantized_dummy_weights():
                         quantization="fp8")
     for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
         assert torch.equal(fp8.get_weight(name), as_held(plain.get_weight(name), torch.float32))
-    name = "model.layers.0.mlp.experts.gate_up_proj"
-    assert torch.equal(fp8.get_weight(name), plain.get_weight(name))
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.3.down_proj.weight"):
+        assert torch.equal(fp8.get_weight(name), as_held(plain.get_weight(name), torch.float32))
     plain.shutdown()
     fp8.shutdown()
 

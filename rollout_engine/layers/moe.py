@@ -8,7 +8,11 @@ Expert weights are stored fused, as transformers 5 keeps them in memory:
 `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
 `experts.down_proj` [E, H, I]. A checkpoint's per-expert tensors
 (`experts.3.gate_proj.weight`, Mixtral's `w1`/`w3`/`w2`) are copied into
-their expert's rows (weights/loader.py maps the names)."""
+their expert's rows (weights/loader.py maps the names). With
+quantization="fp8" they are held in e4m3 with one fp32 multiplier per weight
+row (`gate_up_proj_scale` [E, 2I, 1], `down_proj_scale` [E, H, 1]; a down
+row's taken over the whole row at any tp_size), and the experts' products
+take the activations in the engine dtype (kernels/moe.py)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -22,14 +26,20 @@ from rollout_engine.kernels.moe import fused_moe
 from rollout_engine.kernels.moe_route import route
 from rollout_engine.kernels.moe_row import moe_row
 from rollout_engine.layers.invariant import invariant_linear, per_row
-from rollout_engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _param, divide
-from rollout_engine.layers.weight_copy import copy_into
+from rollout_engine.kernels.fp8 import FP8
+from rollout_engine.layers.linear import FP8_LINEARS, MergedColumnParallelLinear, RowParallelLinear, _param, divide
+from rollout_engine.layers.weight_copy import copy_into, quantize_into
 from rollout_engine.models.config import MoeConfig
 
 if TYPE_CHECKING:
     from rollout_engine.forward_batch import ForwardBatch
 
 GATE, UP, DOWN = 0, 1, 2  # the part of a per-expert tensor (shard id (expert, part))
+
+
+def _scales(shape: tuple[int, ...]) -> nn.Parameter:
+    """An fp8 weight's multipliers (fp32, filled by the first load)."""
+    return nn.Parameter(torch.ones(shape, dtype=torch.float32), requires_grad=False)
 
 
 class ReplicatedLinear(nn.Module):
@@ -54,8 +64,37 @@ class MoeExperts(nn.Module):
         self.comm = comm
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.width = divide(intermediate, comm.tp_size)
-        self.gate_up_proj = _param((num_experts, 2 * self.width, hidden), self._load_gate_up)
-        self.down_proj = _param((num_experts, hidden, self.width), self._load_down)
+        self.gate_up_proj = self._weight((num_experts, 2 * self.width, hidden), self._load_gate_up)
+        self.down_proj = self._weight((num_experts, hidden, self.width), self._load_down)
+        self.gate_up_proj_scale = self.down_proj_scale = None  # fp8: [E, rows, 1] fp32, one a weight row
+        if FP8_LINEARS.get():
+            self.gate_up_proj_scale = _scales((num_experts, 2 * self.width, 1))
+            self.down_proj_scale = _scales((num_experts, hidden, 1))
+
+    @staticmethod
+    def _weight(shape: tuple[int, ...], loader) -> nn.Parameter:
+        """In the engine dtype, or in e4m3 (`FP8_LINEARS`) with `_scales`."""
+        if not FP8_LINEARS.get():
+            return _param(shape, loader)
+        weight = nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False)
+        weight.weight_loader = loader  # type: ignore[attr-defined]
+        return weight
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp8: (gate_up_proj's, down_proj's) multipliers, one per weight row; else None."""
+        return None if self.down_proj_scale is None else (self.gate_up_proj_scale, self.down_proj_scale)
+
+    def _store(self, param: torch.Tensor, at, src: torch.Tensor, whole_rows: torch.Tensor | None = None) -> None:
+        """Write `at(param)` (a view of it: an expert, a part) from `src`; an
+        fp8 weight quantizes it into `at` of its scales, each row's scale
+        taken over `whole_rows` (the full rows `src` is a column slice of:
+        down_proj's at tp_size > 1) or `src`."""
+        scale = self.gate_up_proj_scale if param is self.gate_up_proj else self.down_proj_scale
+        if scale is None:
+            copy_into(at(param.data), src)
+        else:
+            quantize_into(at(param.data), at(scale.data), src, whole_rows)
 
     def _check_shape(self, full: torch.Tensor, shape: tuple[int, ...], layout: str) -> None:
         if tuple(full.shape) != shape:
@@ -66,24 +105,24 @@ class MoeExperts(nn.Module):
         if shard_id is not None:  # one expert's gate_proj or up_proj [I, H]
             expert, part = shard_id  # the loader checked the index
             self._check_shape(full, (i, self.hidden), "[intermediate, hidden]")
-            copy_into(param.data[expert].narrow(0, part * w, w), full.narrow(0, rank * w, w))
+            self._store(param, lambda t: t[expert].narrow(0, part * w, w), full.narrow(0, rank * w, w))
             return
         self._check_shape(full, (self.num_experts, 2 * i, self.hidden), "[experts, 2 * intermediate, hidden]")
         if self.comm.tp_size == 1:
-            copy_into(param.data, full)
+            self._store(param, lambda t: t, full)
             return
-        copy_into(param.data[:, :w], full[:, rank * w: (rank + 1) * w])
-        copy_into(param.data[:, w:], full[:, i + rank * w: i + (rank + 1) * w])
+        self._store(param, lambda t: t[:, :w], full[:, rank * w: (rank + 1) * w])
+        self._store(param, lambda t: t[:, w:], full[:, i + rank * w: i + (rank + 1) * w])
 
     def _load_down(self, param: torch.Tensor, full: torch.Tensor, shard_id=None) -> None:
         w, rank = self.width, self.comm.tp_rank
         if shard_id is not None:  # one expert's down_proj [H, I]
             expert = shard_id[0]
             self._check_shape(full, (self.hidden, self.intermediate), "[hidden, intermediate]")
-            copy_into(param.data[expert], full.narrow(1, rank * w, w))
+            self._store(param, lambda t: t[expert], full.narrow(1, rank * w, w), full)
             return
         self._check_shape(full, (self.num_experts, self.hidden, self.intermediate), "[experts, hidden, intermediate]")
-        copy_into(param.data, full.narrow(2, rank * w, w))
+        self._store(param, lambda t: t, full.narrow(2, rank * w, w), full)
 
 
 class SparseMoeBlock(nn.Module):
@@ -117,7 +156,7 @@ class SparseMoeBlock(nn.Module):
         rank's partial sum (as `DecoderMLP`'s)."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, self._record(fb))
         e = self.experts
-        out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, invariant=self.batch_invariant)
+        out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, invariant=self.batch_invariant, scales=e.scales)
         if self.shared_expert is not None:  # partial sums too: one reduction for both
             gate = self.shared_expert_gate(x)
             # On the CPU an element-wise function rounds a value differently in a vector lane and in the
@@ -150,7 +189,7 @@ class SparseMoeBlock(nn.Module):
         KV slot's row."""
         e = self.experts
         return moe_row(h, residual.contiguous(), norm.weight, norm.eps, self.gate.weight, e.gate_up_proj,
-                       e.down_proj, self.top_k, self.renormalize, self._record(fb))
+                       e.down_proj, self.top_k, self.renormalize, self._record(fb), scales=e.scales)
 
     def _record(self, fb: "ForwardBatch | None"):
         """Where routing capture puts this block's ids (its column of the

@@ -104,9 +104,21 @@ def quantize_into(dst: torch.Tensor, scale_inv: torch.Tensor, src: torch.Tensor,
     `whole_rows` (the full rows `src` is a column slice of) or `src`
     (kernels/fp8.py: quantize_channels), on the device. Finiteness is
     checked on the rows the scales come from: e4m3 holds no infinity, and
-    a NaN or inf in a row makes its largest magnitude non-finite."""
+    a NaN or inf in a row makes its largest magnitude non-finite. Past two
+    dimensions (MoE experts [E, N, K], scale_inv [E, N, 1]) the rows are
+    those of the last dimension: one pass where dst's rows are evenly
+    spaced, else one per leading index."""
     expect_shape(src, tuple(dst.shape), name)
     if VALIDATE_ONLY.get():
+        return
+    if dst.dim() > 2:
+        k = dst.shape[-1]
+        if dst.is_contiguous() and scale_inv.is_contiguous():
+            quantize_into(dst.view(-1, k), scale_inv.view(-1, 1), src.reshape(-1, k),
+                          None if whole_rows is None else whole_rows.reshape(-1, whole_rows.shape[-1]))
+        else:
+            for i in range(dst.shape[0]):
+                quantize_into(dst[i], scale_inv[i], src[i], None if whole_rows is None else whole_rows[i])
         return
     check = FINITE_CHECK.get()
     if use_kernel(dst):  # one pass on the device (kernels/fp8_quantize.py), equal to the reference below

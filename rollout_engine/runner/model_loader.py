@@ -94,14 +94,15 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, dtype: torch.dtype, st
     with torch.no_grad():
         for prefix, module in model.named_modules():
             for leaf, p in module.named_parameters(recurse=False):
-                if leaf == "weight_scale":
+                if leaf.endswith("_scale"):  # an fp8 weight's, written with it
                     continue
                 gen = torch.Generator(device=p.device).manual_seed(seed)
+                scale = getattr(module, f"{leaf}_scale", None)
                 if "norm" in f"{prefix}.{leaf}":
                     p.fill_(1.0)
-                elif getattr(module, "weight_scale", None) is not None and leaf == "weight":
+                elif scale is not None:
                     drawn = torch.empty(p.shape, dtype=dtype, device=p.device).normal_(0.0, std, generator=gen)
-                    quantize_into(p.data, module.weight_scale.data, drawn)
+                    quantize_into(p.data, scale.data, drawn)
                 else:
                     p.normal_(0.0, std, generator=gen)
 

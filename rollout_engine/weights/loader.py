@@ -63,8 +63,8 @@ class Target:
 class WeightLoader:
     def __init__(self, model: nn.Module):
         self.model = model
-        # an fp8 weight's scales (`weight_scale`) are written with it, under its name
-        self.params = {n: p for n, p in model.named_parameters() if not n.endswith(".weight_scale")}
+        # an fp8 weight X's scales (`X_scale`) are written with it, under its name
+        self.params = {n: p for n, p in model.named_parameters() if not n.endswith("_scale")}
         self.stacked = getattr(model, "stacked_params", ())
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.dtype = next(p.dtype for p in self.params.values() if p.dtype != FP8)  # the engine dtype
@@ -272,10 +272,15 @@ class WeightLoader:
         param = self.params[target.param_name].detach()
         owner = self.model.get_submodule(target.param_name.rsplit(".", 1)[0])
         if isinstance(owner, MoeExperts):
-            if target.shard_id is None:
-                return param
-            expert, part = target.shard_id
-            return param[expert] if part == DOWN else param[expert].narrow(0, part * owner.width, owner.width)
+            at = lambda t: t  # noqa: E731
+            if target.shard_id is not None:
+                expert, part = target.shard_id
+                at = (lambda t: t[expert]) if part == DOWN else (lambda t: t[expert].narrow(0, part * owner.width,
+                                                                                            owner.width))
+            if param.dtype == FP8:
+                scale_inv = getattr(owner, f"{target.param_name.rsplit('.', 1)[1]}_scale").detach()
+                return dequantize_channels(at(param), at(scale_inv)).to(self.dtype)
+            return at(param)
         offset, size = 0, param.shape[0]  # a fused parameter by its own name (no shard): all of it
         if target.shard_id is not None:
             if isinstance(owner, QKVParallelLinear):
