@@ -36,8 +36,8 @@ def is_quantized(hf_name: str, quantization: str | None) -> bool:
 
 @contextlib.contextmanager
 def fp8_linears() -> Iterator[None]:
-    """Models built inside hold every parallel linear layer in fp8 storage
-    (layers/linear.py: FP8_LINEARS)."""
+    """Models built inside hold every parallel linear layer and the MoE
+    experts in fp8 storage (layers/linear.py: FP8_LINEARS)."""
     token = FP8_LINEARS.set(True)
     try:
         yield

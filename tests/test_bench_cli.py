@@ -161,7 +161,8 @@ def test_workload_roofline_counts_only_computed_prompt_tokens():
 def test_the_fp8_roofline_reads_one_byte_per_quantized_weight_at_twice_the_peak():
     """quantization="fp8": the attention projections and dense MLPs cost 1
     byte a weight and half their FLOPs against the bf16 peak; the
-    embeddings, LM head, norms and (MoE) experts and routers cost as in bf16."""
+    embeddings, LM head, norms and (MoE) routers cost as in bf16; MoE
+    experts 1 byte a weight, their FLOPs as in bf16 (weight-only)."""
     from rollout_engine.bench.roofline import ModelCosts
     from rollout_engine.models.config import ModelConfig
     from rollout_engine.models.presets import preset_config
@@ -174,4 +175,8 @@ def test_the_fp8_roofline_reads_one_byte_per_quantized_weight_at_twice_the_peak(
     assert bf16.flops_per_token - fp8.flops_per_token == linear
     assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token
     moe = ModelConfig.from_hf(preset_config("qwen3-30b-a3b"), ())
-    assert ModelCosts.of(moe, fp8=True).expert_bytes == ModelCosts.of(moe).expert_bytes
+    moe_bf16, moe_fp8 = ModelCosts.of(moe), ModelCosts.of(moe, fp8=True)
+    assert moe_fp8.expert_bytes * 2 == moe_bf16.expert_bytes
+    # the linear layers' FLOPs halved (as many as their weights), the experts' not
+    assert (moe_bf16.flops_per_token - moe_fp8.flops_per_token
+            == moe_bf16.weight_bytes_per_step - moe_fp8.weight_bytes_per_step)

@@ -57,7 +57,9 @@ class ModelCosts:
         """`fp8` (quantization="fp8"): the quantized linear layers (attention
         projections, dense MLPs, the shared expert) read 1 byte a weight and
         run at twice the bf16 matrix peak (BENCH.md), counted here as half
-        their FLOPs against the bf16 peak the device limits hold. `kv_fp8`
+        their FLOPs against the bf16 peak the device limits hold; MoE
+        experts read 1 byte a weight too, their products at the bf16 peak
+        (weight-only: their inputs stay in the engine dtype). `kv_fp8`
         (kv_cache_dtype="fp8_e4m3"): 1 byte per cached K/V element."""
         h, i = mc.hidden_size, mc.intermediate_size
         projections = h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h
@@ -75,7 +77,7 @@ class ModelCosts:
             weight_bytes_per_step=linear_bytes * linear + dtype_bytes * (other + mc.vocab_size * h),
             kv_bytes_per_token=2 * mc.num_layers * mc.kv_size * (1 if kv_fp8 else dtype_bytes),
             flops_per_token=2 * ((linear / 2 if fp8 else linear) + other + active),
-            expert_bytes=dtype_bytes * expert,
+            expert_bytes=linear_bytes * expert,
             num_experts=0 if moe is None else moe.num_experts,
             top_k=0 if moe is None else moe.top_k,
         )

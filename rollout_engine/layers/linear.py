@@ -37,8 +37,9 @@ def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
 
 
 # Set while a model is built with quantization="fp8" (quantization.py:
-# fp8_linears): the parallel linear layers allocate e4m3 weights and their
-# scales from the start, so the engine-dtype weights never exist.
+# fp8_linears): the parallel linear layers (and the MoE experts,
+# layers/moe.py) allocate e4m3 weights and their scales from the start, so
+# the engine-dtype weights never exist.
 FP8_LINEARS: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8_linears", default=False)
 
 
