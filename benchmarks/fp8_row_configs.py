@@ -81,8 +81,8 @@ def run(model: str, only: list[str] | None, full_grid: bool) -> dict:
     for name, (n, k, fused, unfused, segment) in products.items():
         if only and name not in only:
             continue
-        if mc.moe is not None and name in ("gate_up", "down"):  # experts stay in the engine dtype
-            print(f"{name}: {model} is a mixture of experts, whose experts are not quantized; skipped", flush=True)
+        if mc.moe is not None and name in ("gate_up", "down"):  # experts run the MoE kernels, not these
+            print(f"{name}: {model} is a mixture of experts, whose experts run the MoE kernels; skipped", flush=True)
             continue
         if segment and not pairs_fit(n, k, segment):
             print(f"{name}: rows do not pair at the engine's tiles; skipped", flush=True)

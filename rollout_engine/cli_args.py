@@ -54,9 +54,10 @@ FIELD_HELP: dict[str, str] = {
     "overlap_schedule": "schedule step N+1 while step N runs on the device",
     "enable_return_routed_experts": "MoE models: record the experts each token went to in every MoE layer, for "
                                     "requests that ask for them (return_routed_experts; routing replay)",
-    "quantization": "fp8: the linear layers of the decoder hold e4m3 weights with one scale per output row, "
-                    "quantized on load and on every update; activations are quantized per token "
-                    "(embeddings, norms, the LM head and MoE experts stay in the model's dtype)",
+    "quantization": "fp8: the linear layers of the decoder and the MoE experts hold e4m3 weights with one "
+                    "scale per weight row, quantized on load and on every update; the linear layers' activations "
+                    "are quantized per token, the experts' are not (embeddings, norms, routers and the LM head "
+                    "stay in the model's dtype)",
     "kv_cache_dtype": "dtype of the KV cache; auto: the model's dtype; fp8_e4m3: e4m3 values with scale 1, one "
                       "byte per element (twice bf16's tokens in the same memory, four times fp32's)",
     "deterministic": "batch-invariant mode: a seeded request gives the same tokens and logprobs whatever else "
