@@ -21,9 +21,8 @@ routing, experts) in kernels/moe_row.py's three launches (`row_us`) and
 unfused (`row_unfused_us`).
 
 `experts_us` is the gate/up and down launches and the slot sum after the
-align, in one graph, as the engine runs them: with
-`ab_switch.py rollout_engine.kernels.moe.SUM_IN_DOWN=1` the sum inside the
-down launch (`up_us`, `down_us` and `sum_us` time the launches without it).
+align, in one graph, as the engine runs them (`up_us`, `down_us` and
+`sum_us` time them one by one).
 
 `--sweep` also times every candidate launch shape of the two products per
 block size (SWEEP_UP, SWEEP_DOWN), the data behind moe.pick's tables, and

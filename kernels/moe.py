@@ -15,9 +15,7 @@ slot j of token t):
    y [T, k, H] in x's dtype. With 128-pair blocks (`MoeLaunch.tails`) the
    last block of an expert runs a half or a quarter of its rows in both
    products where its real pairs fit there.
-4. sum: y over the slots in order (0, 1, ...) in fp32, into [T, H]; with
-   SUM_IN_DOWN inside the down launch, each token's last slot to finish a
-   column tile adding its slots there (the same sums, one launch fewer).
+4. sum: y over the slots in order (0, 1, ...) in fp32, into [T, H].
 
 Every pair's row is reduced over K by one program whatever its neighbours,
 so with one launch shape (`invariant=True`: INVARIANT) a token's output has
@@ -153,9 +151,8 @@ if importlib.util.find_spec("triton") is not None:
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               invariant: bool = False, scales: Scales | None = None) -> torch.Tensor:
     """fused_moe_ref's result: on the GPU in five launches or fewer (the
-    align's one or two, up, down, slot sum (in down with SUM_IN_DOWN); two
-    for one token: `_fused_moe_one`) that
-    never wait for the host, so the call can be captured in a CUDA graph and
+    align's one or two, up, down, slot sum; two for one token:
+    `_fused_moe_one`) that never wait for the host, so the call can be captured in a CUDA graph and
     replayed with new ids and weights of the same T; the reference elsewhere. `invariant`: one launch shape whatever
     T, so that a token's output has the same bits in any batch. `scales`:
     fp8 experts (w13, w2 in e4m3), as fused_moe_ref's; their products read
@@ -196,13 +193,11 @@ def _fit(t: Tiles, dtype: torch.dtype) -> Tiles:
 
 
 def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, block_m: int, t: Tiles,
-        one: bool = False, tails: bool = False, sums: torch.Tensor | None = None,
-        scale: torch.Tensor | None = None) -> torch.Tensor:
+        one: bool = False, tails: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The gate/up launch. `one` (`_fused_moe_one`): `aligned` holds the
     token's ids [k] as its block experts, one block per pair, and the down
     launch's tile counters (a power of two of them) in place of the total.
-    `tails`: MoeLaunch.tails. `sums`: the down launch's slot-sum counters,
-    zeroed here (SUM_IN_DOWN). `scale`: w13's row multipliers (e4m3 w13)."""
+    `tails`: MoeLaunch.tails. `scale`: w13's row multipliers (e4m3 w13)."""
     sorted_ids, block_expert, total = aligned
     hidden = x.shape[1]
     inter = w13.shape[1] // 2
@@ -211,12 +206,11 @@ def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, blo
     blocks = block_expert.numel()
     wd, tma = weight_tiles(w13, t)
     moe_up_kernel[(blocks * cdiv(inter, t.block_n),)](
-        x, w13, wd, scale if scale is not None else x, act, sorted_ids, block_expert, total, sums if sums is not None else total,
-        sums.numel() if sums is not None else 0, pairs, blocks, hidden, inter, x.stride(0), w13.stride(0),
-        w13.stride(1), TOPK=top_k, GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        x, w13, wd, scale if scale is not None else x, act, sorted_ids, block_expert, total, pairs, blocks, hidden,
+        inter, x.stride(0), w13.stride(0), w13.stride(1), TOPK=top_k, GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, EVEN_N=inter % t.block_n == 0, IEEE=x.dtype == torch.float32,
         num_warps=t.warps, num_stages=t.stages, ONE=one, COUNTS=total.numel() if one else 1, TAILS=tails,
-        TMA=tma, ZERO=sums is not None, SCALED=scale is not None, **pdl_args(x))
+        TMA=tma, SCALED=scale is not None, **pdl_args(x))
     return act
 
 
@@ -237,13 +231,11 @@ class Early(NamedTuple):
 
 def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_m: int, t: Tiles,
           out: torch.Tensor | None = None, tails: bool = False, early: Early | None = None,
-          sums: tuple[torch.Tensor, int] | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+          scale: torch.Tensor | None = None) -> torch.Tensor:
     """The down launch: y [pairs, H]. With `out` [1, H] (one token: `_up`'s
-    `one`), the slot sum too, into out; with `out` [T, H] and `sums`
-    (counters zeroed by `_up`, top k) the slot sum of every token into out.
-    `tails`: MoeLaunch.tails. `early` (one token, with EARLY_DOWN): `Early`.
-    `scale`: w2's row multipliers (e4m3 w2)."""
-    assert sums is None or out is not None, "the slot sums go to out"
+    `one`), the slot sum too, into out. `tails`: MoeLaunch.tails. `early`
+    (one token, with EARLY_DOWN): `Early`. `scale`: w2's row multipliers
+    (e4m3 w2)."""
     sorted_ids, block_expert, total = aligned
     pairs, inter = act.shape
     hidden = w2.shape[1]
@@ -251,28 +243,19 @@ def _down(act: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, block_
     y = torch.empty((pairs, hidden), dtype=act.dtype, device=act.device)
     blocks = block_expert.numel()
     wd, tma = weight_tiles(w2, t)
-    one = out is not None and sums is None
-    source, experts, counters, reads = y, 1, total, {}  # the kernel's defaults: nothing read before the wait
+    one = out is not None
+    source, experts, reads = y, 1, {}  # the kernel's defaults: nothing read before the wait
     if one and EARLY_DOWN and early is not None:
         source, experts = early.source, early.source.numel()
         reads = dict(EARLY=1, FROM_LOGITS=early.logits, TOPK=early.top_k, BLOCK_J=next_pow2(early.top_k),
                      BLOCK_E=next_pow2(experts) if early.logits else 1)
-    elif sums is not None:  # every token's slot sum (blocks)
-        counters, reads = sums[0], dict(SUM=True, TOPK=sums[1])
     moe_down_kernel[(blocks * cdiv(hidden, t.block_n),)](
-        act, w2, wd, scale if scale is not None else y, y, out if out is not None else y, rw, sorted_ids, block_expert, total, counters, pairs, blocks,
-        hidden, inter, w2.stride(0), w2.stride(1), source, experts,
+        act, w2, wd, scale if scale is not None else y, y, out if out is not None else y, rw, sorted_ids, block_expert,
+        total, pairs, blocks, hidden, inter, w2.stride(0), w2.stride(1), source, experts,
         GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=inter % t.block_k == 0,
         EVEN_N=hidden % t.block_n == 0, IEEE=act.dtype == torch.float32, num_warps=t.warps,
         num_stages=t.stages, ONE=one, TAILS=tails, TMA=tma, SCALED=scale is not None, **reads, **pdl_args(act))
     return y
-
-
-# The slot sum inside the down launch for any batch (`_slot_sums`): the
-# token's last slot to finish a column tile adds its slots' rows there, in
-# the order and rounding of the sum's own launch (the same bits), one launch
-# fewer a layer. Off until measured.
-SUM_IN_DOWN = False
 
 
 def _sum_slots(y: torch.Tensor, tokens: int, top_k: int, block_h: int = 1024) -> torch.Tensor:
@@ -330,21 +313,13 @@ def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
 
 def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rw: torch.Tensor, aligned, top_k: int,
              config: MoeLaunch, scales: Scales | None = None) -> torch.Tensor:
-    """After the align: the gate/up and down launches and the slot sum (in
-    the down launch with SUM_IN_DOWN, else a launch of its own), [T, H].
-    x, w13, w2, rw as `_prepare` gives them; `scales`: fused_moe's."""
-    tokens, hidden = x.shape
+    """After the align: the gate/up and down launches and the slot sum,
+    [T, H]. x, w13, w2, rw as `_prepare` gives them; `scales`: fused_moe's.
+    (A slot sum inside the down launch, each token's last slot adding its
+    rows there, kept the bits and saved the launch, but cost 2-3% of the
+    layer at 8-256 tokens and 13% at 2,048 on an H100: BENCHMARKS.md.)"""
+    tokens = x.shape[0]
     s13, s2 = _split(scales)
-    counters = None
-    if SUM_IN_DOWN:  # one a (token, column tile of the down launch), zeroed by the gate/up launch
-        counters = torch.empty(tokens * cdiv(hidden, _fit(config.down, x.dtype).block_n), dtype=torch.int32,
-                               device=x.device)
-    act = _up(x, w13, aligned, tokens * top_k, top_k, config.block_m, config.up, tails=config.tails, sums=counters,
-              scale=s13)
-    if counters is None:
-        return _sum_slots(_down(act, w2, rw, aligned, config.block_m, config.down, tails=config.tails, scale=s2),
-                          tokens, top_k)
-    out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-    _down(act, w2, rw, aligned, config.block_m, config.down, out=out, tails=config.tails, sums=(counters, top_k),
-          scale=s2)
-    return out
+    act = _up(x, w13, aligned, tokens * top_k, top_k, config.block_m, config.up, tails=config.tails, scale=s13)
+    y = _down(act, w2, rw, aligned, config.block_m, config.down, tails=config.tails, scale=s2)
+    return _sum_slots(y, tokens, top_k)

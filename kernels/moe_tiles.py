@@ -1,7 +1,6 @@
 """The fused MoE's Triton kernels (kernels/moe.py calls them): the gate/up
 product with SiLU * up, the down product (with the slot sum inside it for
-one token, and for any batch with kernels.moe.SUM_IN_DOWN), and the slot
-sum. A block of pairs, all of one expert, times a column tile of the
+one token), and the slot sum. A block of pairs, all of one expert, times a column tile of the
 expert's weights per program; an expert's last block runs a half or a
 quarter of its rows where its real pairs fit there (`_tails`,
 MoeLaunch.tails)."""
@@ -64,18 +63,16 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         return tl.dot(a, tl.trans(b), acc)
 
-    @triton.jit(do_not_specialize=["n_cnt", "P", "NB"])
-    def moe_up_kernel(x_ptr, w_ptr, wd, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, cnt_ptr, n_cnt, P,
-                      NB, H, I, stride_x, stride_we, stride_wn, TOPK: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      EVEN_N: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr = False, COUNTS: tl.constexpr = 1,
-                      TAILS: tl.constexpr = False, TMA: tl.constexpr = False, ZERO: tl.constexpr = False,
-                      SCALED: tl.constexpr = False, PDL: tl.constexpr = False):
+    @triton.jit(do_not_specialize=["P", "NB"])
+    def moe_up_kernel(x_ptr, w_ptr, wd, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, NB, H, I,
+                      stride_x, stride_we, stride_wn, TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                      IEEE: tl.constexpr, ONE: tl.constexpr = False, COUNTS: tl.constexpr = 1,
+                      TAILS: tl.constexpr = False, TMA: tl.constexpr = False, SCALED: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
         """One block of sorted pairs and one column tile of I: gate and up
         tiles over K = H, act = silu(gate) * up. ONE: `_block_rows`, and
         program 0 zeroes the down launch's COUNTS tile counters (total_ptr).
-        ZERO: the programs zero the down launch's n_cnt slot-sum counters
-        (cnt_ptr; moe_down_kernel's SUM), each its share.
         TAILS: a block of few real pairs runs fewer rows (`_tails`). TMA:
         the weight tiles through wd (`gate_up_tile`). SCALED: e4m3 weights,
         their rows' multipliers at s_ptr [E, 2I] (`gate_up_tile`).
@@ -85,12 +82,6 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         block, nt = _tile(tl.program_id(0), NB, tl.cdiv(I, BLOCK_N), GROUP)
-        if ZERO:  # before any early return: every program its slice, 128 at a time
-            per = tl.cdiv(n_cnt, tl.num_programs(0))
-            first = tl.program_id(0) * per
-            for z0 in range(first, first + per, 128):
-                z = z0 + tl.arange(0, 128)
-                tl.store(cnt_ptr + z, tl.zeros([128], tl.int32), mask=(z < first + per) & (z < n_cnt))
         if ONE:
             if tl.program_id(0) == 0:
                 tl.store(total_ptr + tl.arange(0, COUNTS), tl.zeros([COUNTS], tl.int32))
@@ -226,20 +217,18 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
 
     @triton.jit(do_not_specialize=["P", "NB"])
     def moe_down_kernel(act_ptr, w_ptr, wd, s_ptr, y_ptr, out_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                        cnt_ptr, P, NB, H, I, stride_we, stride_wn, early_ptr, E, GROUP: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        EVEN_N: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr = False,
-                        TAILS: tl.constexpr = False, TMA: tl.constexpr = False, PDL: tl.constexpr = False,
-                        EARLY: tl.constexpr = 0, FROM_LOGITS: tl.constexpr = False, TOPK: tl.constexpr = 1,
-                        BLOCK_E: tl.constexpr = 1, BLOCK_J: tl.constexpr = 1, SUM: tl.constexpr = False,
-                        SCALED: tl.constexpr = False):
+                        P, NB, H, I, stride_we, stride_wn, early_ptr, E, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                        IEEE: tl.constexpr, ONE: tl.constexpr = False, TAILS: tl.constexpr = False,
+                        TMA: tl.constexpr = False, PDL: tl.constexpr = False, EARLY: tl.constexpr = 0,
+                        FROM_LOGITS: tl.constexpr = False, TOPK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
+                        BLOCK_J: tl.constexpr = 1, SCALED: tl.constexpr = False):
         """One block of sorted pairs and one column tile of H: act @ w2[e]^T
         over K = I, times the routing weight, to y[pair]. TAILS: as the
         gate/up launch. ONE: `_block_rows`, and the slot sum too: total_ptr
         counts the tile's finished slots (zeroed by the gate/up launch), and
         the slot that finishes last adds the tile's rows of y in slot order
-        into out, as moe_sum_kernel does. SUM (blocks): the slot sum of each
-        token of TOPK slots the same way (`_slot_sums`, counters at cnt_ptr).
+        into out, as moe_sum_kernel does.
         TMA: the weight tiles through wd, a tensor descriptor over w [E, H,
         I] (`_weight_tile`). EARLY (1, with ONE): the first weight block is
         read before the dependent-launch wait, its expert from early_ptr
@@ -274,8 +263,6 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
             _down_rows(act_ptr, w_ptr, wd, s_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,
                        stride_we, stride_wn, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, ONE, TMA, w0,
                        e0, EARLY, SCALED)
-        if SUM:
-            _slot_sums(y_ptr, out_ptr, cnt_ptr, sorted_ptr, block, nt, P, H, TOPK, BLOCK_M, BLOCK_N)
         if ONE:
             # Every thread's stores before one thread's release; the last slot's acquire before its reads,
             # which skip the L1 cache (other programs wrote those rows).
@@ -287,35 +274,6 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                 for j in range(0, NB):
                     total += tl.load(y_ptr + j * H + rn, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
                 tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-    @triton.jit
-    def _slot_sums(y_ptr, out_ptr, cnt_ptr, sorted_ptr, block, nt, P, H, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SUB: tl.constexpr = 16):
-        """After a block's rows of y are stored: each of its pairs counts
-        itself at its token's counter for column tile nt, and where it is
-        the token's last slot there, the token's TOPK rows of y in the tile
-        are added in slot order in fp32 into out [T, H], as moe_sum_kernel
-        adds them (the gate/up launch zeroed the counters). Rows past a
-        tail's ROWS are padding, so the block's BLOCK_M rows are the ones to
-        count."""
-        tl.static_assert(BLOCK_N % SUB == 0)
-        pair = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        real = pair < P
-        token = (pair // TOPK).to(tl.int64)
-        cnt = cnt_ptr + token * tl.cdiv(H, BLOCK_N) + nt
-        # Every thread's stores before the releases; each acquire before the reads, which skip the L1
-        # cache (other programs wrote those rows).
-        tl.debug_barrier()
-        last = real & (tl.atomic_add(cnt, 1, mask=real, sem="acq_rel", scope="gpu") == TOPK - 1)
-        tl.debug_barrier()
-        for c in tl.static_range(0, BLOCK_N, SUB):  # a few columns at a time: the registers the product had
-            rn = nt * BLOCK_N + c + tl.arange(0, SUB)
-            mask = last[:, None] & (rn < H)[None, :]
-            rows = y_ptr + (token * TOPK)[:, None] * H + rn[None, :]
-            total = tl.zeros([BLOCK_M, SUB], tl.float32)
-            for j in tl.static_range(TOPK):
-                total += tl.load(rows + j * H, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            tl.store(out_ptr + token[:, None] * H + rn[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _down_rows(act_ptr, w_ptr, wd, s_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block, nt, P, H, I,

@@ -13,7 +13,7 @@ import torch
 
 from test_benchmark_scripts import _benchmark
 
-_SUM = "rollout_engine.kernels.moe.SUM_IN_DOWN="
+_TMA = "rollout_engine.kernels.moe.TMA_WEIGHTS="
 
 
 def test_ab_pairs_alternates_the_sides_within_its_budget_and_divides_b_by_a(tmp_path, capsys, monkeypatch):
@@ -36,7 +36,7 @@ def test_ab_pairs_alternates_the_sides_within_its_budget_and_divides_b_by_a(tmp_
         return 0, 40.0
 
     monkeypatch.setattr(ab_pairs, "run_one", run_one)
-    argv = ["--name", "t", "--out-dir", str(tmp_path), "--a", _SUM + "1", "--b", _SUM + "0", "--timeout", "90",
+    argv = ["--name", "t", "--out-dir", str(tmp_path), "--a", _TMA + "1", "--b", _TMA + "0", "--timeout", "90",
             "--", "moe_kernel.py", "--tokens", "8"]
     assert ab_pairs.main(argv) == 0
     assert calls == [("a", "t-a-1.json", 90), ("b", "t-b-1.json", 90), ("a", "t-a-2.json", 90),
@@ -65,7 +65,7 @@ def test_ab_pairs_stops_at_a_refusal_and_kills_a_run_past_its_timeout(tmp_path, 
     assert rc is None and seconds < 30 and time.monotonic() - start < 30
     # a real run refused by the script it starts (no GPU here): the rest are not started
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    argv = ["--name", "r", "--out-dir", str(tmp_path), "--a", _SUM + "1", "--b", _SUM + "0", "--",
+    argv = ["--name", "r", "--out-dir", str(tmp_path), "--a", _TMA + "1", "--b", _TMA + "0", "--",
             "moe_kernel.py", "--tokens", "8"]
     assert ab_pairs.main(argv) == 1
     err = capsys.readouterr().err
@@ -97,14 +97,14 @@ def test_ab_pairs_runs_a_bench_workload_on_each_side(llama, tmp_path):
     processes of their own: each report records its side's setting, and the
     summary holds their throughput."""
     _, folder = llama
-    argv = ["--name", "g", "--out-dir", str(tmp_path), "--pairs", "1", "--a", _SUM + "1", "--b", _SUM + "0", "--",
+    argv = ["--name", "g", "--out-dir", str(tmp_path), "--pairs", "1", "--a", _TMA + "1", "--b", _TMA + "0", "--",
             "rollout-engine", "bench", "--workload", "grpo", "--model", folder, "--load-format", "auto",
             "--num-prompts", "2", "-n", "2", "--prompt-min", "16", "--prompt-max", "24", "--output-len", "4",
             "--max-total-tokens", "2048"]
     assert _benchmark("ab_pairs").main(argv) == 0
     a, b = (json.loads((tmp_path / f"g-{side}-1.json").read_text()) for side in "ab")
-    assert a["switches"] == {"rollout_engine.kernels.moe.SUM_IN_DOWN": "True"}
-    assert b["switches"] == {"rollout_engine.kernels.moe.SUM_IN_DOWN": "False"}
+    assert a["switches"] == {"rollout_engine.kernels.moe.TMA_WEIGHTS": "True"}
+    assert b["switches"] == {"rollout_engine.kernels.moe.TMA_WEIGHTS": "False"}
     rows = {r["figure"]: r for r in json.loads((tmp_path / "g.json").read_text())["figures"]}
     throughput = rows["results.cache_on.output_tok_per_s"]
     assert len(throughput["a"]) == 1 and throughput["b_over_a"] > 0
@@ -126,11 +126,11 @@ def test_ab_pairs_never_reads_an_earlier_report_and_takes_repeated_settings(tmp_
     stale = tmp_path / "s-a-1.json"
     stale.write_text(json.dumps({"results": {"mean_step_ms": 9.0}}))
     preload = "rollout_engine.kernels.gemv.PRELOAD_BLOCKS="
-    argv = ["--name", "s", "--out-dir", str(tmp_path), "--pairs", "1", "--a", _SUM + "1", "--a", preload + "4",
-            "--b", _SUM + "0", "--", "rollout-engine", "bench"]
+    argv = ["--name", "s", "--out-dir", str(tmp_path), "--pairs", "1", "--a", _TMA + "1", "--a", preload + "4",
+            "--b", _TMA + "0", "--", "rollout-engine", "bench"]
     assert ab_pairs.main(argv) == 1
     assert not stale.exists()
-    assert seen[0][2:4] == [_SUM + "1", preload + "4"] and seen[1][2:3] == [_SUM + "0"]
+    assert seen[0][2:4] == [_TMA + "1", preload + "4"] and seen[1][2:3] == [_TMA + "0"]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert [r["status"] for r in summary["runs"]] == ["exit 0 without a report"] * 2 and summary["figures"] == []
 

@@ -100,8 +100,8 @@ def test_gpu_benchmarks_on_a_machine_without_enough_gpus_say_so_in_one_line(caps
         assert err.startswith(f"{name}.py: error: "), err
 
 
-_SUM = "rollout_engine.kernels.moe.SUM_IN_DOWN="
-_SIDES = ["--out-dir", ".", "--a", _SUM + "1", "--b", _SUM + "0"]
+_TMA = "rollout_engine.kernels.moe.TMA_WEIGHTS="
+_SIDES = ["--out-dir", ".", "--a", _TMA + "1", "--b", _TMA + "0"]
 
 
 @pytest.mark.parametrize("name,argv,flag", [
@@ -136,10 +136,10 @@ _SIDES = ["--out-dir", ".", "--a", _SUM + "1", "--b", _SUM + "0"]
     ("moe_kernel", ["--tokens", "8", "x"], "--tokens"),
     *(("ab_pairs", argv, flag) for argv, flag in [
         (["--name", "a b", *_SIDES, "--", "rollout-engine"], "--name"),
-        (["--name", "x", "--out-dir", "/no/such/folder", "--a", _SUM + "1", "--b", _SUM + "0", "--", "rollout-engine"],
+        (["--name", "x", "--out-dir", "/no/such/folder", "--a", _TMA + "1", "--b", _TMA + "0", "--", "rollout-engine"],
          "--out-dir"),
-        (["--name", "x", "--out-dir", ".", "--a", _SUM[:-2] + "=1", "--b", _SUM + "0", "--", "rollout-engine"], "--a"),
-        (["--name", "x", "--out-dir", ".", "--a", _SUM + "1", "--b", _SUM + "maybe", "--", "rollout-engine"], "--b"),
+        (["--name", "x", "--out-dir", ".", "--a", _TMA[:-2] + "=1", "--b", _TMA + "0", "--", "rollout-engine"], "--a"),
+        (["--name", "x", "--out-dir", ".", "--a", _TMA + "1", "--b", _TMA + "maybe", "--", "rollout-engine"], "--b"),
         (["--name", "x", *_SIDES, "--", "no_such.py"], "--"), (["--name", "x", *_SIDES, "--"], "--"),
         (["--name", "x", *_SIDES, "--", "rollout-engine", "bench", "--out", "r.json"], "--"),
         (["--name", "x", *_SIDES, "rollout-engine"], "--"),

@@ -235,32 +235,6 @@ def test_early_down_replays_with_the_bits_of_the_launch_without_it(experts, top_
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("load", ["uniform", "sparse", "hot"])
-@pytest.mark.parametrize("tokens", [2, 7, 64, 300, 2048])
-def test_slot_sum_in_down_has_the_bits_of_the_sum_launch(tokens, load, monkeypatch):
-    """SUM_IN_DOWN at qwen3-30b-a3b's shapes, every launch shape `pick`
-    gives from decode batches to 128-pair blocks with short tails, and the
-    invariant launch: the bits of the separate sum's launch (the same rows
-    added in the same order), eager and replayed in a graph over new tokens."""
-    experts, top_k, hidden, inter = 128, 8, 2048, 768
-    x, w13, w2, weights, ids = problem(tokens, experts, top_k, hidden, inter, torch.bfloat16, "cuda", load, seed=5)
-
-    def calls():
-        return moe.fused_moe(x, w13, w2, weights, ids), moe.fused_moe(x, w13, w2, weights, ids, invariant=True)
-
-    def without():
-        with monkeypatch.context() as m:
-            m.setattr(moe, "SUM_IN_DOWN", False)
-            return calls()
-
-    monkeypatch.setattr(moe, "SUM_IN_DOWN", True)
-    assert all(torch.equal(a, b) for a, b in zip(calls(), without()))
-    if tokens <= 300:
-        _replays_as_eager(x, calls, without, 6, seed=9)
-
-
-@pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("load", ["uniform", "counts", "hot"])
 @pytest.mark.parametrize("inter,hidden", [(768, 2048), (96, 512), (40, 200)])
 def test_large_blocks_with_short_tails_match_the_whole_blocks(load, inter, hidden):

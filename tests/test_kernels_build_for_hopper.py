@@ -152,37 +152,6 @@ def test_the_one_token_down_launch_reads_its_first_weight_tile_before_the_wait(m
     _fits([("moe_down_kernel", k) for k in early], {"moe_down_kernel"})
 
 
-def test_the_down_launch_with_the_slot_sum_inside_builds_at_every_picked_shape(monkeypatch):
-    """`moe.SUM_IN_DOWN` at qwen3-30b-a3b's shapes and `pick`'s launch shapes
-    from decode batches to prompt chunks (128-pair blocks with short tails):
-    the down launch counts its pairs with acquire-release atomics, fits a
-    block's shared memory and spills nothing (its sum adds a block's rows
-    of y once the product's accumulator is dead)."""
-    from rollout_engine.kernels import moe
-
-    E, H, I, K = 128, 2048, 768, 8
-    w13, w2 = torch.randn(E, 2 * I, H, dtype=BF16), torch.randn(E, H, I, dtype=BF16)
-    monkeypatch.setattr(moe, "SUM_IN_DOWN", True)
-    counts = (8, 200, 700, 2048)
-    assert len({moe.pick(t, K, E) for t in counts}) == len(counts)
-    with host_build() as built:
-        for tokens in (*counts, 3001):  # 3,001 tokens: 2,048's launch shape, other counters to zero
-            x, weights, ids = torch.randn(tokens, H, dtype=BF16), torch.rand(tokens, K), torch.randint(0, E, (tokens, K))
-            moe._fused_moe_triton(x, w13, w2, weights, ids, moe.pick(tokens, K, E))
-    downs = [kernel for name, kernel in built if name == "moe_down_kernel"]
-    assert len(downs) == len(counts) + 1 and "moe_sum_kernel" not in {name for name, _ in built}
-    for kernel in downs:  # y stored, a barrier, the count, a barrier, the other slots' rows past the L1 cache
-        ptx = kernel.asm["ptx"]
-        count = ptx.index("atom.global.gpu.acq_rel.add")
-        assert "bar.sync" in ptx[ptx.rindex("st.global", 0, count):count]
-        assert "bar.sync" in ptx[count:ptx.index("ld.global.cg", count)]
-        assert registers_and_spills(kernel)[1] == 0
-    # the counters' zeroing takes no constant from the token count: one kernel a launch shape
-    ups = [kernel for name, kernel in built if name == "moe_up_kernel"]
-    assert moe.pick(3001, K, E) == moe.pick(2048, K, E) and ups[-1].hash == ups[-2].hash != ups[-3].hash
-    _fits(built, {"moe_up_kernel", "moe_down_kernel"})
-
-
 def test_the_fp8_one_row_product_and_the_decode_attentions_build():
     from rollout_engine.kernels import attention, fp8_row, one_seq_attention
 

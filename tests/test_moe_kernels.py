@@ -297,41 +297,6 @@ def test_interpreted_early_down_keeps_the_bits(tma, monkeypatch):
     assert torch.equal(moe._fused_moe_one(x, w13, w2, weights, ids.long(), TINY[1]), off)
 
 
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_interpreted_slot_sum_in_down_keeps_the_bits(dtype, monkeypatch):
-    """SUM_IN_DOWN: each token's slots added inside the down launch, by the
-    slot that finishes a column tile last: the bits of the separate sum's
-    launch, for every launch shape, short tails, every slot of every token
-    on one expert (a token's slots in one block), H not a multiple of the
-    tile, top k 1, and a token alone equal to it in a batch (invariant)."""
-    def both(fn):
-        monkeypatch.setattr(moe, "SUM_IN_DOWN", False)
-        before = fn()
-        monkeypatch.setattr(moe, "SUM_IN_DOWN", True)
-        return before, fn()
-
-    for tokens, experts, top_k, hidden, inter, load in ((20, 4, 3, 48, 40, "uniform"), (7, 8, 2, 40, 16, "hot"),
-                                                        (9, 6, 1, 32, 24, "uniform")):
-        x, w13, w2, weights, ids = problem(tokens, experts, top_k, hidden, inter, dtype, load=load)
-        for config in TINY:
-            off, on = both(lambda: moe._fused_moe_triton(x, w13, w2, weights, ids.long(), config))
-            assert torch.equal(off, on), (tokens, load, config)
-    counts = [5, 20, 40, 65, 0, 17]
-    tail_ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])[torch.randperm(sum(counts))]
-    tail_ids = tail_ids.view(-1, 1)
-    tx, tw13, tw2, _, _ = problem(tail_ids.shape[0], len(counts), 1, 48, 40, dtype)
-    tail_weights = torch.rand(tail_ids.shape)
-    launch = MoeLaunch(64, Tiles(16, 16, 4, 2, group=3), Tiles(32, 16, 4, 2), tails=True)
-    off, on = both(lambda: moe._fused_moe_triton(tx, tw13, tw2, tail_weights, tail_ids, launch))
-    assert torch.equal(off, on)
-    x, w13, w2, weights, ids = problem(9, 4, 2, 32, 24, dtype)
-    batch = moe._fused_moe_triton(x, w13, w2, weights, ids, TINY[0])
-    for t in (0, 8):
-        alone = moe._fused_moe_triton(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], TINY[0])
-        assert torch.equal(alone[0], batch[t])
-
-
 def test_tma_weights_only_where_the_copy_engine_can_read_them(monkeypatch):
     """Pointer loads (the weights themselves) with the switch off, off a
     GPU outside the interpreter, and where a row of the weights is not a
