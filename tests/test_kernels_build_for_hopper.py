@@ -98,6 +98,35 @@ def test_one_row_products_and_the_moe_layer_build_at_decode_and_prompt_token_cou
     _fits(built, {"gemv_kernel", "moe_up_kernel", "moe_down_kernel", "moe_align_kernel"})
 
 
+def test_fp8_experts_build_at_every_picked_shape_without_spilling():
+    """e4m3 experts (quantization="fp8") at qwen3-30b-a3b's shapes: the
+    gate/up and down launches at every launch shape `pick` gives, one token
+    and the three-launch sparse MLP, read their weight tiles through the
+    copy engine, fit a block's shared memory and spill nothing."""
+    from rollout_engine.kernels import moe, moe_row
+    from rollout_engine.kernels.fp8 import FP8
+
+    E, H, I, K = 128, 2048, 768, 8
+    w13, w2 = torch.randn(E, 2 * I, H).to(FP8), torch.randn(E, H, I).to(FP8)
+    scales = (torch.ones(E, 2 * I, 1), torch.ones(E, H, 1))
+    counts = (8, 200, 700, 2048)
+    with host_build() as built:
+        for tokens in counts:
+            x, weights, ids = torch.randn(tokens, H, dtype=BF16), torch.rand(tokens, K), torch.randint(0, E, (tokens, K))
+            moe._fused_moe_triton(x, w13, w2, weights, ids, moe.pick(tokens, K, E), scales)
+        x = torch.randn(1, H, dtype=BF16)
+        moe._fused_moe_one(x, w13, w2, torch.rand(1, K), torch.randperm(E)[None, :K], moe.DECODE, scales)
+        moe_row.moe_row(x, torch.randn(1, H, dtype=BF16), torch.ones(H, dtype=BF16), 1e-6,
+                        torch.randn(E, H, dtype=BF16), w13, w2, K, True, scales=scales)
+    products = [(name, kernel) for name, kernel in built if name in ("moe_up_kernel", "moe_down_kernel",
+                                                                      "moe_row_up_kernel")]
+    assert len(products) == 2 * len(counts) + 4  # one token: up, down; three launches: up, down (and the router)
+    for name, kernel in products:
+        assert registers_and_spills(kernel)[1] == 0, name
+        assert "cp.async.bulk.tensor" in kernel.asm["ptx"], name
+    _fits(built, {"moe_up_kernel", "moe_down_kernel", "moe_row_up_kernel"})
+
+
 def test_one_row_products_read_four_weight_blocks_before_the_wait_without_spilling(monkeypatch):
     """`gemv.PRELOAD_BLOCKS`: at the engine's batch-1 launch shapes (a
     qwen3-30b-a3b o product, its qkv with the norm inside, an 8B qkv) each
