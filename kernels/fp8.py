@@ -17,9 +17,10 @@ Layouts:
 - `quantize_rows`: activations [T, K], one scale per token, or per group of
   `group` columns of a token ([T, ceil(K / group)]).
 
-An all-zero group gets scale_inv 1 (and zeros). Non-finite input is not
-representable (e4m3 has no infinities): callers check finiteness first, as
-weight updates do."""
+An all-zero group gets scale_inv 1 (and zeros), as does one whose largest
+magnitude is below ~5e-36 (`FP32_TINY`: its values become zeros). Non-finite
+input is not representable (e4m3 has no infinities): callers check
+finiteness first, as weight updates do."""
 from __future__ import annotations
 
 import torch
@@ -30,14 +31,19 @@ E4M3_MAX = 448.0
 # device and in the Triton kernels (a division by a Python number is a multiplication by its reciprocal on
 # CUDA and a true division on the CPU: their multipliers differed in the last bit).
 INV_E4M3_MAX = float(torch.tensor(1 / E4M3_MAX, dtype=torch.float32))
+# The smallest normal fp32: a multiplier below it (a group whose largest magnitude is under 448 times it,
+# ~5e-36) has no finite reciprocal to scale by, or is flushed to zero on a GPU; such a group takes 1, as an
+# all-zero one does, and its values round to e4m3 zeros.
+FP32_TINY = float(torch.finfo(torch.float32).tiny)
 BLOCK = 128
 
 
 def _scale_inv(amax: torch.Tensor) -> torch.Tensor:
     """Per-group multipliers (fp32) from the groups' largest magnitudes:
-    amax * (1 / 448), 1 for an all-zero group."""
-    amax = amax.float()
-    return torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
+    amax * (1 / 448); 1 for an all-zero group and for one so small that
+    its multiplier would not be a normal fp32 (`FP32_TINY`)."""
+    scale = amax.float() * INV_E4M3_MAX
+    return torch.where(scale >= FP32_TINY, scale, torch.ones_like(scale))
 
 
 def _cast(x: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import functools
 import torch
 
 from rollout_engine.kernels._triton import next_pow2, pdl_args
-from rollout_engine.kernels.fp8 import E4M3_MAX, FP8, INV_E4M3_MAX
+from rollout_engine.kernels.fp8 import E4M3_MAX, FP32_TINY, FP8, INV_E4M3_MAX
 
 ONE_PASS_MAX = 8192  # widest row held in registers once; wider rows are read twice (the second from L2)
 
@@ -32,8 +32,8 @@ def _kernel():
 
     @triton.jit
     def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, a_ptr, K, stride_x, stride_q, INV_MAX: tl.constexpr,
-                             MAX: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                             PDL: tl.constexpr):
+                             TINY: tl.constexpr, MAX: tl.constexpr, HAS_AMAX: tl.constexpr, BLOCK: tl.constexpr,
+                             ONE_PASS: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # programmatic dependent launch: wait for the kernel that wrote x
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -50,7 +50,7 @@ def _kernel():
                 for k0 in range(BLOCK, K, BLOCK):
                     xb = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
                     amax = tl.maximum(amax, tl.max(tl.where(xb == xb, tl.abs(xb), float("inf")), axis=0))
-        s = tl.where(amax > 0, amax * INV_MAX, 1.0)
+        s = tl.where(amax * INV_MAX >= TINY, amax * INV_MAX, 1.0)  # kernels/fp8.py: _scale_inv
         s = tl.where(amax == amax, s, amax)  # a given amax (HAS_AMAX) may be NaN: keep it non-finite
         r = libdevice.div_rn(s * 0.0 + 1.0, s)  # correctly rounded (Triton's own division is approximate)
         tl.store(q_row + cols, e4m3_value(x * r, MAX).to(tl.float8e4nv), mask=cols < K)
@@ -78,6 +78,6 @@ def quantize_rows_gpu(x: torch.Tensor, out: torch.Tensor | None = None, scale_ou
         one_pass = k <= ONE_PASS_MAX
         block = next_pow2(k) if one_pass else 2048
         _kernel()[(t,)](x, q, s, amax if amax is not None else s, k, x.stride(0), q.stride(0), INV_MAX=INV_E4M3_MAX,
-                        MAX=E4M3_MAX, HAS_AMAX=amax is not None, BLOCK=block, ONE_PASS=one_pass,
+                        TINY=FP32_TINY, MAX=E4M3_MAX, HAS_AMAX=amax is not None, BLOCK=block, ONE_PASS=one_pass,
                         num_warps=8 if block >= 4096 else 4, **pdl_args(x))
     return q, s

@@ -27,7 +27,7 @@ import torch
 
 from rollout_engine.kernels._triton import cdiv, next_pow2, pdl_args, use_kernel
 from rollout_engine.kernels.batch_gemm import SMS, GemmConfig, current_counters
-from rollout_engine.kernels.fp8 import E4M3_MAX, FP8, INV_E4M3_MAX
+from rollout_engine.kernels.fp8 import E4M3_MAX, FP32_TINY, FP8, INV_E4M3_MAX
 from rollout_engine.kernels.gemv import NORM_MAX_K, RopeStore, epilogue, rows_pair
 
 if importlib.util.find_spec("triton") is not None:  # module level: Triton's interpreter sees the kernel
@@ -84,8 +84,8 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, K_P2: tl.constexpr,
                        AMAX_BLOCK: tl.constexpr, GATED: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
                        NQ: tl.constexpr, NK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT: tl.constexpr, EVEN_K: tl.constexpr, INV_MAX: tl.constexpr, MAX: tl.constexpr,
-                       PDL: tl.constexpr):
+                       SPLIT: tl.constexpr, EVEN_K: tl.constexpr, INV_MAX: tl.constexpr, TINY: tl.constexpr,
+                       MAX: tl.constexpr, PDL: tl.constexpr):
         """Program (tile, s): the tile's weight rows over K in [s * K_PER,
         (s + 1) * K_PER) (K_PER a multiple of BLOCK_K). y = q(x') W^T, x' = x
         or with NORM RMSNorm(x (+ r)) (x + r to r_out, `row_parts`), q the
@@ -115,7 +115,7 @@ if importlib.util.find_spec("triton") is not None:  # module level: Triton's int
                 kk = a0 + tl.arange(0, AMAX_BLOCK)
                 h = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.max(tl.where(h == h, tl.abs(h), float("inf")), axis=0))
-        sx = tl.where(amax > 0, amax * INV_MAX, 1.0)
+        sx = tl.where(amax * INV_MAX >= TINY, amax * INV_MAX, 1.0)  # kernels/fp8.py: _scale_inv
         sx = tl.where(amax == amax, sx, amax)
         rec = libdevice.div_rn(sx * 0.0 + 1.0, sx)
         # the tensor cores keep fewer bits in their own sums; every 128 products go to acc in fp32
@@ -215,5 +215,6 @@ def fp8_row(x: torch.Tensor, weight: torch.Tensor, scale_w: torch.Tensor, bias: 
         NORM=norm is not None, HAS_RES=residual is not None, K_P2=next_pow2(k) if norm is not None else 1,
         AMAX_BLOCK=next_pow2(k) if norm is not None else min(next_pow2(k), 4096), GATED=gated,
         ROPE=rope is not None, HALF=ep.half, NQ=ep.nq, NK=ep.nk, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
-        EVEN_K=k % bk == 0, INV_MAX=INV_E4M3_MAX, MAX=E4M3_MAX, num_warps=warps, num_stages=stages, **pdl_args(y))
+        EVEN_K=k % bk == 0, INV_MAX=INV_E4M3_MAX, TINY=FP32_TINY, MAX=E4M3_MAX, num_warps=warps, num_stages=stages,
+        **pdl_args(y))
     return y, r_out

@@ -207,7 +207,8 @@ def _up(x: torch.Tensor, w13: torch.Tensor, aligned, pairs: int, top_k: int, blo
     wd, tma = weight_tiles(w13, t)
     moe_up_kernel[(blocks * cdiv(inter, t.block_n),)](
         x, w13, wd, scale if scale is not None else x, act, sorted_ids, block_expert, total, pairs, blocks, hidden,
-        inter, x.stride(0), w13.stride(0), w13.stride(1), TOPK=top_k, GROUP=t.group, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        inter, x.stride(0), w13.stride(0), w13.stride(1), TOPK=top_k, GROUP=t.group, BLOCK_M=block_m,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, EVEN_N=inter % t.block_n == 0, IEEE=x.dtype == torch.float32,
         num_warps=t.warps, num_stages=t.stages, ONE=one, COUNTS=total.numel() if one else 1, TAILS=tails,
         TMA=tma, SCALED=scale is not None, **pdl_args(x))

@@ -94,3 +94,22 @@ def test_a_product_through_fp8_stays_within_its_rounding():
     want = x.double() @ w.double().T
     bound = (x.double().abs() @ w.double().abs().T) * (2 * 2 ** -4 + 2 ** -8) + 1e-6
     assert ((got - want).abs() <= bound).all()
+
+
+def test_a_row_too_small_for_a_normal_multiplier_quantizes_to_zeros_not_nan():
+    """A group whose largest magnitude is below 448 times the smallest normal
+    fp32 (~5e-36) would get a multiplier with no finite reciprocal (or one
+    a GPU flushes to zero): it takes 1, as an all-zero group, and reads back
+    as zeros; just above it the group keeps its own multiplier."""
+    w = torch.zeros(4, 16)
+    w[0, 3], w[1, 5], w[2, :] = 1e-40, 1e-44, 1e-30
+    w[3, 0] = 448 * fp8.FP32_TINY
+    q, scale_inv = fp8.quantize_channels(w)
+    held = fp8.dequantize_channels(q, scale_inv)
+    assert torch.isfinite(held).all() and scale_inv[0, 0] == scale_inv[1, 0] == 1.0
+    assert torch.equal(held[:2], torch.zeros(2, 16))
+    assert scale_inv[2, 0] == w[2].abs().max() * fp8.INV_E4M3_MAX and torch.allclose(held[2], w[2], rtol=0.07)
+    assert scale_inv[3, 0] == fp8.FP32_TINY and held[3, 0] == w[3, 0]
+    for group in (None, 8):
+        assert torch.isfinite(fp8.dequantize_rows(*fp8.quantize_rows(w, group), group)).all()
+
