@@ -57,7 +57,7 @@ FIELD_HELP: dict[str, str] = {
     "quantization": "fp8: the linear layers of the decoder and the MoE experts hold e4m3 weights with one "
                     "scale per weight row, quantized on load and on every update; the linear layers' activations "
                     "are quantized per token, the experts' are not (embeddings, norms, routers and the LM head "
-                    "stay in the model's dtype)",
+                    "stay in the engine's dtype)",
     "kv_cache_dtype": "dtype of the KV cache; auto: the model's dtype; fp8_e4m3: e4m3 values with scale 1, one "
                       "byte per element (twice bf16's tokens in the same memory, four times fp32's)",
     "deterministic": "batch-invariant mode: a seeded request gives the same tokens and logprobs whatever else "

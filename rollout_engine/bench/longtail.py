@@ -1,4 +1,4 @@
-"""`bench --workload longtail`: the long tail of RL rollouts (BENCH.md).
+"""`bench --workload longtail`: the long tail of RL rollouts (docs/benchmarks.md).
 Every sample has its own length, so the batch drains: the last, longest
 samples run nearly alone while the GPU idles. Reports the makespan, output
 tokens/s over time, and the share of wall time with fewer than 32 requests

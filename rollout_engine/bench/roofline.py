@@ -1,4 +1,4 @@
-"""Device measurements and the rooflines of BENCH.md, computed from them."""
+"""Device measurements and the rooflines of docs/benchmarks.md, computed from them."""
 from __future__ import annotations
 
 import time
@@ -56,7 +56,7 @@ class ModelCosts:
     def of(mc: ModelConfig, dtype_bytes: int = 2, fp8: bool = False, kv_fp8: bool = False) -> "ModelCosts":
         """`fp8` (quantization="fp8"): the quantized linear layers (attention
         projections, dense MLPs, the shared expert) read 1 byte a weight and
-        run at twice the bf16 matrix peak (BENCH.md), counted here as half
+        run at twice the bf16 matrix peak (docs/benchmarks.md), counted here as half
         their FLOPs against the bf16 peak the device limits hold; MoE
         experts read 1 byte a weight too, their products at the bf16 peak
         (weight-only: their inputs stay in the engine dtype). `kv_fp8`

@@ -1,4 +1,4 @@
-"""`rollout-engine bench`: run a workload (BENCH.md), print and write JSON."""
+"""`rollout-engine bench`: run a workload (docs/benchmarks.md), print and write JSON."""
 from __future__ import annotations
 
 import dataclasses
@@ -87,7 +87,7 @@ def bench_grpo(args) -> dict[str, Any]:
 
 def _add_roofline(res: dict, engine, limits, input_lens: list[int], output_lens: list[int],
                   prefill_tokens: int | None = None) -> None:
-    """The run's share of its workload roofline (BENCH.md)."""
+    """The run's share of its workload roofline (docs/benchmarks.md)."""
     costs = engine_costs(engine)
     roof = workload_roofline(costs, limits, input_lens, output_lens, engine.config.max_running_requests,
                              prefill_tokens)

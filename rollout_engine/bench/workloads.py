@@ -1,4 +1,4 @@
-"""Benchmark workloads (BENCH.md): seeded request sets, independent of the engine."""
+"""Benchmark workloads (docs/benchmarks.md): seeded request sets, independent of the engine."""
 from __future__ import annotations
 
 import random
@@ -52,7 +52,7 @@ LONGTAIL_MEAN_OUTPUT = 0.70 * 2560 + 0.25 * 8192 + 0.05 * 16384
 
 
 def longtail(vocab: int, scale: float = 1.0, n: int = 16, seed: int = 0, context: int | None = None) -> Workload:
-    """BENCH.md's long tail: 64 prompts of 1,024 tokens x n samples, each
+    """docs/benchmarks.md's long tail: 64 prompts of 1,024 tokens x n samples, each
     sample with its own length: 70% U[1k, 4k], 25% U[4k, 12k], 5% 16k.
     `scale` in (0, 1] shrinks it to fit one run: round(64 * scale) prompts,
     lengths times sqrt(scale) (0.25: 16 prompts, tails of 8k). Samples are
