@@ -44,15 +44,22 @@ def test_fp8_fused_moe_matches_the_reference(tokens, load):
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("experts,top_k,inter,hidden", [(128, 8, 768, 2048), (8, 2, 1792, 4096), (16, 4, 40, 200)])
 def test_fp8_one_token_has_the_blocks_paths_bits(experts, top_k, inter, hidden, early, monkeypatch):
-    """One token (no align, the slot sum in the down launch, its first
-    weight block read early or not): the blocks path's bits."""
+    """One token (no align, the slot sum in the down launch): the blocks
+    path's bits. With its first weight block read before the wait
+    (EARLY_DOWN, off by default) that block's e4m3 tile is converted out of
+    the loop, where the compiler may take another tensor-core instruction
+    (another order of the fp32 sums inside it): seen 9e-5 relative on an
+    H100 at 768 x 2048, one bf16 step in a few elements; held to 1e-3."""
     monkeypatch.setattr(moe, "EARLY_DOWN", early)
     for seed in range(2):
         x, w13, w2, weights, ids = problem(1, experts, top_k, hidden, inter, torch.bfloat16, "cuda", seed=seed)
         (q13, s13), (q2, s2) = fp8_experts(w13, w2)
         blocks = moe._fused_moe_triton(x, q13, q2, weights, ids, moe.DECODE, (s13, s2))
         out = moe.fused_moe(x, q13, q2, weights, ids, scales=(s13, s2))
-        assert torch.equal(out, blocks), (seed, rel(out, blocks))
+        if early:
+            assert rel(out, blocks) < 1e-3, (seed, rel(out, blocks))
+        else:
+            assert torch.equal(out, blocks), (seed, rel(out, blocks))
 
 
 @pytest.mark.gpu
