@@ -185,13 +185,13 @@ def fp8_oracle(hf, tp_size: int = 1):
     from rollout_engine.quantization import as_held, is_quantized
 
     model = copy.deepcopy(hf).float()
-    with torch.no_grad():  # MoE experts (fused [E, rows, K]): weight-only, their inputs as they are
+    with torch.no_grad():  # MoE experts (fused [E, rows, K], or a Linear each): weight-only, inputs as they are
         for name, p in model.named_parameters():
             if ".experts." in name and is_quantized(name, "fp8"):
                 p.copy_(as_held(p, torch.float32))
     hooked = 0
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and is_quantized(f"{name}.weight", "fp8"):
+        if isinstance(module, torch.nn.Linear) and is_quantized(f"{name}.weight", "fp8") and ".experts." not in name:
             with torch.no_grad():
                 module.weight.copy_(as_held(module.weight, torch.float32))
             group = module.in_features // tp_size if name.endswith(("o_proj", "down_proj")) else None

@@ -151,3 +151,22 @@ def test_fp8_checkpoint_experts_load_requantized(moe_pair, tmp_path):
     assert torch.equal(engine.get_weight(name), as_held(blocks, torch.float32))
     assert engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     engine.shutdown()
+
+
+def test_tp2_holds_the_experts_as_tp1_does(moe_pair):
+    """tp_size 2 over gloo: each rank holds its slice of every expert, a down
+    row's scale taken over the whole row, so the checksums (the trainer's
+    side too) and get_weight equal tp_size 1's, under both namings."""
+    old, folder, *_ = moe_pair["qwen3_moe"]
+    name = "model.layers.2.mlp.experts.4.down_proj.weight"
+    sums, held = [], []
+    for tp in (1, 2):
+        engine = _engine(folder, tp_size=tp)
+        try:
+            sums.append(engine.weights_checksum())
+            held.append((engine.get_weight(name), engine.get_weight("model.layers.0.mlp.experts.gate_up_proj")))
+        finally:
+            engine.shutdown()
+    theirs = weights_checksum(dict(old.named_parameters()), torch.float32, quantization="fp8")
+    assert sums[0] == sums[1] == {n: theirs[n] for n in sums[0]}
+    assert all(torch.equal(a, b) for a, b in zip(*held))

@@ -2,7 +2,9 @@
 the same at any tp_size (kernels/checksum.py): each rank hashes the block of
 the full Hugging Face tensor it holds, at that block's position, and rank 0
 adds the ranks' sums. A tensor held in a layout that is no such block is
-joined on rank 0 first (slow, but none of the current layers needs it)."""
+joined on rank 0 first (slower): an fp8 weight (its values are computed from
+its scales) and, at tp_size > 1, an MoE layer's fused gate/up experts (each
+rank's slice is two pieces of the full tensor)."""
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
