@@ -132,8 +132,8 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
         pairs = t * top_k
         aligned = moe_align._align(ids, experts, cfg.block_m)
         act = moe._up(x, w13, aligned, pairs, top_k, cfg.block_m, cfg.up, tails=cfg.tails)
-        y = moe._down(act, w2, weights.reshape(-1), aligned, cfg.block_m, cfg.down, tails=cfg.tails)
         rw = weights.reshape(-1).float()
+        y = moe._down(act, w2, rw, aligned, cfg.block_m, cfg.down, tails=cfg.tails)
         row = {"tokens": t, "distinct_experts": distinct, "bytes": nbytes, "flops": flops,
                "bound": "bandwidth" if bw_us >= fl_us else "compute", "limit_us": round(max(bw_us, fl_us), 2),
                "config": cfg._asdict() | {"up": cfg.up._asdict(), "down": cfg.down._asdict()},
@@ -144,8 +144,8 @@ def run_shape(name: str, tokens: list[int], limits, sweep: bool, dev: str = "cud
                "align_torch_us": graph_us(lambda: moe_align.align_ref(ids, experts, cfg.block_m), calls=10),
                "up_us": graph_us(lambda: moe._up(x, w13, aligned, pairs, top_k, cfg.block_m, cfg.up,
                                                  tails=cfg.tails), calls=3),
-               "down_us": graph_us(lambda: moe._down(act, w2, weights.reshape(-1), aligned, cfg.block_m, cfg.down,
-                                                     tails=cfg.tails), calls=3),
+               "down_us": graph_us(lambda: moe._down(act, w2, rw, aligned, cfg.block_m, cfg.down, tails=cfg.tails),
+                                   calls=3),
                "sum_us": graph_us(lambda: moe._sum_slots(y, t, top_k), calls=10),
                "experts_us": graph_us(lambda: moe._experts(x, w13, w2, rw, aligned, top_k, cfg), calls=3)}
         if cfg.tails:  # the same launch with every block running all its rows

@@ -101,7 +101,8 @@ def moe_row(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, 
         assert dest.stride(1) == 1 and dest.shape[1] == top_k, "the record's rows hold a token's k ids"
     moe_row_up_kernel[(top_k * cdiv(inter, up.block_n),)](
         logits, r, norm_weight, eps, w13, wd, s13 if s13 is not None else logits, act, rw, ids, counts, loc, dest,
-        experts, hidden, inter, w13.stride(0), w13.stride(1), dest.stride(0), TOPK=top_k, BLOCK_E=next_pow2(experts), BLOCK_J=next_pow2(top_k),
+        experts, hidden, inter, w13.stride(0), w13.stride(1), dest.stride(0), TOPK=top_k, BLOCK_E=next_pow2(experts),
+        BLOCK_J=next_pow2(top_k),
         RENORM=renormalize, RECORD=record is not None, COUNTS=counts.numel(), H_P2=next_pow2(hidden),
         BLOCK_M=config.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, EVEN_K=hidden % up.block_k == 0,
         EVEN_N=inter % up.block_n == 0, IEEE=h.dtype == torch.float32, TMA=tma, SCALED=s13 is not None,

@@ -1,9 +1,10 @@
 """The fused MoE's Triton kernels (kernels/moe.py calls them): the gate/up
 product with SiLU * up, the down product (with the slot sum inside it for
-one token), and the slot sum. A block of pairs, all of one expert, times a column tile of the
-expert's weights per program; an expert's last block runs a half or a
-quarter of its rows where its real pairs fit there (`_tails`,
-MoeLaunch.tails)."""
+one token), and the slot sum. A block of pairs, all of one expert, times a
+column tile of the expert's weights per program; an expert's last block
+runs a half or a quarter of its rows where its real pairs fit there
+(`_tails`, MoeLaunch.tails). Weights in e4m3 (fp8 experts) are read as
+such and scaled after their products (SCALED)."""
 from __future__ import annotations
 
 import importlib.util

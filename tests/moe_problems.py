@@ -78,3 +78,9 @@ def fp8_experts(w13, w2):
         return q.view(w.shape).to(w.device), s.view(*w.shape[:-1], 1).to(w.device)
 
     return one(w13), one(w2)
+
+
+def held(q, s):
+    """The values e4m3 experts q [E, rows, K] with their multipliers s [E,
+    rows, 1] hold, in fp32 (kernels/fp8.py: dequantize_channels, row by row)."""
+    return q.float() * s

@@ -9,16 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_problems import fp8_experts, problem, rel, row_problem, row_unfused
+from moe_problems import fp8_experts, held, problem, rel, row_problem, row_unfused
 from rollout_engine.kernels import moe, moe_route, moe_row
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SHAPES = [(16, 64), (768, 2048), (24, 64), (384, 2048)]  # (I, H): toy, Qwen3-30B-A3B, off the tiles, a TP slice
-
-
-def _held(q, s):
-    return q.float() * s
 
 
 @pytest.mark.gpu
@@ -31,7 +27,7 @@ def test_fp8_fused_moe_matches_the_reference(tokens, load):
     for inter, hidden in SHAPES:
         x, w13, w2, weights, ids = problem(tokens, 64, 8, hidden, inter, torch.bfloat16, "cuda", load, seed=tokens)
         (q13, s13), (q2, s2) = fp8_experts(w13, w2)
-        ref32 = moe.fused_moe_ref(x.float(), _held(q13, s13), _held(q2, s2), weights, ids)
+        ref32 = moe.fused_moe_ref(x.float(), held(q13, s13), held(q2, s2), weights, ids)
         ref = moe.fused_moe_ref(x, q13, q2, weights, ids, scales=(s13, s2))
         out = moe.fused_moe(x, q13, q2, weights, ids, scales=(s13, s2))
         assert out.dtype == torch.bfloat16 and out.shape == x.shape
@@ -80,8 +76,8 @@ def test_fp8_moe_row_matches_the_unfused_launches_and_replays(experts, top_k, in
     unfused = moe.fused_moe(h, q13, q2, weights, ids, scales=(s13, s2))
     out, r_row = moe_row.moe_row(x, residual, norm_w, 1e-6, router, q13, q2, top_k, True, scales=(s13, s2))
     assert torch.equal(r_row, r)
-    ref32 = row_unfused(x.float(), residual.float(), norm_w.float(), router.float(), _held(q13, s13),
-                         _held(q2, s2), top_k, True)[0]
+    ref32 = row_unfused(x.float(), residual.float(), norm_w.float(), router.float(), held(q13, s13),
+                         held(q2, s2), top_k, True)[0]
     assert rel(out, unfused) < 2e-3 and rel(out, ref32) < 1e-2, (rel(out, unfused), rel(out, ref32))
 
     def step():

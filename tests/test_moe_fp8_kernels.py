@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
-from moe_problems import fp8_experts, problem, rel, row_problem, row_unfused
+from moe_problems import fp8_experts, held, problem, rel, row_problem, row_unfused
 from rollout_engine.kernels import moe, moe_row
-from rollout_engine.kernels.fp8 import FP8, dequantize_channels
+from rollout_engine.kernels.fp8 import FP8
 from rollout_engine.kernels.moe import MoeLaunch, Tiles
 
 interpreted = pytest.mark.skipif(
@@ -28,11 +28,6 @@ TINY = [MoeLaunch(16, Tiles(16, 16, 4, 2, group=1), Tiles(16, 16, 4, 2, group=1)
 TAILS = MoeLaunch(64, Tiles(16, 16, 4, 2, group=3), Tiles(32, 16, 4, 2), tails=True)
 
 
-def _held(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """The values e4m3 experts hold, in fp32."""
-    return dequantize_channels(q.reshape(-1, q.shape[-1]), s.reshape(-1, 1)).view(q.shape)
-
-
 @pytest.mark.parametrize("invariant", [False, True])
 def test_the_reference_multiplies_by_the_held_weights(invariant):
     """fused_moe_ref with e4m3 experts and their scales: the products of the
@@ -41,8 +36,8 @@ def test_the_reference_multiplies_by_the_held_weights(invariant):
     (q13, s13), (q2, s2) = fp8_experts(w13, w2)
     assert q13.dtype == FP8 and s13.shape == (6, 48, 1) and s2.shape == (6, 32, 1)
     out = moe.fused_moe_ref(x, q13, q2, weights, ids, invariant, scales=(s13, s2))
-    held = moe.fused_moe_ref(x, _held(q13, s13), _held(q2, s2), weights, ids, invariant)
-    assert rel(out, held) < 1e-6
+    on_held = moe.fused_moe_ref(x, held(q13, s13), held(q2, s2), weights, ids, invariant)
+    assert rel(out, on_held) < 1e-6
     assert rel(out, moe.fused_moe_ref(x, w13, w2, weights, ids)) > 1e-3  # fp8 moved it: not the bf16 weights
     assert torch.equal(moe.fused_moe(x, q13, q2, weights, ids, invariant, scales=(s13, s2)), out)  # the CPU's path
 
@@ -98,8 +93,8 @@ def test_interpreted_fp8_moe_row(early, monkeypatch):
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
         x, residual, norm_w, router, w13, w2 = row_problem(12, 4, 48, 40, dtype)
         (q13, s13), (q2, s2) = fp8_experts(w13, w2)
-        ref, ref_r, ref_ids = row_unfused(x, residual, norm_w, router, _held(q13, s13).to(dtype),
-                                          _held(q2, s2).to(dtype), 4, True)
+        ref, ref_r, ref_ids = row_unfused(x, residual, norm_w, router, held(q13, s13).to(dtype),
+                                          held(q2, s2).to(dtype), 4, True)
         dest = torch.full((4, 1, 4), 99, dtype=torch.int16)
         out, r = moe_row.moe_row(x, residual, norm_w, 1e-6, router, q13, q2, 4, True, (dest[:, 0], torch.tensor([2])),
                                  TINY[1], scales=(s13, s2))

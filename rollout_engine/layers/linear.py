@@ -30,8 +30,8 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+def _param(shape: tuple[int, ...], loader, dtype: torch.dtype | None = None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.weight_loader = loader  # type: ignore[attr-defined]
     return p
 
@@ -41,6 +41,17 @@ def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
 # layers/moe.py) allocate e4m3 weights and their scales from the start, so
 # the engine-dtype weights never exist.
 FP8_LINEARS: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8_linears", default=False)
+
+
+def weight_param(shape: tuple[int, ...], loader) -> nn.Parameter:
+    """A weight in the engine dtype, or in e4m3 while `FP8_LINEARS` is set
+    (its multipliers are `scale_param`s beside it, filled by the first load)."""
+    return _param(shape, loader, FP8 if FP8_LINEARS.get() else None)
+
+
+def scale_param(rows: tuple[int, ...]) -> nn.Parameter:
+    """An e4m3 weight's multipliers, one a row [*rows, 1], fp32."""
+    return nn.Parameter(torch.ones(*rows, 1, dtype=torch.float32), requires_grad=False)
 
 
 class _Linear(nn.Module):
@@ -57,12 +68,9 @@ class _Linear(nn.Module):
     def _weight(self, shape: tuple[int, int]) -> nn.Parameter:
         """The weight parameter, in the engine dtype, or in e4m3 with its
         scales (filled by the first load)."""
-        if not FP8_LINEARS.get():
-            return _param(shape, self._load)
-        self.weight_scale = nn.Parameter(torch.ones(shape[0], 1, dtype=torch.float32), requires_grad=False)
-        weight = nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False)
-        weight.weight_loader = self._load  # type: ignore[attr-defined]
-        return weight
+        if FP8_LINEARS.get():
+            self.weight_scale = scale_param(shape[:1])
+        return weight_param(shape, self._load)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) with this rank's W, no reduction."""

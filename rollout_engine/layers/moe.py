@@ -26,8 +26,8 @@ from rollout_engine.kernels.moe import fused_moe
 from rollout_engine.kernels.moe_route import route
 from rollout_engine.kernels.moe_row import moe_row
 from rollout_engine.layers.invariant import invariant_linear, per_row
-from rollout_engine.kernels.fp8 import FP8
-from rollout_engine.layers.linear import FP8_LINEARS, MergedColumnParallelLinear, RowParallelLinear, _param, divide
+from rollout_engine.layers.linear import (FP8_LINEARS, MergedColumnParallelLinear, RowParallelLinear, divide,
+                                          scale_param, weight_param)
 from rollout_engine.layers.weight_copy import copy_into, quantize_into
 from rollout_engine.models.config import MoeConfig
 
@@ -35,11 +35,6 @@ if TYPE_CHECKING:
     from rollout_engine.forward_batch import ForwardBatch
 
 GATE, UP, DOWN = 0, 1, 2  # the part of a per-expert tensor (shard id (expert, part))
-
-
-def _scales(shape: tuple[int, ...]) -> nn.Parameter:
-    """An fp8 weight's multipliers (fp32, filled by the first load)."""
-    return nn.Parameter(torch.ones(shape, dtype=torch.float32), requires_grad=False)
 
 
 class ReplicatedLinear(nn.Module):
@@ -64,21 +59,12 @@ class MoeExperts(nn.Module):
         self.comm = comm
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.width = divide(intermediate, comm.tp_size)
-        self.gate_up_proj = self._weight((num_experts, 2 * self.width, hidden), self._load_gate_up)
-        self.down_proj = self._weight((num_experts, hidden, self.width), self._load_down)
+        self.gate_up_proj = weight_param((num_experts, 2 * self.width, hidden), self._load_gate_up)
+        self.down_proj = weight_param((num_experts, hidden, self.width), self._load_down)
         self.gate_up_proj_scale = self.down_proj_scale = None  # fp8: [E, rows, 1] fp32, one a weight row
         if FP8_LINEARS.get():
-            self.gate_up_proj_scale = _scales((num_experts, 2 * self.width, 1))
-            self.down_proj_scale = _scales((num_experts, hidden, 1))
-
-    @staticmethod
-    def _weight(shape: tuple[int, ...], loader) -> nn.Parameter:
-        """In the engine dtype, or in e4m3 (`FP8_LINEARS`) with `_scales`."""
-        if not FP8_LINEARS.get():
-            return _param(shape, loader)
-        weight = nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False)
-        weight.weight_loader = loader  # type: ignore[attr-defined]
-        return weight
+            self.gate_up_proj_scale = scale_param((num_experts, 2 * self.width))
+            self.down_proj_scale = scale_param((num_experts, hidden))
 
     @property
     def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
