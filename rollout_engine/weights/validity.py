@@ -60,5 +60,5 @@ class WeightValidity:
         reasons = sorted(set(self._invalid.values()))
         are = "weight is" if self.count == 1 else "weights are"
         raise RuntimeError(f"cannot generate: {self.count} {are} not usable ({name_list(self.names())}): "
-                           f"{'; '.join(reasons)}. Write them again (update_weights with those names) or load a "
-                           "complete set of weights")
+                           f"{'; '.join(reasons)}. Write their old values again (update_weights with those names), "
+                           "or the complete new set of weights; new values for these alone would mix two versions")
