@@ -132,7 +132,8 @@ def test_bad_expert_weights_are_refused_by_name_before_any_copy(moe_models):
         ("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(8, 60, 64), "[experts, 2 * intermediate, hidden]"),
         ("model.layers.0.mlp.experts.down_proj", torch.zeros(7, 64, 32), "[experts, hidden, intermediate]"),
         ("model.layers.0.mlp.experts.2.down_proj.weight", torch.zeros(64, 31), "shape mismatch"),
-        ("model.layers.1.mlp.experts.gate_up_proj", torch.zeros(8, 64, 64), "unknown weight name"),  # a dense layer
+        ("model.layers.9.mlp.experts.down_proj", torch.zeros(8, 64, 32), "out of range (num_hidden_layers=3)"),
+        ("model.layers.1.mlp.experts.gate_up_proj", torch.zeros(8, 64, 64), "layer 1 has a dense MLP"),
     ]
     for name, tensor, words in cases:
         with pytest.raises(ValueError) as e:

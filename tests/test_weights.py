@@ -47,6 +47,21 @@ def test_unknown_name_and_bad_shape_are_value_errors(llama):
         loader.load([("model.norm.weight", torch.zeros(3))])
 
 
+def test_an_unknown_name_says_what_is_nearest(llama):
+    _, folder = llama
+    loader = WeightLoader(_fresh(folder))
+    cases = [("model.layers.2.mlp.down_proj.weight", "layer index 2 is out of range (num_hidden_layers=2)"),
+             ("model.layers.1.self_attn.q_proj.weights", "did you mean 'model.layers.1.self_attn.q_proj.weight'?"),
+             ("model.layers.0.mlp.experts.gate_up_proj", "layer 0 has a dense MLP (no experts)")]
+    for name, words in cases:
+        with pytest.raises(ValueError) as e:
+            loader.load([(name, torch.zeros(1))])
+        assert str(e.value) == f"unknown weight name {name!r}: {words}" or str(e.value).endswith(words), str(e.value)
+    with pytest.raises(ValueError) as e:
+        loader.load([("something.else", torch.zeros(1))])
+    assert str(e.value) == "unknown weight name 'something.else'"
+
+
 def test_full_names_cover_the_checkpoint(tiny_models):
     for hf, folder in tiny_models.values():
         names = set(WeightLoader(_fresh(folder)).full_names())

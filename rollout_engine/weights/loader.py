@@ -7,6 +7,7 @@ rebound, so addresses held by CUDA graphs and attention plans stay valid.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import glob
 import json
 import os
@@ -29,6 +30,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj|w1|w3|w2)"
                         r"\.weight$")
 EXPERT_PARTS = {"gate_proj": GATE, "w1": GATE, "up_proj": UP, "w3": UP, "down_proj": DOWN, "w2": DOWN}
+LAYER = re.compile(r"^(?P<prefix>.*\blayers\.(?P<index>\d+))\.")
 RENAMED = ((".block_sparse_moe.", ".mlp."),)  # Mixtral checkpoints' MoE block -> transformers 5's in-memory name
 
 
@@ -84,7 +86,7 @@ class WeightLoader:
             part = EXPERT_PARTS[expert["part"]]
             name = f"{expert['experts']}.{'down_proj' if part == DOWN else 'gate_up_proj'}"
             if name not in self.params:
-                raise ValueError(f"unknown weight name {given!r}")
+                raise ValueError(self.unknown(given, hf_name))
             index, count = int(expert["expert"]), self.model.get_submodule(expert["experts"]).num_experts
             if index >= count:
                 raise ValueError(f"{given}: expert index {index} is out of range (num_experts={count})")
@@ -97,7 +99,22 @@ class WeightLoader:
                     return Target(name, shard_id)
         if hf_name in self.params:
             return Target(hf_name, None)
-        raise ValueError(f"unknown weight name {given!r}")
+        raise ValueError(self.unknown(given, hf_name))
+
+    def unknown(self, given: str, hf_name: str) -> str:
+        """The refusal of a name the model does not have, with what is
+        nearest: a layer index past the model's layers, an expert tensor at
+        a layer whose MLP is dense, or the closest real name."""
+        message = f"unknown weight name {given!r}"
+        layer = LAYER.match(hf_name)
+        layers = int(getattr(self.model.config, "num_layers", 0) or 0)
+        if layer and layers and int(layer["index"]) >= layers:
+            return f"{message}: layer index {layer['index']} is out of range (num_hidden_layers={layers})"
+        if layer and ".mlp.experts." in hf_name and not any(n.startswith(f"{layer['prefix']}.mlp.experts.")
+                                                             for n in self.params):
+            return f"{message}: layer {layer['index']} has a dense MLP (no experts)"
+        close = difflib.get_close_matches(hf_name, self.full_names(), n=1, cutoff=0.85)
+        return f"{message}; did you mean {close[0]!r}?" if close else message
 
     def units(self, target: Target) -> list[Target]:
         """The (parameter, shard) units `target` writes: an expert tensor in
