@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 
 from rollout_engine.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS,
                                    EngineConfig)
-from rollout_engine.model_zoo import DEFAULT_MODEL, NOT_A_MODEL_FOLDER, ZOO, is_model_folder
+from rollout_engine.model_zoo import DEFAULT_MODEL, NOT_A_MODEL_FOLDER, ZOO, bad_config_json, is_model_folder
 from rollout_engine.models.config import ModelConfig
 from rollout_engine.models.presets import PRESETS
 from rollout_engine.sampling_params import SamplingParams, is_int
@@ -224,6 +224,8 @@ def check_engine_args(config: EngineConfig) -> None:
                              f"({', '.join(sorted(ZOO))}){hint}")
     elif not is_model_folder(model):
         raise UsageError(f"argument --model: {model!r} {NOT_A_MODEL_FOLDER}")
+    elif bad_config_json(model):
+        raise UsageError(f"argument --model: {model!r} {bad_config_json(model)}")
     if config.tokenizer is not None and not has_tokenizer_files(config.tokenizer):
         raise UsageError(f"argument --tokenizer: {config.tokenizer!r} is not a folder with tokenizer files")
     import torch

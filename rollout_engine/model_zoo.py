@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -163,10 +164,23 @@ def is_model_folder(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "config.json"))
 
 
+def bad_config_json(folder: str) -> str | None:
+    """Why a model folder's config.json cannot be read as JSON; None when it can."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"has a config.json that is not valid JSON ({exc})"
+    return None
+
+
 def resolve_model_path(model: str, load_format: str) -> str:
     if os.path.isdir(model):
         if not is_model_folder(model):
             raise ValueError(f"model {model!r} {NOT_A_MODEL_FOLDER}")
+        bad = bad_config_json(model)
+        if bad:
+            raise ValueError(f"model {model!r} {bad}")
         return model
     if load_format == "dummy":
         return model

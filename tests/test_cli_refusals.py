@@ -116,6 +116,14 @@ def test_a_folder_that_is_no_model_is_named(tmp_path, capsys, no_model_load):
     assert main(["generate", "--model", str(tmp_path), "--input-ids", "1"]) == 2
     line = one_line_error(capsys)
     assert "--model" in line and "without a config.json" in line
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["generate", "--model", str(tmp_path), "--input-ids", "1"]) == 2
+    line = one_line_error(capsys)
+    assert "--model" in line and "config.json that is not valid JSON (Expecting property name" in line, line
+    from rollout_engine import RolloutEngine
+
+    with pytest.raises(ValueError, match="config.json that is not valid JSON"):
+        RolloutEngine(str(tmp_path), device="cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
