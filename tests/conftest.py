@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
 # Many tests start several processes (TP ranks, servers, Ray replicas) on a
 # machine with few cores: OpenMP threads that spin while they wait would take
@@ -15,6 +17,30 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 
 from models import MOE, make_hf_model, save_model  # noqa: E402
+
+
+# Ctrl-C stops the run even where a test calls code that turns KeyboardInterrupt into a result (the CLI's
+# main() answers it with status 130): a real SIGINT is noted here, and the run stops after that test.
+_ctrl_c = threading.Event()
+
+
+def _on_sigint(signum, frame):
+    _ctrl_c.set()
+    raise KeyboardInterrupt
+
+
+def pytest_sessionstart(session):
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is \
+            signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    result = yield
+    if _ctrl_c.is_set():
+        item.session.shouldstop = "interrupted (Ctrl-C)"
+    return result
 
 
 def pytest_collection_modifyitems(config, items):
