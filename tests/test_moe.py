@@ -132,6 +132,9 @@ def test_bad_expert_weights_are_refused_by_name_before_any_copy(moe_models):
         ("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(8, 60, 64), "[experts, 2 * intermediate, hidden]"),
         ("model.layers.0.mlp.experts.down_proj", torch.zeros(7, 64, 32), "[experts, hidden, intermediate]"),
         ("model.layers.0.mlp.experts.2.down_proj.weight", torch.zeros(64, 31), "shape mismatch"),
+        ("model.layers.0.mlp.experts.-1.down_proj.weight", torch.zeros(64, 32), "expert index -1 is out of range"),
+        ("model.layers.0.mlp.experts.3.down_prj.weight", torch.zeros(64, 32),
+         "did you mean 'model.layers.0.mlp.experts.3.down_proj.weight'?"),
         ("model.layers.9.mlp.experts.down_proj", torch.zeros(8, 64, 32), "out of range (num_hidden_layers=3)"),
         ("model.layers.1.mlp.experts.gate_up_proj", torch.zeros(8, 64, 64), "layer 1 has a dense MLP"),
     ]

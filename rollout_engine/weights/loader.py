@@ -29,6 +29,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # A checkpoint's per-expert tensor: Qwen/OLMoE names and Mixtral's w1 (gate), w3 (up), w2 (down).
 PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj|w1|w3|w2)"
                         r"\.weight$")
+LOOSE_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>-?\d+)\.")  # a per-expert name, misspelt or not
 EXPERT_PARTS = {"gate_proj": GATE, "w1": GATE, "up_proj": UP, "w3": UP, "down_proj": DOWN, "w2": DOWN}
 LAYER = re.compile(r"^(?P<prefix>.*\blayers\.(?P<index>\d+))\.")
 RENAMED = ((".block_sparse_moe.", ".mlp."),)  # Mixtral checkpoints' MoE block -> transformers 5's in-memory name
@@ -113,7 +114,15 @@ class WeightLoader:
         if layer and ".mlp.experts." in hf_name and not any(n.startswith(f"{layer['prefix']}.mlp.experts.")
                                                              for n in self.params):
             return f"{message}: layer {layer['index']} has a dense MLP (no experts)"
-        close = difflib.get_close_matches(hf_name, self.full_names(), n=1, cutoff=0.85)
+        expert = LOOSE_EXPERT.match(hf_name)
+        if expert and f"{expert['experts']}.gate_up_proj" in self.params:
+            count = self.model.get_submodule(expert["experts"]).num_experts
+            if not 0 <= int(expert["expert"]) < count:
+                return f"{given}: expert index {expert['expert']} is out of range (num_experts={count})"
+            names = [f"{expert['experts']}.{expert['expert']}.{part}.weight" for part in EXPERT_PARTS]
+        else:
+            names = self.full_names()
+        close = difflib.get_close_matches(hf_name, names, n=1, cutoff=0.85)
         return f"{message}; did you mean {close[0]!r}?" if close else message
 
     def units(self, target: Target) -> list[Target]:
