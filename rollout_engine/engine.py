@@ -51,10 +51,11 @@ class RolloutEngine:
 
     async def generate_async(self, prompts: Prompts = None, input_ids: InputIds = None,
                              sampling_params: Params = None,
-                             request_ids: Sequence[str] | None = None) -> list[RolloutOutput]:
+                             request_ids: Sequence[str] | None = None,
+                             progress: bool = False) -> list[RolloutOutput]:
         """Awaitable `generate`; cancelling the awaiting task aborts its requests."""
         inputs = self._inputs(prompts, input_ids, sampling_params)
-        return await calls.generate_async(self.core, (*inputs, request_ids))
+        return await calls.generate_async(self.core, (*inputs, request_ids), progress)
 
     def stream(self, prompts: Prompts = None, input_ids: InputIds = None, sampling_params: Params = None,
                request_ids: Sequence[str] | None = None) -> Iterator[RolloutOutput]:

@@ -237,6 +237,16 @@ def test_the_progress_bar_in_a_log_writes_lines_not_redraws(engine, capsys, monk
     assert lines[1].startswith("rollout: 100%") and "16/16" in lines[1] and "tokens=1600" in lines[1], lines
 
 
+def test_the_awaitable_generate_shows_the_bar_too(engine, capsys):
+    import asyncio
+
+    params = SamplingParams(n=8, max_new_tokens=50, temperature=1.0, seed=1, ignore_eos=True)
+    outs = asyncio.run(engine.generate_async(input_ids=[[1, 2, 3], [4, 5]], sampling_params=params, progress=True))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(outs) == 16 and lines[0].startswith("rollout:   0%") and "0/16" in lines[0], lines
+    assert lines[-1].startswith("rollout: 100%") and "16/16" in lines[-1] and "tokens=800" in lines[-1], lines
+
+
 def test_the_progress_bar_of_an_aborted_call_stops_where_it_was(engine, capsys, monkeypatch):
     """Requests stopped by an abort (Ctrl-C, engine.abort()) are not counted
     as done: the bar's last line says how far the call got, not 100%."""

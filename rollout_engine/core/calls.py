@@ -52,7 +52,8 @@ def _items(core: EngineCore, inputs: Inputs, sub: Subscription, get) -> Iterator
             _abort_and_wait(core, sub)
 
 
-async def _async_items(core: EngineCore, inputs: Inputs, stream: bool) -> AsyncIterator[tuple[str, Any]]:
+async def _async_items(core: EngineCore, inputs: Inputs, stream: bool,
+                       progress: bool = False) -> AsyncIterator[tuple[str, Any]]:
     """`_items` for a coroutine: results arrive through its event loop; a
     cancelled wait aborts the call without blocking the loop."""
     loop = asyncio.get_running_loop()
@@ -64,7 +65,7 @@ async def _async_items(core: EngineCore, inputs: Inputs, stream: bool) -> AsyncI
         except RuntimeError:  # the event loop is closed: nobody is waiting
             pass
 
-    sub = Subscription(deliver, stream=stream)
+    sub = Subscription(deliver, stream=stream, progress=progress)
     ended = False
     try:
         core.submit(*inputs, sub)
@@ -118,13 +119,19 @@ def stream(core: EngineCore, inputs: Inputs) -> Iterator[RolloutOutput]:
         items.close()  # a stream closed early closes (and aborts) its call now
 
 
-async def generate_async(core: EngineCore, inputs: Inputs) -> list[RolloutOutput]:
-    items = _async_items(core, inputs, stream=False)
-    try:
-        async for kind, value in items:
-            return value  # the only item: "end"
-    finally:
-        await items.aclose()
+async def generate_async(core: EngineCore, inputs: Inputs, progress: bool = False) -> list[RolloutOutput]:
+    items = _async_items(core, inputs, stream=False, progress=progress)
+    with Progress(sum(p.n for p in inputs[1]), "rollout", "req", show=progress) as bar:
+        try:
+            async for kind, value in items:
+                if kind == "progress":
+                    bar.update(value or 0)
+                    continue
+                if progress:  # "end": the last line counts every token
+                    bar.update(0, tokens=sum(len(o.output_token_ids) for o in value))
+                return value
+        finally:
+            await items.aclose()
 
 
 async def stream_async(core: EngineCore, inputs: Inputs) -> AsyncIterator[RolloutOutput]:
