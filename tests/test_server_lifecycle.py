@@ -313,6 +313,27 @@ def test_serve_from_python_with_engine_kwargs(tmp_path):
         assert proc.wait(15) == 0
 
 
+def test_serve_on_port_0_tells_ready_the_port_it_got(tmp_path):
+    """serve(port=0) in a process of its own: `ready` gets the URL of the
+    port the system picked, which answers."""
+    from models import make_hf_model, save_model
+
+    folder = save_model(make_hf_model("llama", seed=4), tmp_path / "tiny")
+    code = ("import os, signal, sys, threading, httpx\n"
+            "from rollout_engine.server import serve\n"
+            "def check(url):\n"
+            "    try:\n"
+            "        print(url, httpx.get(url + '/health', timeout=30).status_code, flush=True)\n"
+            "    finally:\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "serve({'model': %r, 'device': 'cpu', 'max_total_tokens': 1024}, port=0,\n"
+            "      ready=lambda url: threading.Thread(target=check, args=(url,)).start())\n" % folder)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=START_TIMEOUT + 60)
+    url, status = proc.stdout.split()[:2]
+    assert proc.returncode == 0 and status == "200", proc.stdout + proc.stderr
+    assert url.startswith("http://127.0.0.1:") and int(url.rsplit(":", 1)[1]) > 0, url
+
+
 @pytest.mark.slow  # two server processes; run by .ci/run after the fast tests
 def test_routed_experts_come_base64_encoded_as_sglang_clients_decode_them(tmp_path):
     """`return_routed_experts`: meta_info["routed_experts"] is base64 of an

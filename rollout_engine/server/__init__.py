@@ -51,7 +51,14 @@ def serve(engine_or_kwargs: Any, host: str = "127.0.0.1", port: int = 30000, api
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
             if self.started and ready is not None:
-                ready(f"http://{cfg.host}:{cfg.port}")
+                ready(f"http://{cfg.host}:{self.bound_port()}")
+
+        def bound_port(self) -> int:
+            """The port asked for, or the one the system picked for port 0."""
+            for server in getattr(self, "servers", ()):
+                for sock in server.sockets:
+                    return sock.getsockname()[1]
+            return cfg.port
 
         stopping = False
 
