@@ -193,7 +193,8 @@ def check_prompt_args(config: EngineConfig, prompts: list[str] | None, ids: list
                              f"token at least exceed the context of {config.model} ({mc.max_position} tokens)")
         return
     # The KV cache's capacity was checked above (unset, it is not known before the engine sizes it).
-    limits = Limits(mc.vocab_size, mc.max_position, kv_capacity=capacity or mc.max_position)
+    limits = Limits(mc.vocab_size, mc.max_position, kv_capacity=capacity or mc.max_position,
+                    window=mc.sliding_window is not None and mc.sliding_window <= mc.max_position)
     for i, row in enumerate(ids):
         outside = [t for t in row if t >= mc.vocab_size]
         if outside:

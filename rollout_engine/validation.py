@@ -17,6 +17,7 @@ class Limits:
     max_context: int  # the model's context length
     kv_capacity: int  # tokens the KV cache holds: one request must fit alone
     routing_off: str | None = None  # why return_routed_experts cannot be served (None: it can)
+    window: bool = False  # the context is the config's sliding_window (smaller than its max_position_embeddings)
 
 
 ROUTING_OFF = "needs an engine built with enable_return_routed_experts=True (MoE models only)"
@@ -133,7 +134,8 @@ def check_request(i: int, prompt: list[int], params: SamplingParams, limits: Lim
     if total > limits.max_context:
         _fail(i, "sampling_params.max_new_tokens",
               f"({params.max_new_tokens}) plus the prompt ({len(prompt)} token{'s' * (len(prompt) != 1)}) exceeds the model's "
-              f"context of {limits.max_context} tokens")
+              f"context of {limits.max_context} tokens"
+              f"{' (its sliding_window: the engine keeps no tokens past the window)' if limits.window else ''}")
     if total > limits.kv_capacity:
         _fail(i, "sampling_params.max_new_tokens",
               f"({params.max_new_tokens}) plus the prompt ({len(prompt)} token{'s' * (len(prompt) != 1)}) exceeds the KV cache "

@@ -200,7 +200,7 @@ def test_a_sliding_window_caps_the_context(tmp_path):
     folder = save_model(make_hf_model("mixtral", sliding_window=64), tmp_path / "m")
     engine = RolloutEngine(folder, device="cpu", max_total_tokens=1024)
     assert engine.model_config.max_position == 64
-    with pytest.raises(ValueError, match="context"):
+    with pytest.raises(ValueError, match="context of 64 tokens \\(its sliding_window"):
         engine.generate(input_ids=[[1] * 60], sampling_params=SamplingParams(max_new_tokens=10))
     assert len(engine.generate(input_ids=[[1] * 50], sampling_params=SamplingParams(
         max_new_tokens=10, ignore_eos=True))[0].output_token_ids) == 10
