@@ -119,6 +119,9 @@ def test_checksums_and_get_weight_agree_with_the_trainers_fused_tensors(moe_mode
     assert torch.equal(engine.get_weight("model.layers.2.mlp.experts.5.up_proj.weight"), fused[5, 32:])
     assert torch.equal(engine.get_weight("model.layers.2.mlp.experts.5.down_proj.weight"),
                        trainer["model.layers.2.mlp.experts.down_proj"][5])
+    per_expert = dict(_per_expert(hf))  # a trainer holding one tensor per expert (docs/moe.md)
+    some = [n for n in per_expert if ".layers.2." in n][:5]
+    assert engine.weights_checksum(some) == weights_checksum([(n, per_expert[n]) for n in some], torch.float32)
 
 
 def test_bad_expert_weights_are_refused_by_name_before_any_copy(moe_models):
