@@ -50,8 +50,7 @@ class RolloutEngine:
         return calls.generate(self.core, (*self._inputs(prompts, input_ids, sampling_params), request_ids), progress)
 
     async def generate_async(self, prompts: Prompts = None, input_ids: InputIds = None,
-                             sampling_params: Params = None,
-                             request_ids: Sequence[str] | None = None,
+                             sampling_params: Params = None, request_ids: Sequence[str] | None = None,
                              progress: bool = False) -> list[RolloutOutput]:
         """Awaitable `generate`; cancelling the awaiting task aborts its requests."""
         inputs = self._inputs(prompts, input_ids, sampling_params)
