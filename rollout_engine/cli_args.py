@@ -194,7 +194,7 @@ def check_prompt_args(config: EngineConfig, prompts: list[str] | None, ids: list
         return
     # The KV cache's capacity was checked above (unset, it is not known before the engine sizes it).
     limits = Limits(mc.vocab_size, mc.max_position, kv_capacity=capacity or mc.max_position,
-                    window=mc.sliding_window is not None and mc.sliding_window <= mc.max_position)
+                    window=mc.context_is_window)
     for i, row in enumerate(ids):
         outside = [t for t in row if t >= mc.vocab_size]
         if outside:
@@ -225,8 +225,8 @@ def check_engine_args(config: EngineConfig) -> None:
                              f"({', '.join(sorted(ZOO))}){hint}")
     elif not is_model_folder(model):
         raise UsageError(f"argument --model: {model!r} {NOT_A_MODEL_FOLDER}")
-    elif bad_config_json(model):
-        raise UsageError(f"argument --model: {model!r} {bad_config_json(model)}")
+    elif bad := bad_config_json(model):
+        raise UsageError(f"argument --model: {model!r} {bad}")
     if config.tokenizer is not None and not has_tokenizer_files(config.tokenizer):
         raise UsageError(f"argument --tokenizer: {config.tokenizer!r} is not a folder with tokenizer files")
     import torch

@@ -228,7 +228,7 @@ def _kv_memory(cfg: EngineConfig, model: DecoderForCausalLM, memory: MemoryManag
     memory.register("kv_cache", kv_pool.tensors)
     routing_off = None if routes is not None else ROUTING_OFF
     limits = Limits(mc.vocab_size, mc.max_position, num_pages * cfg.page_size, routing_off,
-                    window=mc.sliding_window is not None and mc.sliding_window <= mc.max_position)
+                    window=mc.context_is_window)
     table = ReqToTokenTable(cfg.max_running_requests, min(mc.max_position, limits.kv_capacity) + 1)
     return kv_pool, allocator, table, limits
 

@@ -79,6 +79,11 @@ class ModelConfig:
     sliding_window: int | None = None
 
     @property
+    def context_is_window(self) -> bool:
+        """The context was cut to the sliding window."""
+        return self.sliding_window is not None and self.sliding_window <= self.max_position
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 

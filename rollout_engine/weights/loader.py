@@ -88,9 +88,9 @@ class WeightLoader:
             name = f"{expert['experts']}.{'down_proj' if part == DOWN else 'gate_up_proj'}"
             if name not in self.params:
                 raise ValueError(self.unknown(given, hf_name))
-            index, count = int(expert["expert"]), self.model.get_submodule(expert["experts"]).num_experts
-            if index >= count:
-                raise ValueError(f"{given}: expert index {index} is out of range (num_experts={count})")
+            index = int(expert["expert"])
+            if index >= self.model.get_submodule(expert["experts"]).num_experts:
+                raise ValueError(self.unknown(given, hf_name))  # it names the index out of range
             return Target(name, (index, part))
         for hf_part, our_part, shard_id in self.stacked:
             token = f".{hf_part}."
